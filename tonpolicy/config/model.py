@@ -1,0 +1,37 @@
+"""Model profile schema: the architecture numbers of one Qwen3 dense model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    name: str = "qwen3_tiny"
+    family: str = "qwen3"
+    architecture: str = "Qwen3ForCausalLM"
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    intermediate_size: int = 384
+    vocab_size: int = 2003
+    max_position_embeddings: int = 1024
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    # Path to a Hugging Face config.json to cross-check against this profile (optional).
+    hf_config: str | None = None
+    # Path to an HF checkpoint directory (config.json + safetensors); None means random init from seed.
+    checkpoint: str | None = None
+    init_seed: int = 1234
+    init_std: float = 0.02
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim

@@ -1,0 +1,95 @@
+"""The interface every kernel set implements.
+
+The rollout model (tonpolicy.model) and the Megatron layer spec (tonpolicy.trainer) call only these
+functions, so a kernel set is the single source of numerical truth for both engines.
+
+Shapes: `x` is [..., K] with any number of leading dims (tokens are rows). Weights use the
+torch/HF layout [N, K]. Attention tensors are token-major: q [Nq, Hq, D], k/v [Nk, Hkv, D].
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+
+class AttnPartial(NamedTuple):
+    """Split-KV partial state for a block of keys, per (query, head).
+
+    m: running max of scaled scores, fp32 [Nq, Hq]
+    l: sum of exp(score - m), fp32 [Nq, Hq]
+    acc: sum of exp(score - m) * v, fp32 [Nq, Hq, D]
+    """
+
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741
+    acc: torch.Tensor
+
+
+class KernelSet(Protocol):
+    name: str
+
+    # --- linear -------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """y = x @ weight.T, returned in x.dtype. Column-sharded weights give the matching columns
+        of the unsharded result (bitwise under `contract`)."""
+
+    def linear_partials(self, x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:
+        """Split K into `num_shards` equal canonical shards; fp32 partial products [num_shards, ..., N].
+        A row-parallel rank holding canonical shards [r*s, (r+1)*s) calls this with num_shards=s;
+        gathering every rank's partials in rank order yields the canonical [C, ..., N] stack."""
+
+    def combine_partials(self, partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Reduce the canonical partial stack [C, ..., N] in a fixed tree order, cast to out_dtype."""
+
+    # --- norms / activations / rotary ----------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+
+    def rope_cos_sin(
+        self, positions: torch.Tensor, head_dim: int, theta: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin [len(positions), head_dim] for HF-style rotate-half RoPE."""
+
+    def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, H, D] rotated by per-token cos/sin [N, D]; returned in x.dtype."""
+
+    # --- attention ------------------------------------------------------------------------------
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of queries at absolute positions q_pos over keys at k_pos (key j is
+        visible to query i iff k_pos[j] <= q_pos[i]). GQA: Hq is a multiple of Hkv. Returns [Nq, Hq, D]
+        in q.dtype. Keys must be in ascending position order, starting at position 0."""
+
+    def attention_tile(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        scale: float,
+    ) -> AttnPartial:
+        """Partial of one key tile (contract: exactly `tile_size` keys, padded keys carry a position
+        larger than any query and zero k/v)."""
+
+    def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:
+        """Merge two partials, `a` covering keys before `b`; one formula everywhere."""
+
+    def finalize(self, p: AttnPartial, dtype: torch.dtype) -> torch.Tensor: ...
+
+    # --- logprobs -------------------------------------------------------------------------------
+    def logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float
+    ) -> torch.Tensor:
+        """fp32 log_softmax(logits[..., :vocab_size] / temperature) gathered at `tokens`.
+        `logits` may carry TP vocab padding; it is truncated to the real vocab before softmax."""
