@@ -1,0 +1,127 @@
+"""Process-group setup for the trainer and a spawn helper for multi-process runs.
+
+One process per (tp, pp, cp) rank; data parallel size is world / (tp*pp*cp). CPU uses gloo (with the
+megatron CUDA redirections of `cpu_compat`), GPU uses NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Trainer parallel layout. cp_mode: 'ulysses' (all-to-all over heads) or 'ring' (zigzag)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    cp_mode: str = "ulysses"
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def __str__(self) -> str:
+        cp = f"cp{self.cp}_{self.cp_mode}" if self.cp > 1 else ""
+        return "_".join(s for s in (f"tp{self.tp}", f"pp{self.pp}", cp) if s)
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(layout: Layout, seed: int = 1234) -> None:
+    """Initialize torch.distributed from the env (MASTER_ADDR/PORT, RANK, WORLD_SIZE) and megatron's
+    model-parallel groups for `layout`. Safe to call again with the same layout after `destroy`."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from tonpolicy.trainer import cpu_compat
+
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
+    cpu_compat.apply()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+    )
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def reset_model_parallel() -> None:
+    """Tear down megatron's groups (keeps the world group) so another layout can be initialized."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def destroy() -> None:
+    reset_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # the build machine has 2 shared cores; ranks must not oversubscribe
+    try:
+        out = fn(*args)
+        queue.put((rank, "ok", out if rank == 0 else None))
+    except BaseException:  # report to the parent instead of hanging the others
+        queue.put((rank, "error", traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> Any:
+    """Run `fn(*args)` in `world_size` fresh processes (gloo/NCCL env set); return rank 0's result.
+    `fn` must be importable (module level)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    result, errors = None, []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+            if rank == 0:
+                result = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else timeout)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("spawned rank failed\n" + "\n".join(errors))
+    return result

@@ -1,0 +1,96 @@
+"""Build megatron-core's GPTModel for a tonpolicy ModelConfig (Qwen3 dense) at the current layout."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+from tonpolicy.config.model import ModelConfig
+
+# Canonical K-shard count of the contract's row-parallel reduction; any TP dividing it is exact.
+CANONICAL_SHARDS = 4
+
+
+def padded_vocab(cfg: ModelConfig, canonical_shards: int = CANONICAL_SHARDS) -> int:
+    """TP-independent padded vocab, so every layout (and the rollout) sees the same logits width."""
+    try:
+        from tonpolicy.kernels import padded_vocab_size
+    except ImportError:  # kernels not committed yet: same rule, round up to 128 * shards
+        mult = 128 * canonical_shards
+        return -(-cfg.vocab_size // mult) * mult
+    return padded_vocab_size(cfg.vocab_size, canonical_shards)
+
+
+def transformer_config(cfg: ModelConfig, dtype: torch.dtype) -> TransformerConfig:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_kv_heads,
+        kv_channels=cfg.head_dim,
+        ffn_hidden_size=cfg.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # weights always come from an HF state dict
+        init_method_std=cfg.init_std,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        sequence_parallel=False,
+    )
+
+
+def build_gpt(cfg: ModelConfig, dtype: torch.dtype, spec: str = "contract", cp_mode: str = "ulysses") -> GPTModel:
+    """`spec`: 'contract' (tonpolicy kernels, exact) or 'stock' (megatron local spec, negative control)."""
+    config = transformer_config(cfg, dtype)
+    pre = parallel_state.is_pipeline_first_stage()
+    post = parallel_state.is_pipeline_last_stage()
+    common = dict(
+        config=config,
+        vocab_size=padded_vocab(cfg),
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+    )
+    if spec == "contract":
+        from tonpolicy.trainer.layer_spec import contract_block_spec, install_contract_head
+
+        # RoPE is applied by the contract core attention from the batch's positions.
+        model = GPTModel(transformer_layer_spec=contract_block_spec(config, cp_mode), position_embedding_type="none",
+                         **common)
+        install_contract_head(model)
+    elif spec == "stock":
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        model = GPTModel(transformer_layer_spec=layer_spec, position_embedding_type="rope",
+                         rotary_base=int(cfg.rope_theta), **common)
+    else:
+        raise ValueError(f"unknown layer spec {spec!r}")
+    if dtype == torch.bfloat16:
+        model = model.to(dtype)
+    return model
