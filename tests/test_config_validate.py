@@ -1,0 +1,84 @@
+"""Each invalid combination fails before anything starts, naming key, value and rule; all at once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tonpolicy.config.compose import compose_config
+from tonpolicy.config.validate import ConfigError, validate
+
+CASES = [
+    # (overrides, expected substring(s) of the error)
+    (["parallel.tp=3"], ["parallel.tp=3: must divide model.num_attention_heads=8"]),
+    (["parallel=tp4", "model.num_kv_heads=2"], ["parallel.tp=4: must divide model.num_kv_heads=2"]),
+    (["model=qwen3_4b", "parallel.tp=8"], ["canonical_shards=4"]),
+    (["parallel.pp=3"], ["parallel.pp=3: must divide model.num_layers=4"]),
+    (["parallel.pp=2", "parallel.num_microbatches=2", "parallel.pp_layers=[1,2]"], ["parallel.pp_layers=[1, 2]: stages must each hold"]),
+    (["parallel.cp=2"], ["parallel.cp_type='none': parallel.cp=2 needs a CP type"]),
+    (["parallel=cp2_ring", "parallel.cp_type=striped"], ["parallel.cp_type='striped': must be one of"]),
+    (["parallel=cp2_ring", "trainer.seq_pad_multiple=32"], ["2*cp*attention_tile=128"]),
+    (["parallel=cp2_ulysses", "parallel.tp=4", "model.num_attention_heads=12"], ["Ulysses CP needs model.num_attention_heads=12 divisible by tp*cp=8", "num_kv_heads=4 divisible by tp*cp=8"]),
+    (["parallel=tp2", "trainer.nproc_per_node=4"], ["trainer.nproc_per_node=4: nnodes*nproc_per_node must equal tp*pp*cp*dp=2"]),
+    (["model.family=llama"], ["contract.family='qwen3': contract qwen3_dense_v1 is for family 'qwen3'"]),
+    (["contract.supported_cp_types=[ulysses]", "parallel=cp2_ring"], ["contract qwen3_dense_v1 supports CP types ['ulysses']"]),
+    (["contract.supported_rollout_backends=[sglang]"], ["rollout.backend='embedded': contract qwen3_dense_v1 supports rollout backends"]),
+    (["experiment.temperature=0"], ["experiment.temperature=0.0: must be > 0"]),
+    (["experiment.max_new_tokens=0"], ["experiment.max_new_tokens=0: must be a positive integer"]),
+    (["experiment.max_new_tokens=2000"], ["exceeds model.max_position_embeddings=1024"]),
+    (["parallel.rollout_tp=2"], ["the embedded rollout engine runs unsharded"]),
+    (["rollout=sglang", "parallel.rollout_tp=3", "trainer.device=cuda"], ["parallel.rollout_tp=3: must divide model.num_attention_heads=8"]),
+    (["rollout=sglang", "trainer.device=cpu"], ["SGLang needs a GPU"]),
+    (["contract.sglang.attention_backend=torch_native"], ["SGLang deterministic inference accepts only"]),
+    (["mode=train"], ["mode='train': must be one of ['plan', 'run', 'align']"]),
+    (["parallel.pp=2", "parallel.num_microbatches=1"], ["must be >= parallel.pp=2"]),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_invalid_combination_is_rejected(overrides: list[str], expected: list[str]) -> None:
+    cfg = compose_config(overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    for text in expected:
+        assert text in str(info.value), str(info.value)
+
+
+def test_all_errors_reported_at_once() -> None:
+    cfg = compose_config(["parallel.tp=3", "parallel.pp=3", "experiment.temperature=-1", "model.family=llama"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    keys = {i.key for i in info.value.issues}
+    assert {"parallel.tp", "parallel.pp", "experiment.temperature", "contract.family"} <= keys
+
+
+def test_hf_config_cross_check(tmp_path) -> None:
+    hf = {
+        "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 36, "hidden_size": 2560,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    validate(compose_config(["model=qwen3_4b", f"model.hf_config={path}"]), check_hf=False)
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["model=qwen3_4b", f"model.hf_config={path}"]))
+    assert "a MoE architecture" in str(info.value)
+
+    hf |= {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 40}
+    path.write_text(json.dumps(hf))
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(["model=qwen3_4b", f"model.hf_config={tmp_path}"]))
+    keys = {i.key for i in info.value.issues}
+    assert keys == {"model.hidden_size", "model.num_layers"}
+
+    hf |= {"hidden_size": 2560, "num_hidden_layers": 36}
+    path.write_text(json.dumps(hf))
+    validate(compose_config(["model=qwen3_4b", f"model.hf_config={path}"]))
+
+
+def test_missing_hf_config_is_reported(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="model.hf_config=.*readable HF config.json"):
+        validate(compose_config([f"model.hf_config={tmp_path / 'nope.json'}"]))

@@ -1,0 +1,55 @@
+"""`run(cfg, run_dir)`: the testable body behind `python -m tonpolicy`.
+
+Validate first (every error at once, nothing started), then write the resolved config and the
+launch plan into the run directory, then dispatch on `cfg.mode`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from tonpolicy.config.schema import Config
+from tonpolicy.config.validate import validate
+from tonpolicy.contract.render import launch_plan, launch_script
+
+
+def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    """Write via a temp file + rename so a crash never leaves a half-written record."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    if mode is not None:
+        os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def write_plan(cfg: Config, run_dir: Path) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / "resolved_config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    plan = launch_plan(cfg, run_dir)
+    write_atomic(run_dir / "launch_plan.json", json.dumps(plan, indent=2) + "\n")
+    write_atomic(run_dir / "launch.sh", launch_script(plan), mode=0o755)
+    return plan
+
+
+def run(cfg: Config, run_dir: Path) -> int:
+    """Return the process exit code."""
+    validate(cfg)
+    plan = write_plan(cfg, run_dir)
+    if cfg.mode == "plan":
+        print(json.dumps(plan, indent=2))
+        print(f"\nlaunch plan written to {run_dir / 'launch_plan.json'} and {run_dir / 'launch.sh'}", file=sys.stderr)
+        return 0
+    if cfg.mode == "run":
+        from tonpolicy.launch.job import run_job
+
+        return run_job(cfg, run_dir, plan)
+    from tonpolicy.parity.align_job import run_align
+
+    return run_align(cfg, run_dir)
+
+

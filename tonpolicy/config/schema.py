@@ -1,0 +1,161 @@
+"""Schema dataclasses, one per config group, registered in Hydra's ConfigStore.
+
+Each YAML option under tonpolicy/conf/<group>/ extends its group's `base_<group>` schema, so typos
+and wrong types are rejected by OmegaConf at composition time. Cross-group rules live in
+tonpolicy.config.validate, which reports every violation at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from tonpolicy.config.model import ModelConfig
+
+
+@dataclass
+class SGLangPolicy:
+    """How the contract maps onto released SGLang's server flags."""
+
+    enable_deterministic_inference: bool = True
+    attention_backend: str = "fa3"
+    # Released SGLang accepts only "fsdp"; null leaves the flag out.
+    rl_on_policy_target: str | None = "fsdp"
+    disable_radix_cache: bool = True
+
+
+@dataclass
+class ContractConfig:
+    name: str = "qwen3_dense_v1"
+    version: int = 1
+    family: str = "qwen3"
+    # Promise of the contract: rollout and trainer logprobs are bitwise equal.
+    exact_zero: bool = True
+    kernels: str = "contract"  # "contract" | "default"
+    dtype: str = "bfloat16"  # "bfloat16" | "float32": weights and activations
+    accumulate_dtype: str = "float32"  # matmuls, norms' statistics, softmax, logprobs
+    attention_tile: int = 32  # split-KV key tile shared by prefill, decode and ring CP
+    row_tile: int = 16  # fixed GEMM row tile
+    canonical_shards: int = 4  # row-parallel K-shards; any TP dividing this gives the same bits
+    logprob_recipe: str = "fp32_log_softmax_real_vocab_at_sampling_decode"
+    supported_cp_types: list[str] = field(default_factory=lambda: ["ulysses", "ring"])
+    supported_rollout_backends: list[str] = field(default_factory=lambda: ["embedded", "sglang"])
+    supported_trainer_backends: list[str] = field(default_factory=lambda: ["megatron"])
+    sglang: SGLangPolicy = field(default_factory=SGLangPolicy)
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "tp1"
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    cp_type: str = "none"  # "none" | "ulysses" | "ring" (zigzag)
+    dp: int = 1
+    rollout_tp: int = 1
+    rollout_dp: int = 1
+    # Declared uneven pipeline split: layers per stage (len == pp, sum == num_layers).
+    pp_layers: list[int] | None = None
+    num_microbatches: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "embedded"  # "embedded" | "sglang"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port
+    max_running_requests: int = 8
+    chunked_prefill_size: int | None = None
+    health_timeout_s: float = 120.0
+    mem_fraction_static: float | None = None
+    python: str = "python"  # interpreter that has sglang installed (GPU machines)
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "megatron"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    nnodes: int = 1
+    # None: derived as tp*pp*cp*dp / nnodes. When set, the layout must match it.
+    nproc_per_node: int | None = None
+    master_port: int = 0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    micro_batch_size: int = 1
+    clip_eps: float = 0.2
+    clip_eps_high: float = 0.28
+    kl_coef: float = 0.0
+    # Pad training sequences to a multiple of this (None: the layout's minimum, 2*CP*tile for ring).
+    seq_pad_multiple: int | None = None
+    timeout_s: float = 900.0
+
+
+@dataclass
+class LoggerConfig:
+    backend: str = "wandb"  # "wandb" | "none"
+    mode: str = "offline"  # "offline" | "online" | "disabled"
+    project: str = "tonpolicy"
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "parity_smoke"
+    task: str = "digit_copy"
+    seed: int = 0
+    steps: int = 2
+    prompts_per_step: int = 4
+    samples_per_prompt: int = 2
+    max_prompt_len: int = 24
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class GateConfig:
+    # None: fail exactly when the contract promises exact zero.
+    fail_on_mismatch: bool | None = None
+
+
+@dataclass
+class AlignConfig:
+    sample: int = 0
+    layers: list[int] | None = None
+
+
+@dataclass
+class Config:
+    mode: str = "plan"  # "plan" | "run" | "align"
+    contract: ContractConfig = field(default_factory=ContractConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    align: AlignConfig = field(default_factory=AlignConfig)
+
+
+GROUPS: dict[str, type] = {
+    "contract": ContractConfig,
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "rollout": RolloutConfig,
+    "trainer": TrainerConfig,
+    "logger": LoggerConfig,
+    "experiment": ExperimentConfig,
+}
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, node in GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=node)

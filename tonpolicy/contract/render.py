@@ -1,0 +1,197 @@
+"""Kernel policy -> launch plan: the SGLang server command, Megatron configuration and environment.
+
+The plan is data (launch_plan.json) plus a runnable shell script; the orchestrator and a user's
+cluster scripts read the same plan, so what runs is what was validated.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from tonpolicy.config.schema import Config
+from tonpolicy.config.validate import padded_seq_len, seq_pad_multiple, world_size
+from tonpolicy.contract.identity import identity, kernel_params
+
+SGLANG_DEFAULT_PORT = 30000
+# Megatron's cp_comm_type names for our CP modes (we implement both inside the contract attention).
+CP_COMM_TYPE = {"none": None, "ulysses": "a2a", "ring": "p2p"}
+
+
+def resolve_device(cfg: Config) -> str:
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sglang_argv(cfg: Config, model_path: str) -> list[str]:
+    c, r, p = cfg.contract, cfg.rollout, cfg.parallel
+    argv = [
+        r.python, "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--host", r.host,
+        "--port", str(r.port or SGLANG_DEFAULT_PORT),
+        "--tp-size", str(p.rollout_tp),
+        "--dp-size", str(p.rollout_dp),
+        "--dtype", c.dtype,
+        "--random-seed", str(cfg.experiment.seed),
+        "--max-running-requests", str(r.max_running_requests),
+        "--skip-server-warmup",
+    ]
+    if r.chunked_prefill_size is not None:
+        argv += ["--chunked-prefill-size", str(r.chunked_prefill_size)]
+    if r.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(r.mem_fraction_static)]
+    if c.sglang.enable_deterministic_inference:
+        argv += ["--enable-deterministic-inference"]
+    argv += ["--attention-backend", c.sglang.attention_backend]
+    if c.sglang.rl_on_policy_target:
+        argv += ["--rl-on-policy-target", c.sglang.rl_on_policy_target]
+    if c.sglang.disable_radix_cache:
+        argv += ["--disable-radix-cache"]
+    return argv
+
+
+def megatron_config(cfg: Config) -> dict[str, Any]:
+    m, p, c = cfg.model, cfg.parallel, cfg.contract
+    from tonpolicy.kernels import padded_vocab_size
+
+    transformer = {
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.num_kv_heads,
+        "kv_channels": m.head_dim,
+        "ffn_hidden_size": m.intermediate_size,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": m.rms_norm_eps,
+        "qk_layernorm": True,
+        "add_bias_linear": False,
+        "add_qkv_bias": False,
+        "gated_linear_unit": True,
+        "activation_func": "silu",
+        "bf16": c.dtype == "bfloat16",
+        "params_dtype": c.dtype,
+        "attention_dropout": 0.0,
+        "hidden_dropout": 0.0,
+        # Fusions reorder floating-point work; the contract computes these ops in its own kernels.
+        "sequence_parallel": False,
+        "bias_activation_fusion": False,
+        "apply_rope_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "gradient_accumulation_fusion": False,
+        "cross_entropy_loss_fusion": False,
+        "deterministic_mode": c.exact_zero,
+        "tensor_model_parallel_size": p.tp,
+        "pipeline_model_parallel_size": p.pp,
+        "context_parallel_size": p.cp,
+        "cp_comm_type": CP_COMM_TYPE[p.cp_type],
+        "num_layers_in_first_pipeline_stage": p.pp_layers[0] if p.pp_layers else None,
+        "num_layers_in_last_pipeline_stage": p.pp_layers[-1] if p.pp_layers else None,
+    }
+    return {
+        "transformer_config": transformer,
+        "gpt_model": {
+            "vocab_size": m.vocab_size,
+            "padded_vocab_size": padded_vocab_size(m.vocab_size, c.canonical_shards),
+            "max_sequence_length": m.max_position_embeddings,
+            "position_embedding_type": "rope",
+            "rotary_base": m.rope_theta,
+            "share_embeddings_and_output_weights": m.tie_word_embeddings,
+            "layer_spec": "tonpolicy_contract" if c.kernels == "contract" else "megatron_local",
+            "transformer_engine": False,
+        },
+        "parallel_state": {
+            "tensor_model_parallel_size": p.tp,
+            "pipeline_model_parallel_size": p.pp,
+            "context_parallel_size": p.cp,
+            "data_parallel_size": p.dp,
+            "world_size": world_size(cfg),
+        },
+        "schedule": {
+            "num_microbatches": p.num_microbatches,
+            "micro_batch_size": cfg.trainer.micro_batch_size,
+            "seq_pad_multiple": seq_pad_multiple(cfg),
+            "padded_seq_len": padded_seq_len(cfg),
+        },
+        "kernels": {"name": c.kernels, **kernel_params(c)},
+    }
+
+
+def environment(cfg: Config, device: str) -> dict[str, str]:
+    env = {"PYTHONHASHSEED": str(cfg.experiment.seed)}
+    if device == "cuda":
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        if cfg.contract.exact_zero:
+            # Fixed collective algorithm/protocol and deterministic cuBLAS/TE: reductions in one order.
+            env |= {
+                "NCCL_ALGO": "Ring",
+                "NCCL_PROTO": "Simple",
+                "NCCL_NVLS_ENABLE": "0",
+                "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+            }
+    return env
+
+
+def torchrun_argv(cfg: Config, config_path: str) -> list[str]:
+    t = cfg.trainer
+    nproc = t.nproc_per_node or world_size(cfg) // t.nnodes
+    return [
+        "torchrun", "--nnodes", str(t.nnodes), "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(t.master_port or 29500),
+        "-m", "tonpolicy.launch.trainer_main", "--config", config_path,
+    ]
+
+
+def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    device = resolve_device(cfg)
+    model_path = cfg.model.checkpoint or str(run_dir / "checkpoints" / "init")
+    config_path = str(run_dir / "resolved_config.yaml")
+    ident = identity(cfg.contract)
+    plan: dict[str, Any] = {
+        "contract": ident.to_dict(),
+        "model": cfg.model.name,
+        "layout": cfg.parallel.name,
+        "device": device,
+        "dist_backend": "nccl" if device == "cuda" else "gloo",
+        "environment": environment(cfg, device),
+        "rollout": {"backend": cfg.rollout.backend},
+        "megatron": megatron_config(cfg),
+        "trainer_command": torchrun_argv(cfg, config_path),
+    }
+    if cfg.rollout.backend == "sglang":
+        plan["rollout"]["command"] = sglang_argv(cfg, model_path)
+    else:
+        plan["rollout"]["command"] = [
+            "python", "-m", "tonpolicy.rollout.server", "--config", config_path,
+            "--host", cfg.rollout.host, "--port", str(cfg.rollout.port),
+        ]
+    # The SGLang command is always rendered so a GPU user can take it to a cluster.
+    plan["sglang_command"] = sglang_argv(cfg, model_path)
+    return plan
+
+
+def launch_script(plan: dict[str, Any]) -> str:
+    env = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(plan["environment"].items()))
+    rollout = shlex.join(plan["rollout"]["command"])
+    trainer = shlex.join(plan["trainer_command"])
+    c = plan["contract"]
+    return f"""#!/usr/bin/env bash
+# tonpolicy launch plan: contract {c['name']} v{c['version']} ({c['fingerprint'][:16]}), layout {plan['layout']}
+set -euo pipefail
+{env}
+
+# Rollout server ({plan['rollout']['backend']}); the trainer waits for its /health.
+{rollout} &
+ROLLOUT_PID=$!
+trap 'kill $ROLLOUT_PID 2>/dev/null || true' EXIT
+
+# Trainer ranks ({plan['dist_backend']}).
+{trainer}
+"""
