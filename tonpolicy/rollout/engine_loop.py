@@ -4,6 +4,7 @@ Concurrent /generate requests are coalesced: the loop takes every request waitin
 and runs them as one `engine.generate` batch (the engine batches them continuously inside). Work
 that must not overlap a batch (weight reload, cache flush) runs on the same thread, between batches,
 in arrival order, so a request sent after a weight update is answered with the new weights.
+`tag` (the weight version) is read on the loop thread when a batch runs and returned with it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True)
+class BatchResult:
+    results: list[Any]  # engine results, in request order
+    tag: Any  # EngineLoop.tag when the batch ran
+
+
 @dataclass
 class _Job:
     requests: Sequence[Any] | None  # GenRequests for a generate job, None for a call
@@ -30,6 +37,7 @@ class EngineLoop:
         self.engine = engine
         # A short wait lets requests sent together by concurrent clients land in one batch.
         self.batch_wait_s = batch_wait_s
+        self.tag: Any = None  # set it from a `call` to keep it in step with the batches
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tonpolicy-engine-loop", daemon=True)
         self.batches_run = 0
@@ -48,7 +56,7 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def generate(self, requests: Sequence[Any]) -> Future:
-        """Future of `engine.generate(requests)` results, in the same order."""
+        """Future of a BatchResult: `engine.generate(requests)` results, in the same order."""
         return self._submit(_Job(list(requests), None))
 
     def call(self, fn: Callable[[Any], Any]) -> Future:
@@ -99,6 +107,10 @@ class EngineLoop:
 
     def _run_batch(self, batch: list[_Job]) -> None:
         flat = [r for job in batch for r in job.requests]
+        if not flat:
+            for job in batch:
+                job.future.set_result(BatchResult([], self.tag))
+            return
         try:
             results = self.engine.generate(flat)
             if len(results) != len(flat):
@@ -113,7 +125,7 @@ class EngineLoop:
         start = 0
         for job in batch:
             n = len(job.requests)
-            job.future.set_result(list(results[start : start + n]))
+            job.future.set_result(BatchResult(list(results[start : start + n]), self.tag))
             start += n
 
     def _fail_waiting(self, pending: deque[_Job | None]) -> None:

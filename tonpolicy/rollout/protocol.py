@@ -122,7 +122,9 @@ def _neutral(value: Any, neutral: Any) -> bool:
     return value is None or value == neutral or (neutral is None and value in ("", [], {}))
 
 
-def _check_fields(d: dict[str, Any], used: set[str], ignored: set[str], neutral: dict[str, Any], what: str) -> None:
+def _check_fields(
+    d: dict[str, Any], used: set[str], ignored: set[str], neutral: dict[str, Any], what: str
+) -> None:
     for key, value in d.items():
         if key in used or key in ignored:
             continue
@@ -249,7 +251,9 @@ def build_generate_output(
         "weight_version": weight_version,
     }
     if item.return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(output_logprobs, output_ids, strict=True)]
+        meta["output_token_logprobs"] = [
+            [lp, t, None] for lp, t in zip(output_logprobs, output_ids, strict=True)
+        ]
     return {"output_ids": output_ids, "meta_info": meta}
 
 

@@ -1,0 +1,141 @@
+"""SGLang protocol mapping: request parsing, SGLang's defaults and normalization, answer shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tonpolicy.rollout.protocol import (
+    DEFAULT_MAX_NEW_TOKENS,
+    GenerateItem,
+    ProtocolError,
+    Sampling,
+    build_generate_output,
+    finish_reason_json,
+    parse_generate_output,
+    parse_generate_request,
+    parse_sampling_params,
+)
+
+
+def test_sampling_defaults_are_sglangs() -> None:
+    s = parse_sampling_params(None)
+    assert s == Sampling(DEFAULT_MAX_NEW_TOKENS, 1.0, 1.0, -1, (), None)
+    # null means "default", as SamplingParams.__post_init__ treats it
+    assert parse_sampling_params({"temperature": None, "top_k": None}) == s
+
+
+def test_greedy_and_top_k_normalization() -> None:
+    g = parse_sampling_params({"temperature": 0.0, "top_k": 50})
+    assert (g.temperature, g.top_k) == (1.0, 1)
+    assert parse_sampling_params({"top_k": 1 << 30}).top_k == -1
+    s = parse_sampling_params({"stop_token_ids": [7, 3, 7], "sampling_seed": 11, "max_new_tokens": 5})
+    assert s.stop_token_ids == (3, 7) and s.sampling_seed == 11 and s.max_new_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"top_p": 0.0},
+        {"top_k": 0},
+        {"temperature": -1.0},
+        {"max_new_tokens": -1},
+        {"frequency_penalty": 0.5},
+        {"n": 2},
+        {"stop": ["</s>"]},
+        {"no_such_field": 1},
+        {"max_new_tokens": 1.5},
+    ],
+)
+def test_sampling_refusals(params: dict) -> None:
+    with pytest.raises(ProtocolError):
+        parse_sampling_params(params)
+
+
+def test_sampling_neutral_and_ignored_fields_accepted() -> None:
+    s = parse_sampling_params({"frequency_penalty": 0.0, "n": 1, "stop": [], "ignore_eos": True})
+    assert s == parse_sampling_params({})
+
+
+def test_single_and_batch_requests() -> None:
+    items, is_batch = parse_generate_request({"input_ids": [1, 2, 3], "return_logprob": True, "rid": "a"})
+    assert not is_batch and len(items) == 1
+    assert items[0] == GenerateItem("a", (1, 2, 3), parse_sampling_params(None), True)
+
+    body = {
+        "input_ids": [[1, 2], [3]],
+        "sampling_params": [{"max_new_tokens": 4}, {"max_new_tokens": 6, "sampling_seed": 2}],
+        "rid": "req",
+        "return_logprob": [True, False],
+    }
+    items, is_batch = parse_generate_request(body)
+    assert is_batch
+    assert [it.rid for it in items] == ["req_0", "req_1"]
+    assert [it.sampling.max_new_tokens for it in items] == [4, 6]
+    assert [it.return_logprob for it in items] == [True, False]
+    # one sampling_params dict is shared by every prompt
+    items, _ = parse_generate_request({"input_ids": [[1], [2]], "sampling_params": {"top_k": 5}})
+    assert [it.sampling.top_k for it in items] == [5, 5]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"text": "hello"},
+        {"input_ids": []},
+        {"input_ids": [[1], []]},
+        {"input_ids": [[1], [2]], "sampling_params": [{}]},
+        {"input_ids": [1], "stream": True},
+        {"input_ids": [1], "logprob_start_len": 0},
+        {"input_ids": [1], "bogus": 1},
+        {"input_ids": ["a"]},
+        [1, 2],
+    ],
+)
+def test_request_refusals(body: object) -> None:
+    with pytest.raises(ProtocolError):
+        parse_generate_request(body)
+
+
+def test_finish_reason_shapes() -> None:
+    assert finish_reason_json("length", [5, 6], 2) == {"type": "length", "length": 2}
+    assert finish_reason_json("stop", [5, 9], 8) == {"type": "stop", "matched": 9}
+
+
+def test_fp32_logprobs_survive_json_bit_exactly() -> None:
+    g = torch.Generator().manual_seed(0)
+    lps = -torch.rand(4096, generator=g, dtype=torch.float32) * 30
+    lps = torch.cat([lps, torch.tensor([0.0, -1e-45, -3.4028235e38, -1.1754944e-38], dtype=torch.float32)])
+    ids = list(range(len(lps)))
+    item = GenerateItem("r", (1,), parse_sampling_params({"max_new_tokens": len(ids)}), True)
+    out = build_generate_output(
+        "r", item, ids, lps.tolist(), finish_reason_json("length", ids, len(ids)), "v0"
+    )
+    wire = json.loads(json.dumps(out))
+    assert wire["meta_info"]["output_token_logprobs"][3] == [lps[3].item(), 3, None]
+    parsed = parse_generate_output(wire)
+    back = torch.tensor(parsed["output_logprobs"], dtype=torch.float32)
+    assert torch.equal(back.view(torch.int32), lps.view(torch.int32))
+    assert parsed["finish_reason"] == "length" and parsed["output_ids"] == ids
+
+
+def test_output_meta_info_matches_sglang_names() -> None:
+    item = GenerateItem("x", (1, 2, 3), parse_sampling_params({"max_new_tokens": 2}), True)
+    out = build_generate_output(
+        "x", item, [4, 5], [-0.5, -0.25], finish_reason_json("length", [4, 5], 2), "w1"
+    )
+    assert set(out) == {"output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["id"] == "x" and meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 2
+    assert meta["output_token_logprobs"] == [[-0.5, 4, None], [-0.25, 5, None]]
+    assert meta["weight_version"] == "w1"
+    no_lp = build_generate_output("x", GenerateItem("x", (1,), item.sampling, False), [4], [-1.0], {}, "w")
+    assert "output_token_logprobs" not in no_lp["meta_info"]
+
+
+def test_client_parse_rejects_mismatched_logprob_ids() -> None:
+    bad = {"output_ids": [1, 2], "meta_info": {"output_token_logprobs": [[-1.0, 1, None], [-1.0, 3, None]]}}
+    with pytest.raises(ProtocolError):
+        parse_generate_output(bad)

@@ -1,0 +1,137 @@
+"""The trainer's client for a rollout server: tonpolicy's embedded server or real SGLang alike.
+
+It sends only fields SGLang's native API defines (GenerateReqInput, SamplingParams,
+UpdateWeightFromDiskReqInput) and reads only fields SGLang answers with, so the same code drives
+both. Standard library only (urllib): the trainer ranks need no HTTP dependency.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from tonpolicy.rollout.protocol import parse_generate_output
+
+
+class RolloutError(RuntimeError):
+    """The server answered with an error, or not at all."""
+
+
+class RolloutClient:
+    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    # --- transport --------------------------------------------------------------------------
+
+    def _request(
+        self, method: str, path: str, body: Any = None, timeout_s: float | None = None
+    ) -> tuple[int, bytes]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")  # SGLang's FastAPI requires it
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def _json(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            status, raw = self._request(method, path, body)
+        except (urllib.error.URLError, OSError) as e:
+            raise RolloutError(f"{method} {self.base_url}{path}: {e}") from e
+        if status != 200:
+            raise RolloutError(f"{method} {path} -> HTTP {status}: {raw.decode(errors='replace')[:2000]}")
+        return json.loads(raw)
+
+    # --- endpoints --------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        try:
+            status, _ = self._request("GET", "/health", timeout_s=10.0)
+        except (urllib.error.URLError, OSError):
+            return False
+        return status == 200
+
+    def wait_healthy(
+        self, timeout_s: float, poll_s: float = 0.2, process: subprocess.Popen | None = None
+    ) -> None:
+        """Block until /health answers 200. Raises TimeoutError, or RolloutError as soon as the
+        server process (when given) has exited."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.health():
+                return
+            if process is not None and process.poll() is not None:
+                raise RolloutError(
+                    f"the rollout server exited with code {process.returncode} before it was healthy"
+                )
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.base_url} was not healthy after {timeout_s:.0f} s")
+            time.sleep(poll_s)
+
+    def generate(
+        self,
+        input_ids_batch: Sequence[Sequence[int]],
+        sampling_params: dict[str, Any] | Sequence[dict[str, Any]],
+    ) -> list[dict[str, Any]]:
+        """One /generate call for a batch of prompts; `sampling_params` is shared or per prompt.
+
+        Returns, in prompt order: {output_ids, output_logprobs (floats; fp32 values exactly),
+        finish_reason ("length" | "stop" | ...), weight_version}.
+        """
+        batch = [[int(t) for t in p] for p in input_ids_batch]
+        if not batch:
+            return []
+        sp = (
+            dict(sampling_params) if isinstance(sampling_params, dict) else [dict(s) for s in sampling_params]
+        )
+        outs = self._json(
+            "POST", "/generate", {"input_ids": batch, "sampling_params": sp, "return_logprob": True}
+        )
+        if not isinstance(outs, list) or len(outs) != len(batch):
+            raise RolloutError(f"/generate answered {type(outs).__name__} for a batch of {len(batch)}")
+        return [parse_generate_output(o) for o in outs]
+
+    def server_info(self) -> dict[str, Any]:
+        return self._json("GET", "/get_server_info")
+
+    def model_info(self) -> dict[str, Any]:
+        return self._json("GET", "/get_model_info")
+
+    def contract(self) -> dict[str, Any] | None:
+        """The server's numerics contract {name, version, fingerprint}; None if it reports none."""
+        return self.server_info().get("tonpolicy_contract")
+
+    def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": str(path)}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        try:
+            status, raw = self._request("POST", "/update_weights_from_disk", body)
+        except (urllib.error.URLError, OSError) as e:
+            raise RolloutError(f"update_weights_from_disk: {e}") from e
+        try:
+            answer = json.loads(raw)
+        except json.JSONDecodeError:
+            answer = {"success": False, "message": raw.decode(errors="replace")}
+        if status != 200 or not answer.get("success"):
+            raise RolloutError(
+                f"update_weights_from_disk({path}) failed (HTTP {status}): {answer.get('message')}"
+            )
+        return answer
+
+    def flush_cache(self) -> None:
+        try:
+            status, raw = self._request("POST", "/flush_cache")
+        except (urllib.error.URLError, OSError) as e:
+            raise RolloutError(f"flush_cache: {e}") from e
+        if status != 200:
+            raise RolloutError(f"flush_cache -> HTTP {status}: {raw.decode(errors='replace')}")

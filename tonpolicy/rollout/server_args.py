@@ -1,0 +1,144 @@
+"""Arguments of the embedded rollout server: from a resolved run config file, or from flags.
+
+`--config` takes the resolved config the launcher writes (YAML or JSON; the `Config` schema of
+tonpolicy.config.schema): `contract` gives the kernel set, dtype, tile sizes and identity, `model`
+the profile and checkpoint, `rollout` the host/port and batching limits. Flags given alongside
+`--config` override it. The contract identity is taken as given (`contract.fingerprint` or
+`--contract-fingerprint`); when a config file carries none it is computed by tonpolicy.contract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tonpolicy.config.model import ModelConfig
+
+DTYPES = ("bfloat16", "float32", "float16")
+# Contract fields handed to tonpolicy.kernels.get_kernels as keyword arguments.
+KERNEL_PARAM_FIELDS = ("attention_tile", "canonical_shards", "row_tile")
+
+
+@dataclass
+class ServerArgs:
+    contract_name: str
+    contract_version: int | str
+    contract_fingerprint: str
+    # HF checkpoint directory (config.json + safetensors); None: random init of `model` from its seed.
+    model_path: str | None = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    kernels: str = "contract"
+    kernel_params: dict[str, int] = field(default_factory=dict)
+    dtype: str = "bfloat16"
+    max_running_requests: int = 8
+    chunked_prefill_size: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the OS picks a free port; it is printed and written to port_file
+    port_file: str | None = None
+    random_seed: int = 0  # base of the per-request seed when a request gives no sampling_seed
+    weight_version: str = "default"
+    num_threads: int | None = None
+    log_requests: bool = False
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    text = Path(path).read_text()
+    data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def _contract_fingerprint(contract: dict[str, Any]) -> str:
+    # Imported lazily: only a config without an explicit fingerprint needs the contract package.
+    from omegaconf import OmegaConf
+
+    from tonpolicy.config.schema import ContractConfig
+    from tonpolicy.contract.identity import fingerprint
+
+    merged = OmegaConf.merge(OmegaConf.structured(ContractConfig), contract)
+    return fingerprint(OmegaConf.to_object(merged))
+
+
+def args_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Resolved run config -> ServerArgs keyword arguments."""
+    out: dict[str, Any] = {}
+    contract = cfg.get("contract") or {}
+    if contract:
+        out["contract_name"] = contract["name"]
+        out["contract_version"] = contract.get("version", 1)
+        out["contract_fingerprint"] = contract.get("fingerprint") or _contract_fingerprint(contract)
+        for key in ("kernels", "dtype"):
+            if key in contract:
+                out[key] = contract[key]
+        out["kernel_params"] = {k: contract[k] for k in KERNEL_PARAM_FIELDS if k in contract}
+    model = cfg.get("model") or {}
+    if model:
+        known = {f.name for f in fields(ModelConfig)}
+        out["model"] = ModelConfig(**{k: v for k, v in model.items() if k in known})
+        out["model_path"] = model.get("checkpoint")
+    rollout = cfg.get("rollout") or {}
+    for key in ("host", "port", "port_file", "max_running_requests", "chunked_prefill_size", "random_seed"):
+        if rollout.get(key) is not None:
+            out[key] = rollout[key]
+    experiment = cfg.get("experiment") or {}
+    if "random_seed" not in out and experiment.get("seed") is not None:
+        out["random_seed"] = experiment["seed"]
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tonpolicy.rollout.server",
+        description="tonpolicy's embedded rollout server, speaking SGLang's HTTP protocol.",
+    )
+    p.add_argument("--config", help="resolved run config (YAML or JSON); flags below override it")
+    p.add_argument("--model-path", help="HF checkpoint directory (config.json + safetensors)")
+    p.add_argument("--kernels", help="kernel set name (tonpolicy.kernels.get_kernels)")
+    for name in KERNEL_PARAM_FIELDS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"kernel set parameter {name}")
+    p.add_argument("--dtype", choices=DTYPES)
+    p.add_argument("--contract-name")
+    p.add_argument("--contract-version")
+    p.add_argument("--contract-fingerprint")
+    p.add_argument("--max-running-requests", type=int)
+    p.add_argument("--chunked-prefill-size", type=int)
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="0 (default) picks a free port")
+    p.add_argument("--port-file", help="write the bound port here (atomically) once listening")
+    p.add_argument("--random-seed", type=int)
+    p.add_argument("--weight-version")
+    p.add_argument("--num-threads", type=int, help="torch intra-op threads")
+    p.add_argument("--log-requests", action="store_true", default=None, help="log every HTTP request")
+    return p
+
+
+def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    if ns.config:
+        try:
+            values.update(args_from_config(load_config_file(ns.config)))
+        except (OSError, ValueError, KeyError, yaml.YAMLError) as e:
+            parser.error(f"cannot read --config {ns.config}: {e}")
+    for key, value in vars(ns).items():
+        if key == "config" or value is None:
+            continue
+        if key in KERNEL_PARAM_FIELDS:
+            values.setdefault("kernel_params", {})[key] = value
+        else:
+            values[key] = value
+    missing = [k for k in ("contract_name", "contract_version", "contract_fingerprint") if k not in values]
+    if missing:
+        flags = ", ".join("--" + k.replace("_", "-") for k in missing)
+        parser.error(f"the contract identity is required: give {flags} or a --config with a contract")
+    version = values["contract_version"]
+    if isinstance(version, str) and version.isdigit():  # flags are strings; the schema's version is an int
+        values["contract_version"] = int(version)
+    return ServerArgs(**values)
