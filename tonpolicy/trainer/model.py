@@ -52,7 +52,7 @@ def transformer_config(cfg: ModelConfig, dtype: torch.dtype) -> TransformerConfi
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=True,
-        perform_initialization=False,  # weights always come from an HF state dict
+        perform_initialization=True,  # also marks TP-sharded params (needed by grad-norm filters)
         init_method_std=cfg.init_std,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,

@@ -1,0 +1,33 @@
+"""Shared helpers for the trainer tests (random HF Qwen3 weights for the tiny profile)."""
+
+from __future__ import annotations
+
+import torch
+
+from tonpolicy.config.model import ModelConfig
+
+
+def random_hf(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    H, D, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+
+    def r(*s: int) -> torch.Tensor:
+        return torch.randn(*s, generator=g) * std
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + torch.randn(n, generator=g) * 0.1
+
+    sd = {"model.embed_tokens.weight": r(cfg.vocab_size, H), "model.norm.weight": norm(H)}
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = r(cfg.vocab_size, H)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        sd.update({
+            p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
+            p + "self_attn.q_proj.weight": r(cfg.q_size, H), p + "self_attn.k_proj.weight": r(cfg.kv_size, H),
+            p + "self_attn.v_proj.weight": r(cfg.kv_size, H), p + "self_attn.o_proj.weight": r(H, cfg.q_size),
+            p + "self_attn.q_norm.weight": norm(D), p + "self_attn.k_norm.weight": norm(D),
+            p + "mlp.gate_proj.weight": r(F, H), p + "mlp.up_proj.weight": r(F, H),
+            p + "mlp.down_proj.weight": r(H, F),
+        })
+    return sd
