@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv with the pinned CPU torch first (a plain `torch` would pull a multi-GB CUDA build),
+# then tonpolicy and its test tools. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test,slurm]"
+# Released SGLang's argument parser, for the test that checks every rendered flag. --no-deps: its
+# dependencies pin a CUDA torch; these light ones are all `sglang.srt.server_args` needs.
+.venv/bin/python -m pip install -q --no-deps "sglang==0.5.23"
+.venv/bin/python -m pip install -q orjson psutil pybase64 pillow starlette msgspec pyzmq IPython aiohttp
+echo "tonpolicy environment ready in .venv"

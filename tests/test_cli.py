@@ -1,0 +1,52 @@
+"""`python -m tonpolicy` as a user runs it: plan mode, bad input, a Hydra multirun sweep."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def tonpolicy(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tonpolicy", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_plan_mode_writes_plan_and_script(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = tonpolicy("mode=plan", "contract=qwen3_dense_v1", "model=qwen3_4b", "parallel=tp2_pp2",
+                     f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((run_dir / "launch_plan.json").read_text())
+    assert plan["layout"] == "tp2_pp2" and plan["model"] == "qwen3_4b"
+    assert json.loads(proc.stdout[: proc.stdout.rindex("}") + 1]) == plan
+    script = run_dir / "launch.sh"
+    assert script.stat().st_mode & 0o111
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert (run_dir / "resolved_config.yaml").exists()
+
+
+def test_invalid_config_exits_before_anything_starts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = tonpolicy("parallel.tp=3", "experiment.temperature=0", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "parallel.tp=3: must divide model.num_attention_heads=8" in proc.stderr
+    assert "experiment.temperature=0.0: must be > 0" in proc.stderr
+    assert not (run_dir / "launch_plan.json").exists()
+
+
+def test_cfg_job_and_help(tmp_path: Path) -> None:
+    proc = tonpolicy("--cfg", "job", "parallel=cp2_ring", cwd=tmp_path)
+    assert proc.returncode == 0 and "cp_type: ring" in proc.stdout
+    proc = tonpolicy("--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "parallel: " in proc.stdout and "tonpolicy" in proc.stdout
+
+
+def test_multirun_sweep_one_dir_per_job(tmp_path: Path) -> None:
+    layouts = ["tp1", "tp2", "tp4", "pp2", "tp2_pp2", "cp2_ulysses", "cp2_ring"]
+    proc = tonpolicy("-m", "mode=plan", f"parallel={','.join(layouts)}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                     cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plans = sorted((tmp_path / "sweep").glob("*/launch_plan.json"))
+    assert sorted(json.loads(p.read_text())["layout"] for p in plans) == sorted(layouts)

@@ -1,0 +1,105 @@
+"""Launch plans: contract fingerprint, golden plans, SGLang flags checked by SGLang's own parser."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tonpolicy.config.compose import compose_config
+from tonpolicy.contract.identity import NUMERICS_FIELDS, fingerprint
+from tonpolicy.contract.render import launch_plan, launch_script, sglang_argv
+
+GOLDEN = Path(__file__).parent / "golden"
+RUN_DIR = Path("/RUN")
+GOLDEN_CASES = {
+    "qwen3_4b_tp2_pp2_cuda": ["model=qwen3_4b", "parallel=tp2_pp2", "trainer.device=cuda"],
+    "qwen3_4b_cp2_ring_sglang": ["model=qwen3_4b", "parallel=cp2_ring", "rollout=sglang", "trainer.device=cuda"],
+    "tiny_tp2_cpu": ["parallel=tp2", "trainer.device=cpu"],
+    "tiny_off_policy_cp2_ulysses_cpu": ["contract=off_policy", "parallel=cp2_ulysses", "trainer.device=cpu"],
+}
+
+
+def test_fingerprint_tracks_every_numerics_field() -> None:
+    c = compose_config().contract
+    base = fingerprint(c)
+    assert base == fingerprint(compose_config().contract), "fingerprint must be deterministic"
+    changes = {
+        "family": "qwen3_moe", "kernels": "default", "dtype": "float32", "accumulate_dtype": "float64",
+        "attention_tile": 64, "row_tile": 32, "canonical_shards": 8, "logprob_recipe": "other",
+    }
+    assert set(changes) == set(NUMERICS_FIELDS)
+    seen = {base}
+    for field, value in changes.items():
+        fp = fingerprint(dataclasses.replace(c, **{field: value}))
+        assert fp not in seen, field
+        seen.add(fp)
+    for field, value in {"attention_backend": "triton", "enable_deterministic_inference": False,
+                         "rl_on_policy_target": None}.items():
+        changed = dataclasses.replace(c, sglang=dataclasses.replace(c.sglang, **{field: value}))
+        assert fingerprint(changed) != base, field
+    # Labels and layout gates do not change the numerics.
+    assert fingerprint(dataclasses.replace(c, name="renamed", supported_cp_types=["ring"])) == base
+    assert fingerprint(compose_config(["contract=off_policy"]).contract) != base
+
+
+def render(overrides: list[str]) -> dict:
+    return json.loads(json.dumps(launch_plan(compose_config(overrides), RUN_DIR)))
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_golden_plan(name: str) -> None:
+    plan = render(GOLDEN_CASES[name])
+    path = GOLDEN / f"{name}.json"
+    if os.environ.get("TONPOLICY_UPDATE_GOLDEN"):
+        path.write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")
+    assert plan == json.loads(path.read_text()), f"plan changed; rerun with TONPOLICY_UPDATE_GOLDEN=1 if intended: {path}"
+
+
+def test_plan_contents() -> None:
+    plan = render(GOLDEN_CASES["qwen3_4b_tp2_pp2_cuda"])
+    argv = plan["sglang_command"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    assert "--enable-deterministic-inference" in argv
+    assert argv[argv.index("--attention-backend") + 1] == "fa3"
+    assert argv[argv.index("--rl-on-policy-target") + 1] == "fsdp"
+    tc = plan["megatron"]["transformer_config"]
+    assert (tc["tensor_model_parallel_size"], tc["pipeline_model_parallel_size"]) == (2, 2)
+    assert not tc["sequence_parallel"] and not tc["apply_rope_fusion"] and not tc["bias_activation_fusion"]
+    assert plan["megatron"]["gpt_model"]["transformer_engine"] is False
+    env = plan["environment"]
+    assert env["NCCL_ALGO"] == "Ring" and env["NCCL_PROTO"] == "Simple"
+    assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"
+    assert plan["dist_backend"] == "nccl"
+    off = render(["contract=off_policy", "trainer.device=cuda"])
+    assert "--enable-deterministic-inference" not in off["sglang_command"]
+    assert "NCCL_ALGO" not in off["environment"]
+    script = launch_script(plan)
+    assert "sglang.launch_server" not in script  # the embedded server is the rollout here
+    assert "torchrun" in script and "export NCCL_ALGO=Ring" in script
+
+
+def test_rendered_sglang_flags_exist_in_sglang() -> None:
+    """Every flag we render must be accepted by released SGLang's own argument parser."""
+    argvs = []
+    for overrides in [*GOLDEN_CASES.values(), ["contract=off_policy", "rollout=sglang", "trainer.device=cuda",
+                                               "rollout.chunked_prefill_size=256"]]:
+        argv = sglang_argv(compose_config(overrides), "/ckpt")
+        assert argv[1:3] == ["-m", "sglang.launch_server"]
+        argvs.append(argv[3:])
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "sglang_argcheck.py")],
+                          input=json.dumps(argvs), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(r["ok"] for r in results), results
+    assert results[0]["attention_backend"] == "fa3"
+    # A flag that does not exist is refused: the check can fail.
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "sglang_argcheck.py")],
+                          input=json.dumps([["--model-path", "x", "--true-on-policy-contract", "v1"]]),
+                          capture_output=True, text=True, timeout=300)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) [0]["ok"] is False
