@@ -1,0 +1,165 @@
+"""One job, end to end: rollout server + trainer ranks, supervised until done or failed.
+
+The orchestrator owns every child process. Whatever ends the job (success, a failed parity gate,
+a dead rank or server, Ctrl-C) it stops all children, writes summary.json from the step records
+already on disk, prints the per-step table and where the logs are, and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tonpolicy.config.schema import Config
+from tonpolicy.config.validate import world_size
+from tonpolicy.contract.identity import identity
+from tonpolicy.launch.procs import Child, ProcessGroup, free_port, port_is_free, wait_until
+from tonpolicy.launch.records import read_jsonl, write_json_atomic
+from tonpolicy.launch.report import step_table
+
+EXIT_GATE_FAILED = 3
+EXIT_CHILD_FAILED = 4
+EXIT_SERVER_UNHEALTHY = 5
+EXIT_INTERRUPTED = 130
+
+
+class JobFailed(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def prepare_checkpoint(cfg: Config, run_dir: Path) -> Path:
+    """The HF checkpoint both engines start from: the user's, or a seeded random init."""
+    if cfg.model.checkpoint:
+        return Path(cfg.model.checkpoint)
+    import torch
+
+    from tonpolicy.model.checkpoint import init_state_dict, save_hf
+
+    path = run_dir / "checkpoints" / "init"
+    if not (path / "config.json").exists():
+        dtype = getattr(torch, cfg.contract.dtype)
+        save_hf(init_state_dict(cfg.model, dtype, cfg.model.init_seed), cfg.model, path)
+    return path
+
+
+def _health_ok(url: str) -> bool:
+    from tonpolicy.rollout.client import RolloutClient, RolloutError
+
+    try:
+        return RolloutClient(url, timeout_s=2.0).health()
+    except (RolloutError, OSError):
+        return False
+
+
+def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, procs: ProcessGroup) -> tuple[Child, str]:
+    host, port = cfg.rollout.host, cfg.rollout.port
+    if port and not port_is_free(host, port):
+        raise JobFailed(EXIT_SERVER_UNHEALTHY, f"rollout.port={port}: port already in use on {host}; pick another or use 0 (a free port)")
+    port_file = run_dir / "rollout.port"
+    port_file.unlink(missing_ok=True)
+    if cfg.rollout.backend == "embedded":
+        argv = [sys.executable, "-m", "tonpolicy.rollout.server", "--config", str(run_dir / "resolved_config.yaml"),
+                "--model-path", str(ckpt), "--host", host, "--port", str(port), "--port-file", str(port_file)]
+    else:
+        argv = list(plan["sglang_command"])
+        port = port or free_port(host)
+        argv[argv.index("--port") + 1] = str(port)
+        argv[argv.index("--model-path") + 1] = str(ckpt)
+        port_file.write_text(str(port))
+    server = procs.start("rollout", argv, run_dir / "logs" / "rollout.log", env=plan["environment"])
+    if not wait_until(lambda: port_file.exists() and port_file.read_text().strip() != "", 60, alive=server):
+        raise JobFailed(EXIT_SERVER_UNHEALTHY, f"rollout server did not report a port\n{server.tail()}")
+    url = f"http://{host}:{int(port_file.read_text().strip())}"
+    if not wait_until(lambda: _health_ok(url), cfg.rollout.health_timeout_s, alive=server):
+        state = "exited" if not server.alive() else f"not healthy after {cfg.rollout.health_timeout_s:.0f}s"
+        raise JobFailed(EXIT_SERVER_UNHEALTHY, f"rollout server {state} (rollout.health_timeout_s); log tail:\n{server.tail()}")
+    return server, url
+
+
+def start_trainer(cfg: Config, run_dir: Path, plan: dict[str, Any], url: str, ckpt: Path, procs: ProcessGroup) -> Child:
+    nproc = cfg.trainer.nproc_per_node or world_size(cfg) // cfg.trainer.nnodes
+    master_port = cfg.trainer.master_port or free_port()
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cfg.trainer.nnodes),
+            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+            "--max-restarts", "0", "-m", "tonpolicy.launch.trainer_main",
+            "--config", str(run_dir / "resolved_config.yaml"), "--run-dir", str(run_dir),
+            "--server-url", url, "--checkpoint", str(ckpt)]
+    env = dict(plan["environment"])
+    if plan["device"] == "cpu":
+        import os
+
+        # The contract kernels are thread-count invariant; this only keeps 2-core machines responsive.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return procs.start("trainer", argv, run_dir / "logs" / "trainer.log", env=env)
+
+
+def supervise(server: Child, trainer: Child) -> int:
+    """Wait for the trainer; a dead server ends the job at once."""
+    while trainer.alive():
+        if not server.alive():
+            raise JobFailed(EXIT_CHILD_FAILED, f"rollout server died (exit {server.proc.returncode}); log tail:\n{server.tail()}")
+        time.sleep(0.2)
+    code = trainer.proc.returncode
+    if code not in (0, EXIT_GATE_FAILED):
+        raise JobFailed(EXIT_CHILD_FAILED, f"trainer exited with {code}; log tail:\n{trainer.tail(40)}")
+    return code
+
+
+def summarize(cfg: Config, run_dir: Path, status: str, wall_s: float) -> dict[str, Any]:
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    summary = {
+        "status": status,
+        "contract": cfg.contract.name,
+        "contract_identity": identity(cfg.contract).to_dict(),
+        "layout": cfg.parallel.name,
+        "model": cfg.model.name,
+        "steps_completed": len(records),
+        "steps_requested": cfg.experiment.steps,
+        "tokens_scored": sum(r["tokens_scored"] for r in records),
+        "mismatched_tokens": sum(r["mismatched_tokens"] for r in records),
+        "max_abs_logprob_diff": max((r["max_abs_logprob_diff"] for r in records), default=0.0),
+        "last_grad_norm": records[-1]["grad_norm"] if records else None,
+        "wall_s": round(wall_s, 2),
+    }
+    write_json_atomic(run_dir / "summary.json", summary)
+    if records:
+        print(step_table(records))
+    return summary
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM takes the same clean-up path as Ctrl-C
+
+
+def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
+    t0 = time.monotonic()
+    procs = ProcessGroup()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    status, code = "failed", EXIT_CHILD_FAILED
+    try:
+        ckpt = prepare_checkpoint(cfg, run_dir)
+        server, url = start_rollout(cfg, run_dir, plan, ckpt, procs)
+        print(f"rollout server ({cfg.rollout.backend}) healthy at {url}", file=sys.stderr)
+        trainer = start_trainer(cfg, run_dir, plan, url, ckpt, procs)
+        code = supervise(server, trainer)
+        status = "ok" if code == 0 else "gate_failed"
+    except JobFailed as exc:
+        code = exc.code
+        print(f"tonpolicy: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        status, code = "interrupted", EXIT_INTERRUPTED
+        print("tonpolicy: interrupted; stopping every child process", file=sys.stderr)
+    finally:
+        procs.stop_all()
+        signal.signal(signal.SIGTERM, previous)
+    summary = summarize(cfg, run_dir, status, time.monotonic() - t0)
+    print(json.dumps({k: summary[k] for k in ("status", "steps_completed", "mismatched_tokens", "wall_s")}), file=sys.stderr)
+    if code:
+        print(f"tonpolicy: job {status} (exit {code}); logs in {run_dir / 'logs'}", file=sys.stderr)
+    return code

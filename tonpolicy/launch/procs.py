@@ -1,0 +1,95 @@
+"""Child processes of a job: each in its own process group with a log file, ended as a group.
+
+Every child is tracked so that any failure path (a dead rank, a dead server, Ctrl-C) ends all of
+them within seconds and says where their logs are.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@dataclass
+class ProcessGroup:
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Child:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "ab")  # noqa: SIM115 (the child owns it until it exits)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+        log.close()
+        child = Child(name, proc, log_path)
+        self.children.append(child)
+        return child
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every child's process group, then SIGKILL what is left after `grace_s`."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for c in self.children:
+                if c.alive():
+                    try:
+                        os.killpg(c.proc.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + grace_s
+            while any(c.alive() for c in self.children) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def first_dead(self) -> Child | None:
+        return next((c for c in self.children if not c.alive()), None)
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, *, alive: Child | None = None, poll_s: float = 0.2) -> bool:
+    """Poll `pred` until true; give up at the timeout or as soon as `alive` has exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        if alive is not None and not alive.alive():
+            return False
+        time.sleep(poll_s)
+    return False

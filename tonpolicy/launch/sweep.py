@@ -1,0 +1,61 @@
+"""Hydra callback: after a multirun, summarise every job's summary.json into a table and a chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from tonpolicy.launch.report import markdown_table
+
+
+def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for path in sorted(sweep_dir.glob("*/summary.json")):
+        data = json.loads(path.read_text())
+        data["job_dir"] = path.parent.name
+        rows.append(data)
+    return rows
+
+
+def write_summary(sweep_dir: Path) -> Path | None:
+    rows = collect(sweep_dir)
+    if not rows:
+        return None
+    headers = ["job", "layout", "contract", "status", "steps", "tokens", "mismatched", "max|Δlogp|", "grad_norm (last)", "wall_s"]
+    table = [[r["job_dir"], r.get("layout", "?"), r.get("contract", "?"), r.get("status", "?"),
+              str(r.get("steps_completed", "-")), str(r.get("tokens_scored", "-")),
+              str(r.get("mismatched_tokens", "-")), f"{r.get('max_abs_logprob_diff', 0.0):.3e}",
+              f"{r.get('last_grad_norm', float('nan')):.6g}", f"{r.get('wall_s', 0.0):.1f}"] for r in rows]
+    md = sweep_dir / "sweep_summary.md"
+    md.write_text("# tonpolicy sweep\n\n" + markdown_table(headers, table) + "\n")
+    _chart(rows, sweep_dir / "sweep_summary.png")
+    print(f"sweep summary: {md}")
+    return md
+
+
+def _chart(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.get('layout')}\n{r.get('contract')}" for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(rows)), 4))
+    ax1.bar(labels, [r.get("mismatched_tokens", 0) for r in rows], color="tab:red")
+    ax1.set_title("mismatched tokens (parity: 0)")
+    ax2.bar(labels, [r.get("last_grad_norm", 0.0) for r in rows], color="tab:blue")
+    ax2.set_title("grad_norm (last step)")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+class SweepSummary(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        write_summary(Path(config.hydra.sweep.dir))

@@ -1,0 +1,145 @@
+"""Trainer ranks' entry point (`torchrun -m tonpolicy.launch.trainer_main --config ...`).
+
+Rank 0 drives the rollout server and broadcasts the samples; every rank recomputes logprobs at the
+configured layout and takes the PPO/GRPO step. Rank 0 runs the exact-zero gate, writes the step
+record, logs to W&B and syncs the new weights to the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tonpolicy.config.compose import load_config
+from tonpolicy.config.schema import Config
+from tonpolicy.contract.identity import identity
+from tonpolicy.launch.records import append_jsonl
+from tonpolicy.launch.task import EOS, make_prompts, reward
+from tonpolicy.parity.gate import compare
+
+EXIT_GATE_FAILED = 3
+EXIT_HANDSHAKE = 6
+
+
+def grpo_advantages(rewards: list[float], group_size: int) -> list[float]:
+    """Reward minus its prompt group's mean, over the group's std (0 when the group agrees)."""
+    out = []
+    for i in range(0, len(rewards), group_size):
+        group = torch.tensor(rewards[i : i + group_size], dtype=torch.float64)
+        std = group.std(unbiased=False) if len(group) > 1 else torch.tensor(0.0, dtype=torch.float64)
+        out += ((group - group.mean()) / (std + 1e-6)).tolist()
+    return out
+
+
+def rollout(cfg: Config, client: Any, step: int) -> dict[str, Any]:
+    e = cfg.experiment
+    prompts = make_prompts(step, e.prompts_per_step, seed=e.seed, max_prompt_len=e.max_prompt_len)
+    batch_prompts = [p for p in prompts for _ in range(e.samples_per_prompt)]
+    params = [{"temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k, "max_new_tokens": e.max_new_tokens,
+               "stop_token_ids": [EOS], "sampling_seed": e.seed * 1_000_003 + step * 10_007 + i}
+              for i in range(len(batch_prompts))]
+    outs = client.generate(batch_prompts, params)
+    responses = [o["output_ids"] for o in outs]
+    rewards = [reward(p, r) for p, r in zip(batch_prompts, responses, strict=True)]
+    return {
+        "prompts": batch_prompts,
+        "responses": responses,
+        "rollout_logprobs": [torch.tensor(o["output_logprobs"], dtype=torch.float32) for o in outs],
+        "rewards": rewards,
+        "advantages": grpo_advantages(rewards, e.samples_per_prompt),
+    }
+
+
+def handshake(cfg: Config, client: Any) -> str | None:
+    """None when the server honours our contract, else the reason to refuse."""
+    ours = identity(cfg.contract).to_dict()
+    theirs = client.contract()
+    if theirs is None:
+        return f"the rollout server reports no tonpolicy contract (expected {ours})"
+    if theirs.get("fingerprint") != ours["fingerprint"]:
+        return f"contract fingerprint mismatch: server {theirs} vs trainer {ours}"
+    return None
+
+
+def broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--server-url", required=True)
+    ap.add_argument("--checkpoint", required=True)
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config)
+    run_dir = Path(args.run_dir)
+
+    from tonpolicy.trainer.worker import TrainerWorker
+
+    worker = TrainerWorker(cfg, args.checkpoint)
+    rank0 = dist.get_rank() == 0
+    client = logger = None
+    if rank0:
+        from tonpolicy.launch.wandb_log import MetricsLogger
+        from tonpolicy.rollout.client import RolloutClient
+
+        client = RolloutClient(args.server_url)
+        refusal = handshake(cfg, client)
+        logger = MetricsLogger(cfg, run_dir, group=run_dir.parent.name)
+    refusal = broadcast(refusal if rank0 else None)
+    if refusal:
+        if rank0:
+            print(f"tonpolicy: refusing to train: {refusal}", file=sys.stderr)
+        worker.close()
+        return EXIT_HANDSHAKE
+
+    fail_on_mismatch = cfg.gate.fail_on_mismatch
+    if fail_on_mismatch is None:
+        fail_on_mismatch = cfg.contract.exact_zero
+    code = 0
+    for step in range(cfg.experiment.steps):
+        t0 = time.monotonic()
+        batch = broadcast(rollout(cfg, client, step) if rank0 else None)
+        t_rollout = time.monotonic() - t0
+        trainer_logprobs = worker.logprobs(batch["prompts"], batch["responses"])
+        metrics = worker.ppo_step(batch["prompts"], batch["responses"], old_logprobs=trainer_logprobs,
+                                  rollout_logprobs=batch["rollout_logprobs"], advantages=batch["advantages"])
+        ckpt = run_dir / "checkpoints" / f"step_{step + 1}"
+        worker.save_hf(ckpt)
+        gate_failed = False
+        if rank0:
+            parity = compare(batch["rollout_logprobs"], trainer_logprobs)
+            record = {"step": step, **parity.to_dict(), **metrics,
+                      "reward_mean": sum(batch["rewards"]) / len(batch["rewards"]),
+                      "rollout_s": round(t_rollout, 3), "step_s": round(time.monotonic() - t0, 3)}
+            append_jsonl(run_dir / "metrics.jsonl", record)
+            append_jsonl(run_dir / "samples.jsonl", {"step": step, "prompts": batch["prompts"],
+                                                     "responses": batch["responses"], "rewards": batch["rewards"]})
+            logger.log(record)
+            print(f"step {step}: tokens={parity.tokens_scored} mismatched={parity.mismatched_tokens} "
+                  f"max|Δ|={parity.max_abs_logprob_diff:.3e} grad_norm={metrics.get('grad_norm')}", flush=True)
+            client.update_weights_from_disk(str(ckpt), weight_version=f"step_{step + 1}")
+            gate_failed = fail_on_mismatch and not parity.exact
+        if broadcast(gate_failed):
+            if rank0:
+                print(f"tonpolicy: parity gate failed at step {step}: contract {cfg.contract.name} promises "
+                      "exact zero (gate.fail_on_mismatch)", file=sys.stderr)
+            code = EXIT_GATE_FAILED
+            break
+    if rank0:
+        logger.finish(code)
+    worker.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""W&B logging for one job: offline by default, one run per job, grouped by sweep."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tonpolicy.config.schema import Config
+from tonpolicy.contract.identity import identity
+
+
+class MetricsLogger:
+    def __init__(self, cfg: Config, run_dir: Path, group: str | None = None) -> None:
+        self.run = None
+        if cfg.logger.backend != "wandb" or cfg.logger.mode == "disabled":
+            return
+        import wandb
+
+        config = asdict(cfg)
+        config["contract_identity"] = identity(cfg.contract).to_dict()
+        self.run = wandb.init(
+            project=cfg.logger.project,
+            entity=cfg.logger.entity,
+            group=cfg.logger.group or group,
+            name=f"{cfg.contract.name}-{cfg.parallel.name}-{run_dir.name}",
+            job_type=cfg.mode,
+            tags=[cfg.contract.name, cfg.parallel.name, cfg.model.name, *cfg.logger.tags],
+            mode=cfg.logger.mode,
+            dir=str(run_dir),
+            config=config,
+            reinit="create_new",
+        )
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.run is not None:
+            self.run.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
+
+    def finish(self, exit_code: int) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=exit_code)

@@ -1,0 +1,42 @@
+"""The exact-zero gate: compare rollout and trainer fp32 logprobs token by token.
+
+Parity is `torch.equal` on fp32 values; the counts and max |Δ| say how far off a failing step is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    tokens_scored: int
+    mismatched_tokens: int
+    max_abs_logprob_diff: float
+    mean_abs_logprob_diff: float
+
+    @property
+    def exact(self) -> bool:
+        return self.mismatched_tokens == 0
+
+    def to_dict(self) -> dict[str, float | int | bool]:
+        return {**asdict(self), "exact": self.exact}
+
+
+def compare(rollout: list[torch.Tensor], trainer: list[torch.Tensor]) -> ParityReport:
+    tokens = mismatched = 0
+    max_diff = sum_diff = 0.0
+    for r, t in zip(rollout, trainer, strict=True):
+        r, t = r.to(torch.float32).flatten(), t.to(torch.float32).flatten()
+        if r.shape != t.shape:
+            raise ValueError(f"logprob count differs: rollout {tuple(r.shape)} vs trainer {tuple(t.shape)}")
+        same = r == t  # bitwise for finite fp32 (no NaN logprobs arise from log_softmax)
+        tokens += r.numel()
+        mismatched += int((~same).sum())
+        if r.numel():
+            diff = (r.double() - t.double()).abs()
+            max_diff = max(max_diff, float(diff.max()))
+            sum_diff += float(diff.sum())
+    return ParityReport(tokens, mismatched, max_diff, sum_diff / max(tokens, 1))
