@@ -147,6 +147,7 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
         server, url = start_rollout(cfg, run_dir, plan, ckpt, procs)
         print(f"rollout server ({cfg.rollout.backend}) healthy at {url}", file=sys.stderr)
         trainer = start_trainer(cfg, run_dir, plan, url, ckpt, procs)
+        write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
         code = supervise(server, trainer)
         status = "ok" if code == 0 else "gate_failed"
     except JobFailed as exc:

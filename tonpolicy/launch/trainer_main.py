@@ -8,6 +8,7 @@ record, logs to W&B and syncs the new weights to the server.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,15 @@ def handshake(cfg: Config, client: Any) -> str | None:
     return None
 
 
+def _injected_fault(step: int) -> None:
+    """Test hook: TONPOLICY_FAULT=rank_exit:<rank>:<step> makes that rank die abruptly."""
+    spec = os.environ.get("TONPOLICY_FAULT", "")
+    if spec.startswith("rank_exit:"):
+        _, rank, at = spec.split(":")
+        if dist.get_rank() == int(rank) and step == int(at):
+            os._exit(17)
+
+
 def broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -108,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     for step in range(cfg.experiment.steps):
         t0 = time.monotonic()
+        _injected_fault(step)
         batch = broadcast(rollout(cfg, client, step) if rank0 else None)
         t_rollout = time.monotonic() - t0
         trainer_logprobs = worker.logprobs(batch["prompts"], batch["responses"])

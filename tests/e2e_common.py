@@ -1,0 +1,62 @@
+"""Helpers for end-to-end tests: run `python -m tonpolicy` as a user would, in a temporary folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FAST = ["experiment.prompts_per_step=2", "experiment.samples_per_prompt=2", "experiment.max_prompt_len=12",
+        "experiment.max_new_tokens=6", "logger=none"]
+
+
+def tonpolicy_argv(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "tonpolicy", "mode=run", *FAST, *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def run_job(tmp_path: Path, *overrides: str, timeout: float = 400, env: dict[str, str] | None = None):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(tonpolicy_argv(run_dir, *overrides), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    return proc, run_dir
+
+
+def start_job(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(tonpolicy_argv(run_dir, *overrides), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    return proc, run_dir
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,77 @@
+"""Faults end every child within seconds, exit non-zero, say where the logs are, keep completed steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from e2e_common import pid_alive, records, run_job, start_job, summary, wait_for
+
+
+def _assert_all_gone(run_dir: Path) -> None:
+    pids = json.loads((run_dir / "pids.json").read_text())
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids.values()), pids
+
+
+def test_trainer_rank_dies(tmp_path: Path) -> None:
+    proc, run_dir = run_job(tmp_path, "parallel=tp2", "experiment.steps=3", env={"TONPOLICY_FAULT": "rank_exit:1:1"})
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert "trainer exited" in proc.stderr and str(run_dir / "logs") in proc.stderr
+    assert [r["step"] for r in records(run_dir)] == [0]  # the completed step survived
+    assert summary(run_dir)["status"] == "failed"
+    _assert_all_gone(run_dir)
+
+
+def test_server_dies_mid_run(tmp_path: Path) -> None:
+    proc, run_dir = start_job(tmp_path, "parallel=tp1", "experiment.steps=50")
+    wait_for(lambda: len(records(run_dir)) >= 1, 300, "the first step")
+    pids = json.loads((run_dir / "pids.json").read_text())
+    os.kill(pids["rollout"], signal.SIGKILL)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert proc.returncode == 4 and "rollout server died" in err, err[-3000:]
+    assert len(records(run_dir)) >= 1 and summary(run_dir)["steps_completed"] >= 1
+    _assert_all_gone(run_dir)
+
+
+def test_ctrl_c(tmp_path: Path) -> None:
+    proc, run_dir = start_job(tmp_path, "parallel=tp1", "experiment.steps=50")
+    wait_for(lambda: len(records(run_dir)) >= 1, 300, "the first step")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted" in err
+    assert summary(run_dir)["status"] == "interrupted" and summary(run_dir)["steps_completed"] >= 1
+    _assert_all_gone(run_dir)
+
+
+def test_server_never_healthy(tmp_path: Path) -> None:
+    fake = tmp_path / "fake_python"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import time; time.sleep(600)'\n")
+    fake.chmod(0o755)
+    t0 = time.monotonic()
+    proc, run_dir = run_job(tmp_path, "rollout=sglang", "trainer.device=cuda", f"rollout.python={fake}",
+                            "rollout.health_timeout_s=3", timeout=120)
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    assert "not healthy after 3s" in proc.stderr and "rollout.health_timeout_s" in proc.stderr
+    assert time.monotonic() - t0 < 60
+    assert not (run_dir / "pids.json").exists()  # the trainer never started
+
+
+def test_port_already_taken(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc, run_dir = run_job(tmp_path, f"rollout.port={port}", timeout=120)
+    assert proc.returncode == 5
+    assert f"rollout.port={port}: port already in use" in proc.stderr
