@@ -1,0 +1,33 @@
+"""Kernel sets: `contract` (bitwise-invariant numerics) and `default` (plain torch, the negative control)."""
+
+from __future__ import annotations
+
+from tonpolicy.kernels.base import AttnPartial, KernelSet
+
+__all__ = ["AttnPartial", "KernelSet", "get_kernels", "padded_vocab_size"]
+
+
+def padded_vocab_size(vocab_size: int, canonical_shards: int) -> int:
+    """Round the vocab up to a multiple of 128 * canonical_shards.
+
+    The padding depends only on the canonical shard count, never on the TP size, so the LM head's
+    column shards line up at every TP that divides the canonical count."""
+    mult = 128 * canonical_shards
+    return -(-vocab_size // mult) * mult
+
+
+def get_kernels(
+    name: str, *, attention_tile: int = 32, canonical_shards: int = 4, row_tile: int = 16
+) -> KernelSet:
+    """Build a kernel set by name ("contract" or "default")."""
+    if name == "contract":
+        from tonpolicy.kernels.contract import ContractKernels
+
+        return ContractKernels(
+            attention_tile=attention_tile, canonical_shards=canonical_shards, row_tile=row_tile
+        )
+    if name == "default":
+        from tonpolicy.kernels.default import DefaultKernels
+
+        return DefaultKernels(attention_tile=attention_tile, canonical_shards=canonical_shards)
+    raise ValueError(f"unknown kernel set {name!r} (expected 'contract' or 'default')")

@@ -1,0 +1,111 @@
+"""The `contract` kernel set: every op's result for a token is invariant by construction to batch
+composition, token count, prefill/decode/chunked prefill, row position, TP (via canonical K-shards)
+and thread count. dtype steps: weights/activations in the model dtype (bf16 or fp32); every matmul
+accumulates in fp32 on fp32-upcast inputs; norms' statistics, softmax and logprobs in fp32; logits fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tonpolicy.kernels import contract_attention as ca
+from tonpolicy.kernels import contract_pointwise as cp
+from tonpolicy.kernels.base import AttnPartial
+from tonpolicy.kernels.contract_linear import tiled_partials, tree_sum
+
+
+class ContractKernels:
+    name = "contract"
+
+    def __init__(self, *, attention_tile: int = 32, canonical_shards: int = 4, row_tile: int = 16) -> None:
+        self.attention_tile = attention_tile
+        self.canonical_shards = canonical_shards
+        self.row_tile = row_tile
+
+    def describe(self) -> dict[str, Any]:
+        """Everything that affects numerics, for the contract fingerprint."""
+        return {
+            "kernel_set": self.name,
+            "attention_tile": self.attention_tile,
+            "canonical_shards": self.canonical_shards,
+            "row_tile": self.row_tile,
+            "linear": "fp32 bmm of [row_tile, K/C] x [K/C, N] tiles, canonical K-shards, pairwise tree sum",
+            "attention": "split-KV fixed tile, fp32 (m,l,acc), left-to-right merge in key order",
+            "rms_norm": "fp32 sum(x^2)/K, x/sqrt(var+eps)*w, one rounding",
+            "swiglu": "fp32 g/(1+exp(-g))*u, one rounding",
+            "rope": "fp32 rotate-half, cos/sin tables in 64-position chunks",
+            "logits": "fp32",
+            "logprobs": "fp32 log_softmax(logits[:vocab]/T) gathered",
+        }
+
+    # --- linear -------------------------------------------------------------------------------
+    def linear_partials(self, x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:
+        return tiled_partials(x, weight, num_shards, self.row_tile)
+
+    def combine_partials(self, partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return tree_sum(partials).to(out_dtype)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.combine_partials(self.linear_partials(x, weight, self.canonical_shards), x.dtype)
+
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 logits (no rounding to the activation dtype)."""
+        return self.combine_partials(self.linear_partials(x, weight, self.canonical_shards), torch.float32)
+
+    # --- norms / activations / rotary ----------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return cp.rms_norm(x, weight, eps)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return cp.swiglu(gate, up)
+
+    def rope_cos_sin(
+        self, positions: torch.Tensor, head_dim: int, theta: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return cp.rope_cos_sin(positions, head_dim, theta)
+
+    def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return cp.apply_rope(x, cos, sin)
+
+    # --- attention ------------------------------------------------------------------------------
+    def attention(self, q, k, v, q_pos, k_pos, scale: float) -> torch.Tensor:  # noqa: ANN001
+        out = self.attention_batched(q[None], k[None], v[None], q_pos[None], k_pos[None], scale)
+        return out[0]
+
+    def attention_batched(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Batch of independent sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D], positions [B, N]."""
+        return ca.attention_batched(q, k, v, q_pos, k_pos, scale, self.attention_tile, self.row_tile)
+
+    def attention_tile(self, q, k, v, q_pos, k_pos, scale: float) -> AttnPartial:  # noqa: ANN001
+        if k.shape[0] != self.attention_tile:
+            raise ValueError(f"attention_tile takes exactly {self.attention_tile} keys, got {k.shape[0]}")
+        parts, nq = ca.tile_partials(
+            q[None], k[None], v[None], q_pos[None], k_pos[None], scale, self.attention_tile, self.row_tile
+        )
+        # [1, Hq, Qp, 1(, D)] -> [Nq, Hq(, D)]
+        m = parts.m[0, :, :nq, 0].transpose(0, 1)
+        l = parts.l[0, :, :nq, 0].transpose(0, 1)  # noqa: E741
+        acc = parts.acc[0, :, :nq, 0].transpose(0, 1)
+        return AttnPartial(m, l, acc)
+
+    def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:
+        return ca.merge(a, b)
+
+    def finalize(self, p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
+        return ca.finalize(p, dtype)
+
+    # --- logprobs -------------------------------------------------------------------------------
+    def logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float
+    ) -> torch.Tensor:
+        return cp.logprobs(logits, tokens, vocab_size, temperature)

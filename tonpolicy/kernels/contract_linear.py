@@ -1,0 +1,50 @@
+"""Invariant fp32-accumulating matmul for the `contract` kernel set.
+
+Why this shape of computation (measured on torch 2.13 CPU, see tests/test_kernels_linear.py):
+- a plain GEMM's row result depends on M (MKL picks different paths), so every GEMM here has the fixed
+  shape [row_tile, K/C] x [K/C, N]: rows are zero-padded to a multiple of `row_tile` and the row tiles
+  form the batch of one `torch.bmm` whose per-matrix result was invariant to the batch count, the
+  row offset, the column count N (column shards), and the thread count;
+- K is cut into `C` canonical shards; each shard's fp32 partial has identical shapes whatever the TP,
+  and `tree_sum` adds them in a fixed pairwise tree, so TP=1/2/4 give the same bits.
+bf16 inputs are upcast to fp32 before the GEMM (exact), so products and accumulation are fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def tiled_partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int, row_tile: int) -> torch.Tensor:
+    """fp32 partials [num_shards, ..., N] of x [..., K] @ weight[N, K].T over equal K shards."""
+    *lead, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or k % num_shards:
+        raise ValueError(f"K={k} must match weight {tuple(weight.shape)} and divide into {num_shards} shards")
+    ks = k // num_shards
+    x2 = x.reshape(-1, k).float()
+    wf = weight.float()
+    m = x2.shape[0]
+    mt = max(1, -(-m // row_tile))
+    if mt * row_tile != m:
+        x2 = F.pad(x2, (0, 0, 0, mt * row_tile - m))
+    xt = x2.view(mt, row_tile, k)
+    outs = []
+    for s in range(num_shards):
+        a = xt[:, :, s * ks : (s + 1) * ks]
+        # Stride-0 batch of the same weight slice: every GEMM is [row_tile, ks] x [ks, N].
+        b = wf[:, s * ks : (s + 1) * ks].t().unsqueeze(0).expand(mt, ks, n)
+        outs.append(torch.bmm(a, b).view(mt * row_tile, n)[:m])
+    return torch.stack(outs).view(num_shards, *lead, n)
+
+
+def tree_sum(partials: torch.Tensor) -> torch.Tensor:
+    """Sum along dim 0 in a fixed pairwise tree: ((p0+p1)+(p2+p3)) for 4 partials."""
+    parts = list(partials.unbind(0))
+    while len(parts) > 1:
+        nxt = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
+        if len(parts) % 2:
+            nxt.append(parts[-1])
+        parts = nxt
+    return parts[0]

@@ -1,0 +1,194 @@
+"""Qwen3 dense (GQA, QK RMSNorm, RoPE, SwiGLU, tied or untied embeddings) on top of a kernel set.
+
+No parallelism here: every numeric op is a call into the kernel set. Parameters carry the Hugging
+Face names. Logits are fp32 over the *padded* vocab (`padded_vocab_size(vocab, canonical_shards)`
+columns; pad columns come from zero weight rows); `kernels.logprobs` truncates to the real vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tonpolicy.config.model import ModelConfig
+from tonpolicy.kernels import KernelSet, padded_vocab_size
+from tonpolicy.model.checkpoint import init_state_dict, param_shapes
+from tonpolicy.model.kv_cache import KVPool
+
+
+@dataclass
+class Segment:
+    """A run of consecutive tokens of one sequence inside a flat token batch.
+
+    start: absolute position of the first token. slot: KV pool slot (its keys [0, start) must already
+    be cached); None means no cache: the segment attends only to itself and must start at 0."""
+
+    length: int
+    start: int = 0
+    slot: int | None = None
+
+
+class _W(nn.Module):
+    """Holds one `weight` parameter so the state dict carries HF names."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+
+
+class Qwen3(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        kernels: KernelSet,
+        dtype: torch.dtype,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.kernels, self.dtype = cfg, kernels, dtype
+        self.model = nn.Module()
+        self.model.embed_tokens = _W((cfg.vocab_size, cfg.hidden_size), dtype)
+        self.model.layers = nn.ModuleList()
+        for _ in range(cfg.num_layers):
+            layer = nn.Module()
+            layer.input_layernorm = _W((cfg.hidden_size,), dtype)
+            layer.post_attention_layernorm = _W((cfg.hidden_size,), dtype)
+            attn = nn.Module()
+            attn.q_proj = _W((cfg.q_size, cfg.hidden_size), dtype)
+            attn.k_proj = _W((cfg.kv_size, cfg.hidden_size), dtype)
+            attn.v_proj = _W((cfg.kv_size, cfg.hidden_size), dtype)
+            attn.o_proj = _W((cfg.hidden_size, cfg.q_size), dtype)
+            attn.q_norm = _W((cfg.head_dim,), dtype)
+            attn.k_norm = _W((cfg.head_dim,), dtype)
+            mlp = nn.Module()
+            mlp.gate_proj = _W((cfg.intermediate_size, cfg.hidden_size), dtype)
+            mlp.up_proj = _W((cfg.intermediate_size, cfg.hidden_size), dtype)
+            mlp.down_proj = _W((cfg.hidden_size, cfg.intermediate_size), dtype)
+            layer.self_attn, layer.mlp = attn, mlp
+            self.model.layers.append(layer)
+        self.model.norm = _W((cfg.hidden_size,), dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _W((cfg.vocab_size, cfg.hidden_size), dtype)
+        assert set(dict(self.named_parameters())) == set(param_shapes(cfg))
+        self.load_weights(state_dict if state_dict is not None else init_state_dict(cfg, dtype, cfg.init_seed))
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, getattr(kernels, "canonical_shards", 1))
+        self._lm_cache: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy an HF-named state dict in (cast to the model dtype); strict on names and shapes."""
+        params = dict(self.named_parameters())
+        sd = {k: v for k, v in state_dict.items() if not (k == "lm_head.weight" and self.cfg.tie_word_embeddings)}
+        if set(sd) != set(params):
+            raise KeyError(f"state dict mismatch: missing {set(params) - set(sd)}, extra {set(sd) - set(params)}")
+        for k, v in sd.items():
+            params[k].copy_(v.to(self.dtype))
+        self._lm_cache = None
+
+    def lm_weight(self) -> torch.Tensor:
+        """LM head weight padded with zero rows to the padded vocab (cached per weight version)."""
+        w = (self.model.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head).weight
+        key = (w.data_ptr(), w._version)
+        if self._lm_cache is None or self._lm_cache[0] != key:
+            pad = self.padded_vocab - w.shape[0]
+            self._lm_cache = (key, torch.nn.functional.pad(w.detach(), (0, 0, 0, pad)))
+        return self._lm_cache[1]
+
+    # --- forward --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence causal forward of one sequence: fp32 logits [T, padded_vocab]."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+        return self.forward_segments(ids, [Segment(ids.numel())])
+
+    @torch.no_grad()
+    def forward_segments(
+        self,
+        input_ids: torch.Tensor,
+        segments: list[Segment],
+        kv: KVPool | None = None,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Forward a flat batch of token segments (prefill chunks and decode tokens of many sequences).
+
+        Writes each cached segment's keys/values into `kv` at [start, start+length). Returns fp32
+        logits [len(logit_rows) or N, padded_vocab]."""
+        cfg, kern = self.cfg, self.kernels
+        ids = input_ids.reshape(-1).long()
+        n = ids.numel()
+        if sum(s.length for s in segments) != n:
+            raise ValueError("segment lengths must add up to the token count")
+        pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+        cos, sin = kern.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
+        scale = cfg.head_dim**-0.5
+        h = self.model.embed_tokens.weight.index_select(0, ids)
+        for li, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            x = kern.rms_norm(h, layer.input_layernorm.weight, cfg.rms_norm_eps)
+            q = kern.linear(x, a.q_proj.weight).view(n, cfg.num_attention_heads, cfg.head_dim)
+            k = kern.linear(x, a.k_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim)
+            v = kern.linear(x, a.v_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim)
+            q = kern.apply_rope(kern.rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps), cos, sin)
+            k = kern.apply_rope(kern.rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps), cos, sin)
+            o = self._attend(li, q, k, v, pos, segments, kv, scale)
+            h = h + kern.linear(o.reshape(n, cfg.q_size), a.o_proj.weight)
+            x = kern.rms_norm(h, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+            m = layer.mlp
+            act = kern.swiglu(kern.linear(x, m.gate_proj.weight), kern.linear(x, m.up_proj.weight))
+            h = h + kern.linear(act, m.down_proj.weight)
+        if logit_rows is not None:
+            h = h.index_select(0, logit_rows)
+        h = kern.rms_norm(h, self.model.norm.weight, cfg.rms_norm_eps)
+        return kern.lm_head(h, self.lm_weight())
+
+    def _attend(
+        self,
+        li: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pos: torch.Tensor,
+        segments: list[Segment],
+        kv: KVPool | None,
+        scale: float,
+    ) -> torch.Tensor:
+        kern = self.kernels
+        out = torch.empty_like(q)
+        offs, off = [], 0
+        for s in segments:
+            offs.append(off)
+            off += s.length
+        decode: list[int] = []
+        for i, (s, o) in enumerate(zip(segments, offs, strict=True)):
+            sl = slice(o, o + s.length)
+            if s.slot is None:
+                if s.start != 0:
+                    raise ValueError("an uncached segment must start at position 0")
+                out[sl] = kern.attention(q[sl], k[sl], v[sl], pos[sl], pos[sl], scale)
+                continue
+            assert kv is not None
+            kv.write(li, s.slot, s.start, k[sl], v[sl])
+            if s.length == 1:
+                decode.append(i)
+                continue
+            nk = kv.padded_len(s.start + s.length)
+            out[sl] = kern.attention_batched(
+                q[None, sl], kv.k[li][s.slot : s.slot + 1, :nk], kv.v[li][s.slot : s.slot + 1, :nk],
+                pos[None, sl], torch.arange(nk)[None], scale,
+            )[0]
+        if decode:
+            # All single-token segments attend in one batched call (keys past a request's length are
+            # masked by position, so requests of different lengths share the padded key range).
+            slots = torch.tensor([segments[i].slot for i in decode])
+            rows = torch.tensor([offs[i] for i in decode])
+            nk = max(kv.padded_len(segments[i].start + 1) for i in decode)
+            res = kern.attention_batched(
+                q.index_select(0, rows)[:, None], kv.k[li][slots, :nk], kv.v[li][slots, :nk],
+                pos.index_select(0, rows)[:, None], torch.arange(nk)[None].expand(len(decode), nk), scale,
+            )
+            out.index_copy_(0, rows, res[:, 0])
+        return out

@@ -1,0 +1,24 @@
+"""Score a response with one full-sequence forward (the reference the engine must match bitwise)."""
+
+from __future__ import annotations
+
+import torch
+
+from tonpolicy.model.qwen3 import Qwen3
+from tonpolicy.rollout.types import logprob_temperature
+
+
+@torch.no_grad()
+def score_logprobs(
+    model: Qwen3, prompt_ids: list[int], response_ids: list[int], temperature: float
+) -> torch.Tensor:
+    """fp32 logprob of each response token t, from the logits at position t-1 of prompt+response."""
+    if not prompt_ids:
+        raise ValueError("prompt must be non-empty")
+    ids = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)
+    logits = model(ids)
+    p = len(prompt_ids)
+    rows = logits[p - 1 : p - 1 + len(response_ids)]
+    return model.kernels.logprobs(
+        rows, torch.tensor(response_ids, dtype=torch.long), model.cfg.vocab_size, logprob_temperature(temperature)
+    )
