@@ -33,7 +33,7 @@ def sglang_argv(cfg: Config, model_path: str) -> list[str]:
         r.python, "-m", "sglang.launch_server",
         "--model-path", model_path,
         "--host", r.host,
-        "--port", str(r.port or SGLANG_DEFAULT_PORT),
+        "--port", str(rollout_port(cfg)),
         "--tp-size", str(p.rollout_tp),
         "--dp-size", str(p.rollout_dp),
         "--dtype", c.dtype,
@@ -139,20 +139,26 @@ def environment(cfg: Config, device: str) -> dict[str, str]:
     return env
 
 
-def torchrun_argv(cfg: Config, config_path: str) -> list[str]:
+def torchrun_argv(cfg: Config, run_dir: Path, model_path: str) -> list[str]:
     t = cfg.trainer
     nproc = t.nproc_per_node or world_size(cfg) // t.nnodes
     return [
         "torchrun", "--nnodes", str(t.nnodes), "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(t.master_port or 29500),
-        "-m", "tonpolicy.launch.trainer_main", "--config", config_path,
+        "--master-addr", "127.0.0.1", "--master-port", str(t.master_port or 29500), "--max-restarts", "0",
+        "-m", "tonpolicy.launch.trainer_main", "--config", str(run_dir / "resolved_config.yaml"),
+        "--run-dir", str(run_dir), "--server-url", f"http://{cfg.rollout.host}:{rollout_port(cfg)}",
+        "--checkpoint", model_path,
     ]
+
+
+def rollout_port(cfg: Config) -> int:
+    """The port a hand-run launch.sh uses; the launcher itself picks a free one when port=0."""
+    return cfg.rollout.port or SGLANG_DEFAULT_PORT
 
 
 def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     device = resolve_device(cfg)
     model_path = cfg.model.checkpoint or str(run_dir / "checkpoints" / "init")
-    config_path = str(run_dir / "resolved_config.yaml")
     ident = identity(cfg.contract)
     plan: dict[str, Any] = {
         "contract": ident.to_dict(),
@@ -163,14 +169,14 @@ def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "environment": environment(cfg, device),
         "rollout": {"backend": cfg.rollout.backend},
         "megatron": megatron_config(cfg),
-        "trainer_command": torchrun_argv(cfg, config_path),
+        "trainer_command": torchrun_argv(cfg, run_dir, model_path),
     }
     if cfg.rollout.backend == "sglang":
         plan["rollout"]["command"] = sglang_argv(cfg, model_path)
     else:
         plan["rollout"]["command"] = [
-            "python", "-m", "tonpolicy.rollout.server", "--config", config_path,
-            "--host", cfg.rollout.host, "--port", str(cfg.rollout.port),
+            "python", "-m", "tonpolicy.rollout.server", "--config", str(run_dir / "resolved_config.yaml"),
+            "--model-path", model_path, "--host", cfg.rollout.host, "--port", str(rollout_port(cfg)),
         ]
     # The SGLang command is always rendered so a GPU user can take it to a cluster.
     plan["sglang_command"] = sglang_argv(cfg, model_path)
