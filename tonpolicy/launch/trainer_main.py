@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         from tonpolicy.rollout.client import RolloutClient
 
         client = RolloutClient(args.server_url)
+        client.wait_healthy(cfg.rollout.health_timeout_s)  # launch.sh starts both at once
         refusal = handshake(cfg, client)
         logger = MetricsLogger(cfg, run_dir, group=run_dir.parent.name)
     refusal = broadcast(refusal if rank0 else None)
