@@ -1,0 +1,79 @@
+"""What the rollout server needs from the embedded engine: build it, reload weights, map requests."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+from tonpolicy.config.model import ModelConfig
+from tonpolicy.kernels import get_kernels
+from tonpolicy.model.checkpoint import load_hf, param_shapes
+from tonpolicy.model.qwen3 import Qwen3
+from tonpolicy.rollout.engine import Engine
+from tonpolicy.rollout.protocol import GenerateItem
+from tonpolicy.rollout.server_args import ServerArgs
+from tonpolicy.rollout.types import GenRequest, GenResult
+
+# ModelConfig fields that are labels or provenance, not architecture: a reload may change them.
+_NOT_ARCHITECTURE = {"name", "family", "hf_config", "checkpoint", "init_seed", "init_std"}
+
+
+def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
+    kernels = get_kernels(args.kernels, **args.kernel_params)
+    dtype = getattr(torch, args.dtype)
+    if args.model_path:
+        cfg, state_dict = load_hf(args.model_path)
+    else:  # the profile's deterministic random init (same seed as the trainer's)
+        cfg, state_dict = args.model, None
+    model = Qwen3(cfg, kernels, dtype, state_dict)
+    engine = Engine(
+        model, max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size
+    )
+    return engine, cfg
+
+
+def _architecture(cfg: ModelConfig) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _NOT_ARCHITECTURE}
+
+
+def reload_weights(engine: Engine, path: str, current: ModelConfig) -> None:
+    """Load an HF checkpoint into the running model. Everything is checked before the first tensor
+    is copied, so a refused checkpoint leaves the served weights untouched."""
+    cfg, state_dict = load_hf(path)
+    ours, theirs = _architecture(current), _architecture(cfg)
+    diff = {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]}
+    if diff:
+        raise ValueError(f"checkpoint {path} has another architecture (served, checkpoint): {diff}")
+    shapes = param_shapes(current)
+    bad = {k: tuple(v.shape) for k, v in state_dict.items() if k in shapes and tuple(v.shape) != shapes[k]}
+    if bad:
+        raise ValueError(f"checkpoint {path} has tensors of the wrong shape: {bad}")
+    engine.model.load_weights(state_dict)
+
+
+def flush_cache(engine: Engine) -> None:
+    # The engine keeps no KV across generate() calls (a pool per batch), so there is nothing to drop
+    # unless a later engine grows a prefix cache.
+    flush = getattr(engine, "flush_cache", None)
+    if flush is not None:
+        flush()
+
+
+def to_gen_request(item: GenerateItem, seed: int) -> GenRequest:
+    s = item.sampling
+    return GenRequest(
+        prompt_ids=list(item.input_ids),
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=seed,
+        stop_token_ids=s.stop_token_ids,
+    )
+
+
+def result_fields(result: GenResult) -> tuple[list[int], list[float], str]:
+    # .tolist() of fp32 gives the exact values as Python floats; json then writes them exactly.
+    return list(result.output_ids), result.output_logprobs.float().tolist(), result.finish_reason
