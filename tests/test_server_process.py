@@ -4,11 +4,12 @@ taken, a model that cannot be loaded, and a clean exit on SIGTERM."""
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from server_proc import IDENTITY, ServerProc
+from server_proc import IDENTITY, ServerProc, save_checkpoint
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.contract.identity import identity, kernel_params
@@ -65,3 +66,12 @@ def test_unloadable_model_is_a_clear_nonzero_exit(tmp_path: Path) -> None:
     code = srv.wait_exit(60)
     assert code == EXIT_LOAD_FAILED
     assert "cannot load the model" in srv.log()
+
+
+def test_checkpoint_of_another_architecture_than_the_config_is_refused(tmp_path: Path) -> None:
+    path, cfg = _resolved_config(tmp_path)
+    ckpt = save_checkpoint(tmp_path / "ckpt", seed=0, cfg=replace(cfg.model, num_layers=2))
+    srv = ServerProc(tmp_path, "arch", ["--config", str(path), "--model-path", str(ckpt)])
+    code = srv.wait_exit(60)
+    assert code == EXIT_LOAD_FAILED
+    assert "another architecture" in srv.log() and "num_layers" in srv.log()

@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -247,6 +248,7 @@ ROUTES = {
 
 class RolloutHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 256  # listen backlog: socketserver's 5 drops bursts of concurrent clients
 
     def __init__(self, address: tuple[str, int], state: ServerState) -> None:
         self.state = state
@@ -282,6 +284,7 @@ class RolloutHandler(BaseHTTPRequestHandler):
         except ProtocolError as e:
             status, body = 400, {"error": {"message": str(e)}}
         except Exception as e:  # noqa: BLE001 - a failed request must not take the server down
+            traceback.print_exc()  # the server log is where an orchestrator looks
             status, body = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
         self._send(status, body)
 

@@ -31,7 +31,9 @@ class ServerArgs:
     contract_fingerprint: str
     # HF checkpoint directory (config.json + safetensors); None: random init of `model` from its seed.
     model_path: str | None = None
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # The run's model profile; a checkpoint must match its architecture. None: ModelConfig() when
+    # there is no checkpoint, the checkpoint's own config.json otherwise.
+    model: ModelConfig | None = None
     kernels: str = "contract"
     kernel_params: dict[str, int] = field(default_factory=dict)
     dtype: str = "bfloat16"

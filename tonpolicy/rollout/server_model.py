@@ -25,8 +25,10 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
     dtype = getattr(torch, args.dtype)
     if args.model_path:
         cfg, state_dict = load_hf(args.model_path)
+        if args.model is not None:  # a wrong --model-path must not serve another model silently
+            _check_same_architecture(args.model, cfg, args.model_path)
     else:  # the profile's deterministic random init (same seed as the trainer's)
-        cfg, state_dict = args.model, None
+        cfg, state_dict = args.model or ModelConfig(), None
     model = Qwen3(cfg, kernels, dtype, state_dict)
     engine = Engine(
         model, max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size
@@ -38,14 +40,18 @@ def _architecture(cfg: ModelConfig) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _NOT_ARCHITECTURE}
 
 
+def _check_same_architecture(ours: ModelConfig, checkpoint: ModelConfig, path: str) -> None:
+    a, b = _architecture(ours), _architecture(checkpoint)
+    diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+    if diff:
+        raise ValueError(f"checkpoint {path} has another architecture (expected, checkpoint): {diff}")
+
+
 def reload_weights(engine: Engine, path: str, current: ModelConfig) -> None:
     """Load an HF checkpoint into the running model. Everything is checked before the first tensor
     is copied, so a refused checkpoint leaves the served weights untouched."""
     cfg, state_dict = load_hf(path)
-    ours, theirs = _architecture(current), _architecture(cfg)
-    diff = {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]}
-    if diff:
-        raise ValueError(f"checkpoint {path} has another architecture (served, checkpoint): {diff}")
+    _check_same_architecture(current, cfg, path)
     shapes = param_shapes(current)
     bad = {k: tuple(v.shape) for k, v in state_dict.items() if k in shapes and tuple(v.shape) != shapes[k]}
     if bad:
