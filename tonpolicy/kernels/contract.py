@@ -20,7 +20,7 @@ class ContractKernels:
     name = "contract"
 
     def __init__(self, *, attention_tile: int = 32, canonical_shards: int = 4, row_tile: int = 16) -> None:
-        self.attention_tile = attention_tile
+        self.tile_size = attention_tile
         self.canonical_shards = canonical_shards
         self.row_tile = row_tile
 
@@ -28,7 +28,7 @@ class ContractKernels:
         """Everything that affects numerics, for the contract fingerprint."""
         return {
             "kernel_set": self.name,
-            "attention_tile": self.attention_tile,
+            "attention_tile": self.tile_size,
             "canonical_shards": self.canonical_shards,
             "row_tile": self.row_tile,
             "linear": "fp32 bmm of [row_tile, K/C] x [K/C, N] tiles, canonical K-shards, pairwise tree sum",
@@ -84,13 +84,13 @@ class ContractKernels:
         scale: float,
     ) -> torch.Tensor:
         """Batch of independent sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D], positions [B, N]."""
-        return ca.attention_batched(q, k, v, q_pos, k_pos, scale, self.attention_tile, self.row_tile)
+        return ca.attention_batched(q, k, v, q_pos, k_pos, scale, self.tile_size, self.row_tile)
 
     def attention_tile(self, q, k, v, q_pos, k_pos, scale: float) -> AttnPartial:  # noqa: ANN001
-        if k.shape[0] != self.attention_tile:
-            raise ValueError(f"attention_tile takes exactly {self.attention_tile} keys, got {k.shape[0]}")
+        if k.shape[0] != self.tile_size:
+            raise ValueError(f"attention_tile takes exactly {self.tile_size} keys, got {k.shape[0]}")
         parts, nq = ca.tile_partials(
-            q[None], k[None], v[None], q_pos[None], k_pos[None], scale, self.attention_tile, self.row_tile
+            q[None], k[None], v[None], q_pos[None], k_pos[None], scale, self.tile_size, self.row_tile
         )
         # [1, Hq, Qp, 1(, D)] -> [Nq, Hq(, D)]
         m = parts.m[0, :, :nq, 0].transpose(0, 1)

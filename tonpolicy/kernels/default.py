@@ -20,11 +20,11 @@ class DefaultKernels:
     name = "default"
 
     def __init__(self, *, attention_tile: int = 32, canonical_shards: int = 4) -> None:
-        self.attention_tile = attention_tile
+        self.tile_size = attention_tile
         self.canonical_shards = canonical_shards
 
     def describe(self) -> dict[str, Any]:
-        return {"kernel_set": self.name, "attention_tile": self.attention_tile,
+        return {"kernel_set": self.name, "attention_tile": self.tile_size,
                 "canonical_shards": self.canonical_shards, "linear": "F.linear", "attention": "sdpa"}
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,7 @@ class DefaultKernels:
         return self.attention_batched(q[None], k[None], v[None], q_pos[None], k_pos[None], scale)[0]
 
     def attention_tile(self, q, k, v, q_pos, k_pos, scale: float) -> AttnPartial:  # noqa: ANN001
-        k, v, k_pos = (t[0] for t in pad_keys(k[None], v[None], k_pos[None], self.attention_tile))
+        k, v, k_pos = (t[0] for t in pad_keys(k[None], v[None], k_pos[None], self.tile_size))
         g = q.shape[1] // k.shape[1]
         kh = k.float().repeat_interleave(g, dim=1)
         vh = v.float().repeat_interleave(g, dim=1)

@@ -1,0 +1,141 @@
+"""Split-KV attention invariance: prefill vs one-query decode vs chunked prefill, batched decode of
+sequences of different lengths, the tile-by-tile merge (also across a ring-CP style key split), masked
+tiles as exact no-ops, thread count. The default set (SDPA) is the negative control."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kernel_utils import DTYPES, num_threads, randn
+
+from tonpolicy.kernels import get_kernels
+
+HEADS = [(8, 4, 32), (4, 4, 64), (16, 2, 128)]  # (Hq, Hkv, D): tiny profile, MHA, wide GQA
+
+
+def _qkv(n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
+    return (randn(n, hq, d, dtype=dtype, seed=seed), randn(n, hkv, d, dtype=dtype, seed=seed + 1),
+            randn(n, hkv, d, dtype=dtype, seed=seed + 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", [32, 16])
+def test_prefill_decode_chunked_equal(dtype, tile):
+    k = get_kernels("contract", attention_tile=tile)
+    rng = random.Random(tile)
+    for ci, (hq, hkv, d) in enumerate(HEADS):
+        n = rng.choice([47, 100, 131]) if ci else 161
+        q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=ci * 10)
+        pos = torch.arange(n)
+        scale = d**-0.5
+        full = k.attention(q, kk, v, pos, pos, scale)
+        assert full.dtype == dtype and full.shape == q.shape
+        # one query at a time against the keys [0..i] (decode)
+        for i in sorted(rng.sample(range(n), 6)) + [0, n - 1]:
+            one = k.attention(q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], pos[: i + 1], scale)
+            assert torch.equal(one, full[i : i + 1]), (hq, d, i)
+        # chunked prefill with random chunk boundaries (not tile multiples)
+        s = 0
+        while s < n:
+            e = min(n, s + rng.randrange(1, 40))
+            part = k.attention(q[s:e], kk[:e], v[:e], pos[s:e], pos[:e], scale)
+            assert torch.equal(part, full[s:e]), (hq, d, s, e)
+            s = e
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_decode_equals_alone(dtype):
+    """Sequences of different lengths share one batched call (keys padded past each length)."""
+    k = get_kernels("contract")
+    hq, hkv, d = 8, 4, 32
+    lens = [1, 5, 31, 32, 33, 77, 130]
+    nk = 160
+    q = randn(len(lens), 1, hq, d, dtype=dtype, seed=1)
+    kk = randn(len(lens), nk, hkv, d, dtype=dtype, seed=2)
+    v = randn(len(lens), nk, hkv, d, dtype=dtype, seed=3)
+    q_pos = torch.tensor(lens)[:, None] - 1
+    k_pos = torch.arange(nk)[None].expand(len(lens), nk)
+    batched = k.attention_batched(q, kk, v, q_pos, k_pos, d**-0.5)
+    for b, n in enumerate(lens):
+        alone = k.attention(q[b], kk[b, :n], v[b, :n], q_pos[b], torch.arange(n), d**-0.5)
+        assert torch.equal(batched[b], alone), n
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tile_merge_equals_attention(dtype):
+    """attention == finalize(left-to-right merge of attention_tile over key tiles, one tile at a time).
+    This is what ring CP does with tiles of remote chunks (chunk boundaries on tile boundaries)."""
+    tile = 32
+    k = get_kernels("contract", attention_tile=tile)
+    for ci, (hq, hkv, d) in enumerate(HEADS):
+        n = 150
+        q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=ci + 5)
+        pos = torch.arange(n)
+        full = k.attention(q, kk, v, pos, pos, d**-0.5)
+        nt = -(-n // tile)
+        padn = nt * tile
+        kp = torch.cat([kk, torch.zeros(padn - n, hkv, d, dtype=dtype)])
+        vp = torch.cat([v, torch.zeros(padn - n, hkv, d, dtype=dtype)])
+        kpos = torch.cat([pos, torch.full((padn - n,), 2**62)])
+        state = None
+        for t in range(nt):
+            sl = slice(t * tile, (t + 1) * tile)
+            part = k.attention_tile(q, kp[sl], vp[sl], pos, kpos[sl], d**-0.5)
+            state = part if state is None else k.merge(state, part)
+        assert torch.equal(k.finalize(state, dtype), full)
+
+
+def test_masked_tile_is_exact_noop():
+    k = get_kernels("contract")
+    q, kk, v = _qkv(40, 8, 4, 32, torch.float32, seed=3)
+    pos = torch.arange(40)
+    a = k.attention_tile(q, kk[:32], v[:32], pos, pos[:32], 0.2)
+    # a tile whose keys are all in the future of every query
+    masked = k.attention_tile(q, randn(32, 4, 32, seed=9), randn(32, 4, 32, seed=8), pos, pos[:32] + 1000, 0.2)
+    assert torch.all(masked.m == float("-inf")) and torch.all(masked.l == 0) and torch.all(masked.acc == 0)
+    merged = k.merge(a, masked)
+    assert torch.equal(merged.m, a.m) and torch.equal(merged.l, a.l) and torch.equal(merged.acc, a.acc)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_thread_invariance(dtype):
+    k = get_kernels("contract")
+    q, kk, v = _qkv(200, 16, 2, 128, dtype, seed=4)
+    pos = torch.arange(200)
+    with num_threads(1):
+        a = k.attention(q, kk, v, pos, pos, 0.1)
+        a1 = k.attention(q[150:151], kk[:151], v[:151], pos[150:151], pos[:151], 0.1)
+    with num_threads(2):
+        b = k.attention(q, kk, v, pos, pos, 0.1)
+        b1 = k.attention(q[150:151], kk[:151], v[:151], pos[150:151], pos[:151], 0.1)
+    assert torch.equal(a, b) and torch.equal(a1, b1) and torch.equal(a1, a[150:151])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_contract_attention_is_accurate(dtype):
+    k = get_kernels("contract")
+    q, kk, v = _qkv(70, 8, 4, 32, dtype, seed=6)
+    pos = torch.arange(70)
+    got = k.attention(q, kk, v, pos, pos, 32**-0.5).double()
+    qd, kd, vd = q.double(), kk.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+    s = torch.einsum("qhd,khd->hqk", qd, kd) * 32**-0.5
+    s = s.masked_fill(torch.ones(70, 70, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vd)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got - ref).abs().max() < tol
+
+
+def test_default_attention_prefill_differs_from_decode():
+    """Negative control: SDPA's causal row i differs from query i decoded alone."""
+    k = get_kernels("default")
+    mismatches = 0
+    for dtype in DTYPES:
+        q, kk, v = _qkv(100, 8, 4, 32, dtype, seed=7)
+        pos = torch.arange(100)
+        full = k.attention(q, kk, v, pos, pos, 32**-0.5)
+        for i in range(0, 100, 9):
+            one = k.attention(q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], pos[: i + 1], 32**-0.5)
+            mismatches += int(not torch.equal(one, full[i : i + 1]))
+    assert mismatches > 0

@@ -1,0 +1,121 @@
+"""Invariance of the contract linear: batch composition / token count / row position, column shards,
+canonical K-shards at TP=1/2/4, thread count. The default set is the negative control."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kernel_utils import DTYPES, num_threads, randn
+
+from tonpolicy.kernels import get_kernels, padded_vocab_size
+
+# (K, N) pairs: the tiny profile, the hidden-1024 bench profile, and larger/odd widths.
+SHAPES = [(128, 256), (128, 2048), (384, 128), (1024, 1024), (1024, 3072), (3072, 1024), (256, 96), (512, 4096)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_row_invariance(dtype):
+    """A row's result never depends on which other rows share the call, nor where it sits."""
+    k = get_kernels("contract")
+    rng = random.Random(0)
+    for si, (kk, n) in enumerate(SHAPES):
+        x = randn(300, kk, dtype=dtype, seed=si)
+        w = randn(n, kk, dtype=dtype, seed=100 + si, std=kk**-0.5)
+        full = k.linear(x, w)
+        assert full.dtype == dtype
+        for _ in range(6):
+            m = rng.choice([1, 2, 7, 16, 17, 33, rng.randrange(1, 300)])
+            off = rng.randrange(0, 300 - m + 1)
+            assert torch.equal(k.linear(x[off : off + m], w), full[off : off + m]), (kk, n, m, off)
+        # leading dims are just rows
+        assert torch.equal(k.linear(x[:60].view(4, 15, kk), w), full[:60].view(4, 15, n))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_column_shards(dtype):
+    """Column-parallel shards (any TP dividing the width) equal the matching columns bitwise."""
+    k = get_kernels("contract")
+    for si, (kk, n) in enumerate(SHAPES):
+        x = randn(37, kk, dtype=dtype, seed=si)
+        w = randn(n, kk, dtype=dtype, seed=50 + si, std=kk**-0.5)
+        full = k.linear(x, w)
+        for tp in (2, 4, 8):
+            if n % (tp * 32):
+                continue
+            c = n // tp
+            for r in range(tp):
+                shard = w[r * c : (r + 1) * c].contiguous()
+                assert torch.equal(k.linear(x, shard), full[:, r * c : (r + 1) * c]), (kk, n, tp, r)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_parallel_canonical_shards(dtype):
+    """TP ranks computing their canonical K-shards, gathered in rank order and tree-combined, give the
+    TP=1 bits (also for the fp32 logits path)."""
+    k = get_kernels("contract", canonical_shards=4)
+    for si, (kk, n) in enumerate(SHAPES):
+        x = randn(23, kk, dtype=dtype, seed=si)
+        w = randn(n, kk, dtype=dtype, seed=70 + si, std=kk**-0.5)
+        ref = k.linear(x, w)
+        ref32 = k.combine_partials(k.linear_partials(x, w, 4), torch.float32)
+        for tp in (1, 2, 4):
+            c = kk // tp
+            parts = [
+                k.linear_partials(x[:, r * c : (r + 1) * c].contiguous(), w[:, r * c : (r + 1) * c].contiguous(), 4 // tp)
+                for r in range(tp)
+            ]
+            gathered = torch.cat(parts, dim=0)
+            assert gathered.shape == (4, 23, n) and gathered.dtype == torch.float32
+            assert torch.equal(k.combine_partials(gathered, dtype), ref), (kk, n, tp)
+            assert torch.equal(k.combine_partials(gathered, torch.float32), ref32)
+
+
+def test_combine_tree_order():
+    k = get_kernels("contract")
+    p = torch.tensor([[1e8], [1.0], [-1e8], [1.0]], dtype=torch.float32)
+    # ((1e8 + 1) + (-1e8 + 1)) in fp32 = 1e8 - 1e8 = 0 exactly; a left fold would give 1.0.
+    assert k.combine_partials(p, torch.float32).item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_thread_invariance(dtype):
+    k = get_kernels("contract")
+    for si, (kk, n) in enumerate(SHAPES):
+        x = randn(70, kk, dtype=dtype, seed=si)
+        w = randn(n, kk, dtype=dtype, seed=10 + si, std=kk**-0.5)
+        with num_threads(1):
+            a = k.linear(x, w)
+            a1 = k.linear(x[5:6], w)
+        with num_threads(2):
+            b = k.linear(x, w)
+            b1 = k.linear(x[5:6], w)
+        assert torch.equal(a, b) and torch.equal(a1, b1) and torch.equal(a1, a[5:6])
+
+
+def test_linear_accuracy_fp32_accumulation():
+    k = get_kernels("contract")
+    x = randn(9, 1024, dtype=torch.bfloat16, seed=1)
+    w = randn(512, 1024, dtype=torch.bfloat16, seed=2, std=0.03)
+    exact = (x.double() @ w.double().T)
+    got = k.linear(x, w).double()
+    # one bf16 rounding of an fp32-accumulated result: within half a bf16 ulp plus fp32 noise
+    assert ((got - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
+
+
+def test_default_linear_is_not_row_invariant():
+    """Negative control: plain F.linear results for a row depend on the batch."""
+    k = get_kernels("default")
+    mismatches = 0
+    for si, (kk, n) in enumerate(SHAPES):
+        x = randn(64, kk, seed=si)
+        w = randn(n, kk, seed=9 + si, std=kk**-0.5)
+        mismatches += int(not torch.equal(k.linear(x[:1], w), k.linear(x, w)[:1]))
+    assert mismatches > 0
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(2003, 4) == 2048
+    assert padded_vocab_size(151936, 4) == 152064 and 152064 % 512 == 0
+    assert padded_vocab_size(512, 4) == 512 and padded_vocab_size(513, 2) == 768
