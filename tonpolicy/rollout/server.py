@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import traceback
+import uuid
 from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -95,6 +96,7 @@ def route_generate(state: ServerState, body: Any) -> Response:
     if not state.ready:
         return _not_ready()
     items, is_batch = parse_generate_request(body)
+    # Checked here, not by the engine: one bad request must not fail the others batched with it.
     cfg = state.model_config
     for it in items:
         if max(it.input_ids) >= cfg.vocab_size or min(it.input_ids) < 0:
@@ -108,22 +110,16 @@ def route_generate(state: ServerState, body: Any) -> Response:
         it.sampling.sampling_seed if it.sampling.sampling_seed is not None else state.next_seed()
         for it in items
     ]
-    # SGLang answers max_new_tokens=0 with no tokens; the engine is never asked for nothing.
-    todo = [i for i, it in enumerate(items) if it.sampling.max_new_tokens > 0]
-    batch = state.loop.generate([to_gen_request(items[i], seeds[i]) for i in todo]).result()
-    by_index = dict(zip(todo, batch.results, strict=True))
-    outs = []
-    for i, it in enumerate(items):
-        outs.append(_output(it, by_index.get(i), batch.tag))
+    batch = state.loop.generate(
+        [to_gen_request(it, seed) for it, seed in zip(items, seeds, strict=True)]
+    ).result()
+    outs = [_output(it, res, batch.tag) for it, res in zip(items, batch.results, strict=True)]
     return 200, (outs if is_batch else outs[0])
 
 
 def _output(item: GenerateItem, result: Any, weight_version: str) -> dict[str, Any]:
-    rid = item.rid or os.urandom(16).hex()  # SGLang's default rid is a uuid4 hex
-    if result is None:
-        ids, lps, kind = [], [], "length"
-    else:
-        ids, lps, kind = result_fields(result)
+    rid = item.rid or uuid.uuid4().hex  # SGLang's default rid
+    ids, lps, kind = result_fields(result)
     finish = finish_reason_json(kind, ids, item.sampling.max_new_tokens)
     return build_generate_output(rid, item, ids, lps, finish, weight_version)
 
