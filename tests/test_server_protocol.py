@@ -139,3 +139,30 @@ def test_client_parse_rejects_mismatched_logprob_ids() -> None:
     bad = {"output_ids": [1, 2], "meta_info": {"output_token_logprobs": [[-1.0, 1, None], [-1.0, 3, None]]}}
     with pytest.raises(ProtocolError):
         parse_generate_output(bad)
+
+
+def test_client_parses_a_real_sglang_text_mode_answer() -> None:
+    # The shape SGLang's tokenizer manager answers with when it has a tokenizer (text + output_ids)
+    # and orjson's null for a non-finite logprob.
+    answer = {
+        "text": " Paris",
+        "output_ids": [12366, 13],
+        "meta_info": {
+            "id": "9f1c",
+            "finish_reason": {"type": "stop", "matched": 13},
+            "prompt_tokens": 6,
+            "weight_version": "default",
+            "total_retractions": 0,
+            "input_token_logprobs": [[None, 785, None]],
+            "output_token_logprobs": [[-0.0123, 12366, None], [None, 13, None]],
+            "completion_tokens": 2,
+            "cached_tokens": 0,
+            "e2e_latency": 0.05,
+        },
+    }
+    parsed = parse_generate_output(answer)
+    assert parsed["output_ids"] == [12366, 13] and parsed["finish_reason"] == "stop"
+    assert (
+        parsed["output_logprobs"][0] == -0.0123
+        and parsed["output_logprobs"][1] != parsed["output_logprobs"][1]
+    )

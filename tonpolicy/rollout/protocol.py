@@ -269,7 +269,9 @@ def parse_generate_output(out: dict[str, Any]) -> dict[str, Any]:
     finish = meta.get("finish_reason")
     return {
         "output_ids": output_ids,
-        "output_logprobs": [float(t[0]) for t in triples],
+        # SGLang serializes with orjson, which writes a non-finite float as null: keep it a NaN so
+        # a parity check can never mistake it for a real value.
+        "output_logprobs": [float("nan") if t[0] is None else float(t[0]) for t in triples],
         "finish_reason": finish.get("type") if isinstance(finish, dict) else finish,
         "weight_version": meta.get("weight_version"),
     }
