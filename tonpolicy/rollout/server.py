@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from tonpolicy.config.model import ModelConfig
 from tonpolicy.rollout.engine_loop import EngineLoop
 from tonpolicy.rollout.protocol import (
     GenerateItem,
@@ -65,7 +66,7 @@ class ServerState:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.loop: EngineLoop | None = None
-        self.model_config: Any = None
+        self.model_config: ModelConfig | None = None  # set once the model is loaded
         self.model_path: str | None = args.model_path
         self.port: int = args.port
         self._seeds = itertools.count()
