@@ -58,13 +58,28 @@ def rollout(cfg: Config, client: Any, step: int) -> dict[str, Any]:
 
 
 def handshake(cfg: Config, client: Any) -> str | None:
-    """None when the server honours our contract, else the reason to refuse."""
+    """None when the server honours our contract, else the reason to refuse.
+
+    tonpolicy's server reports the contract fingerprint. Released SGLang reports none; there we
+    check the server args that the contract renders (deterministic mode, attention backend,
+    on-policy target) so at least the launch matches the plan.
+    """
     ours = identity(cfg.contract).to_dict()
     theirs = client.contract()
-    if theirs is None:
+    if theirs is not None:
+        if theirs.get("fingerprint") != ours["fingerprint"]:
+            return f"contract fingerprint mismatch: server {theirs} vs trainer {ours}"
+        return None
+    if cfg.rollout.backend != "sglang":
         return f"the rollout server reports no tonpolicy contract (expected {ours})"
-    if theirs.get("fingerprint") != ours["fingerprint"]:
-        return f"contract fingerprint mismatch: server {theirs} vs trainer {ours}"
+    info, policy = client.server_info(), cfg.contract.sglang
+    expected = {"enable_deterministic_inference": policy.enable_deterministic_inference,
+                "attention_backend": policy.attention_backend, "rl_on_policy_target": policy.rl_on_policy_target}
+    wrong = {k: info.get(k) for k, v in expected.items() if info.get(k) != v}
+    if wrong:
+        return f"SGLang server args {wrong} differ from contract {cfg.contract.name}'s {expected}"
+    print(f"tonpolicy: SGLang server args match contract {cfg.contract.name}; parity is proven by the gate",
+          file=sys.stderr)
     return None
 
 
