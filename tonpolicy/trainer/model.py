@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -10,6 +12,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 from tonpolicy.config.model import ModelConfig
+from tonpolicy.kernels import get_kernels, padded_vocab_size
 
 # Canonical K-shard count of the contract's row-parallel reduction; any TP dividing it is exact.
 CANONICAL_SHARDS = 4
@@ -17,11 +20,6 @@ CANONICAL_SHARDS = 4
 
 def padded_vocab(cfg: ModelConfig, canonical_shards: int = CANONICAL_SHARDS) -> int:
     """TP-independent padded vocab, so every layout (and the rollout) sees the same logits width."""
-    try:
-        from tonpolicy.kernels import padded_vocab_size
-    except ImportError:  # kernels not committed yet: same rule, round up to 128 * shards
-        mult = 128 * canonical_shards
-        return -(-cfg.vocab_size // mult) * mult
     return padded_vocab_size(cfg.vocab_size, canonical_shards)
 
 
@@ -64,8 +62,10 @@ def transformer_config(cfg: ModelConfig, dtype: torch.dtype) -> TransformerConfi
     )
 
 
-def build_gpt(cfg: ModelConfig, dtype: torch.dtype, spec: str = "contract", cp_mode: str = "ulysses") -> GPTModel:
-    """`spec`: 'contract' (tonpolicy kernels, exact) or 'stock' (megatron local spec, negative control)."""
+def build_gpt(cfg: ModelConfig, dtype: torch.dtype, spec: str = "contract", cp_mode: str = "ulysses",
+              kernels: Any = None) -> GPTModel:
+    """`spec`: 'contract' (layer spec on a tonpolicy kernel set, by default `contract`) or 'stock'
+    (megatron's local spec: the off-policy negative control)."""
     config = transformer_config(cfg, dtype)
     pre = parallel_state.is_pipeline_first_stage()
     post = parallel_state.is_pipeline_last_stage()
@@ -81,10 +81,11 @@ def build_gpt(cfg: ModelConfig, dtype: torch.dtype, spec: str = "contract", cp_m
     if spec == "contract":
         from tonpolicy.trainer.layer_spec import contract_block_spec, install_contract_head
 
-        # RoPE is applied by the contract core attention from the batch's positions.
-        model = GPTModel(transformer_layer_spec=contract_block_spec(config, cp_mode), position_embedding_type="none",
-                         **common)
-        install_contract_head(model)
+        kernels = kernels if kernels is not None else get_kernels("contract")
+        # RoPE is applied by the contract core attention from the microbatch's absolute positions.
+        block = contract_block_spec(config, kernels, cfg.rope_theta, cp_mode)
+        model = GPTModel(transformer_layer_spec=block, position_embedding_type="none", **common)
+        install_contract_head(model, kernels)
     elif spec == "stock":
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
         model = GPTModel(transformer_layer_spec=layer_spec, position_embedding_type="rope",

@@ -1,0 +1,69 @@
+"""Context-parallel token layout, the per-microbatch position context, and the one response slicer.
+
+Ulysses shards the sequence into CP contiguous chunks (attention all-to-alls heads, so each head's
+sequence is whole again); ring uses zigzag: 2*CP chunks, rank r holds chunks r and 2*CP-1-r, every
+chunk a multiple of the attention tile so remote key tiles line up with the single-device kernel's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_positions: torch.Tensor | None = None
+
+
+def set_positions(positions: torch.Tensor) -> None:
+    """Absolute positions [b, s_local] of this rank's tokens for the microbatch about to run forward.
+    The contract attention reads them (RoPE and the causal mask need absolute positions under CP)."""
+    global _positions
+    _positions = positions
+
+
+def current_positions() -> torch.Tensor:
+    if _positions is None:
+        raise RuntimeError("set_positions() must be called before the model's forward")
+    return _positions
+
+
+def padded_len(n: int, cp: int, mode: str, tile: int) -> int:
+    mult = 2 * cp * tile if (cp > 1 and mode == "ring") else cp
+    return -(-n // mult) * mult
+
+
+def local_positions(seq_len: int, cp: int, rank: int, mode: str) -> torch.Tensor:
+    """Absolute positions this CP rank holds, in local order (seq_len already padded)."""
+    if cp == 1:
+        return torch.arange(seq_len)
+    if mode == "ulysses":
+        c = seq_len // cp
+        return torch.arange(rank * c, (rank + 1) * c)
+    if mode == "ring":
+        c = seq_len // (2 * cp)
+        first, second = rank, 2 * cp - 1 - rank
+        return torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
+    raise ValueError(f"unknown CP mode {mode!r}")
+
+
+@dataclass(frozen=True)
+class ResponseSlice:
+    """Local rows whose logits predict a response token, and that token's index in the response."""
+
+    rows: torch.Tensor
+    resp: torch.Tensor
+
+
+def response_slice(positions: torch.Tensor, prompt_len: int, response_len: int) -> ResponseSlice:
+    """The row at absolute position p predicts token p+1; response token j sits at prompt_len + j."""
+    nxt = positions + 1 - prompt_len
+    keep = (nxt >= 0) & (nxt < response_len)
+    return ResponseSlice(rows=keep.nonzero().flatten(), resp=nxt[keep])
+
+
+def slice_responses(
+    per_row: list[torch.Tensor], per_response: list[torch.Tensor], slices: list[ResponseSlice]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The shared slicer for every CP mode: for each sample, (local rows of a per-row tensor such as
+    logits, the matching entries of a per-response-token tensor such as targets or the loss mask)."""
+    return [(x[s.rows], y[s.resp]) for x, y, s in zip(per_row, per_response, slices, strict=True)]

@@ -1,0 +1,165 @@
+"""The contract layer spec: megatron-core's TransformerLayer/SelfAttention/MLP skeleton, with every
+numerical op routed to a tonpolicy kernel set (the same functions the rollout model calls).
+
+- column-parallel linears: `kernels.linear` on the local weight (its columns equal the unsharded op's);
+- row-parallel linears: `kernels.linear_partials` over this rank's canonical K-shards, gathered across
+  TP in rank order, `kernels.combine_partials` (fixed tree) -> the same bits at TP=1/2/4;
+- RMSNorm (incl. QK-norm), SwiGLU, RoPE, core attention: the kernels; context parallel (Ulysses and
+  zigzag ring) lives inside the core attention module (megatron's own CP needs TransformerEngine);
+- LM head: a contract column-parallel linear over the TP-independent padded vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer import ModuleSpec, TransformerConfig
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from tonpolicy.trainer import cp as cp_layout
+from tonpolicy.trainer.comm import replicated_all_gather
+from tonpolicy.trainer.cp_attention import context_parallel_attention
+
+
+class ContractColumnParallelLinear(ColumnParallelLinear):
+    kernels: Any = None
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        w = self.weight if weight is None else weight
+        x = copy_to_tensor_model_parallel_region(input_)  # identity forward, TP all-reduce of dgrad
+        return self.kernels.linear(x, w), None
+
+
+class ContractRowParallelLinear(RowParallelLinear):
+    kernels: Any = None
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        shards = self.kernels.canonical_shards
+        if shards % tp:
+            raise ValueError(f"TP={tp} must divide the contract's {shards} canonical shards")
+        partials = self.kernels.linear_partials(input_, self.weight, shards // tp)
+        # The sum is replicated on every TP rank, so the gather's backward narrows (no reduce).
+        stack = replicated_all_gather(partials, 0, parallel_state.get_tensor_model_parallel_group())
+        return self.kernels.combine_partials(stack, input_.dtype), None
+
+
+class ContractLMHead(ContractColumnParallelLinear):
+    """Column-parallel LM head: fp32 logits of the canonical-shard matmul, never rounded to the
+    activation dtype (the rollout model's `lm_head` is the same two kernel calls)."""
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        w = self.weight if weight is None else weight
+        x = copy_to_tensor_model_parallel_region(input_)
+        k = self.kernels
+        return k.combine_partials(k.linear_partials(x, w, k.canonical_shards), torch.float32), None
+
+
+def _with_kernels(cls: type, kernels: Any) -> type:
+    return type(cls.__name__, (cls,), {"kernels": kernels})
+
+
+class ContractRMSNorm(MegatronModule):
+    """RMSNorm with the kernel's formula; `weight` is named as in megatron's local spec."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, kernels: Any = None,
+                 **_: Any) -> None:
+        super().__init__(config=config)
+        self.kernels, self.eps = kernels, eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+
+class ContractMLP(MLP):
+    """Fused gate/up column-parallel linear -> kernel SwiGLU -> row-parallel linear."""
+
+    kernels: Any = None
+
+    def forward(self, hidden_states: torch.Tensor, per_token_scale: Any = None, **_: Any) -> tuple[torch.Tensor, None]:
+        inter, _b = self.linear_fc1(hidden_states)
+        gate, up = inter.chunk(2, dim=-1)
+        out, _b = self.linear_fc2(self.kernels.swiglu(gate, up))
+        return out, None
+
+
+class ContractCoreAttention(MegatronModule):
+    """RoPE (from the microbatch's absolute positions) + split-KV causal attention, with CP inside."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, kernels: Any = None, rope_theta: float = 1e6, cp_mode: str = "ulysses",
+                 softmax_scale: float | None = None, **_: Any) -> None:
+        super().__init__(config=config)
+        self.kernels, self.theta, self.cp_mode = kernels, rope_theta, cp_mode
+        self.head_dim = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+        positions = cp_layout.current_positions()  # [b, s_local]
+        k_ = self.kernels
+        outs = []
+        for b in range(query.shape[1]):
+            cos, sin = k_.rope_cos_sin(positions[b], self.head_dim, self.theta)
+            q = k_.apply_rope(query[:, b], cos, sin)
+            k = k_.apply_rope(key[:, b], cos, sin)
+            outs.append(context_parallel_attention(k_, q, k, value[:, b], positions[b], self.scale, self.cp_mode))
+        out = torch.stack(outs, dim=1)  # [s, b, h, d]
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def contract_layer_spec(kernels: Any, rope_theta: float, cp_mode: str) -> ModuleSpec:
+    norm = ModuleSpec(module=ContractRMSNorm, params={"kernels": kernels})
+    col = _with_kernels(ContractColumnParallelLinear, kernels)
+    row = _with_kernels(ContractRowParallelLinear, kernels)
+    core = functools.partial(ContractCoreAttention, kernels=kernels, rope_theta=rope_theta, cp_mode=cp_mode)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=col, core_attention=core, linear_proj=row, q_layernorm=norm, k_layernorm=norm
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=ModuleSpec(module=_with_kernels(ContractMLP, kernels),
+                           submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row)),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def contract_block_spec(config: TransformerConfig, kernels: Any, rope_theta: float,
+                        cp_mode: str) -> TransformerBlockSubmodules:
+    """This pipeline stage's layers plus the final norm, all on the contract kernels."""
+    layer = contract_layer_spec(kernels, rope_theta, cp_mode)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config),
+        layer_norm=ModuleSpec(module=ContractRMSNorm, params={"kernels": kernels}),
+    )
+
+
+def install_contract_head(model: GPTModel, kernels: Any) -> None:
+    """GPTModel builds its LM head itself; swap its class so it runs the kernel linear (params kept)."""
+    head = getattr(model, "output_layer", None)
+    if head is not None:
+        head.__class__ = _with_kernels(ContractLMHead, kernels)
