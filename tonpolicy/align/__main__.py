@@ -1,0 +1,5 @@
+import sys
+
+from tonpolicy.parity.align import main
+
+sys.exit(main())

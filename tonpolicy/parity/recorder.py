@@ -1,0 +1,249 @@
+"""A recording (and optionally perturbing) proxy around a kernel set.
+
+Both engines call every numeric op through their kernel set, so wrapping it sees every checkpoint
+without editing either model: weighted ops (linears, norms) are identified by the identity of the
+weight tensor (mapped to a canonical (layer, role) by `names`), the unweighted ones by the layer of
+the last weighted op (the first `apply_rope` of a layer is q, the second k; `swiglu` is the MLP
+activation; attention kernels belong to `attn_out`). The residual stream is the input of the next norm.
+
+Only the selected layers/ops/positions are copied (bounded memory). The proxy exists only while a
+dump is taken: an engine that is not dumping runs its plain kernel set, with nothing in between.
+`perturb` routes the calls of chosen checkpoints to another kernel set (a test hook that must show up
+in the report at exactly that checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tonpolicy.parity.names import POST_OPS, TP_COLUMN_OPS, Checkpoint, checkpoint, split_gate_up, split_qkv
+
+
+@dataclass
+class Selection:
+    """What to keep. None means everything. Pre/post ops (embed, final_norm, logits, logprobs) are
+    kept whatever `layers` says; `ops` filters them too."""
+
+    layers: set[int] | None = None
+    positions: set[int] | None = None
+    ops: set[str] | None = None
+
+    def wants(self, ck: Checkpoint, num_layers: int) -> bool:
+        if self.ops is not None and ck.op not in self.ops:
+            return False
+        if self.layers is None or not 0 <= ck.layer < num_layers:
+            return True
+        return ck.layer in self.layers
+
+
+@dataclass
+class Records:
+    """Recorded rows per checkpoint: chunks of (absolute positions [n], values [n, F])."""
+
+    chunks: dict[Checkpoint, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+    def add(self, ck: Checkpoint, pos: torch.Tensor, val: torch.Tensor) -> None:
+        self.chunks.setdefault(ck, []).append((pos, val))
+
+    def collect(self) -> dict[Checkpoint, tuple[torch.Tensor, torch.Tensor]]:
+        """One (sorted unique positions, values) per checkpoint; a position recorded twice keeps its
+        first value (it never is, for one sequence)."""
+        out = {}
+        for ck, parts in self.chunks.items():
+            pos = torch.cat([p for p, _ in parts])
+            val = torch.cat([v for _, v in parts])
+            order = torch.argsort(pos, stable=True)
+            pos, val = pos[order], val[order]
+            keep = torch.ones_like(pos, dtype=torch.bool)
+            keep[1:] = pos[1:] != pos[:-1]
+            out[ck] = (pos[keep], val[keep])
+        return out
+
+
+class RecordingKernels:
+    """Forwards every KernelSet call to `inner` (or to a perturbing set) and records checkpoints."""
+
+    def __init__(self, inner: Any, num_layers: int, heads_per_group: int, head_dim: int,
+                 selection: Selection | None = None, perturb: dict[Checkpoint, Any] | None = None) -> None:
+        self.inner = inner
+        self.num_layers = num_layers
+        self.heads_per_group, self.head_dim = heads_per_group, head_dim
+        self.selection = selection or Selection()
+        self.perturb = perturb or {}
+        self.records = Records()
+        self._roles: dict[int, tuple[int, str]] = {}
+        self._rows: torch.Tensor | None = None
+        self._logit_rows: torch.Tensor | None = None
+        self._layer = -1
+        self._ropes = 0
+        self._pending: tuple[int, str] | None = None  # row-parallel linear between partials and combine
+        # Mirror the kernel set's attributes (ContractKernels keeps the tile size in an instance
+        # attribute that shadows its `attention_tile` method; callers rely on both).
+        self.attention_tile = inner.attention_tile
+        self.canonical_shards = inner.canonical_shards
+
+    def __getattr__(self, name: str) -> Any:  # name, row_tile, describe(), ...
+        return getattr(self.inner, name)
+
+    # --- context ------------------------------------------------------------------------------
+    def bind_weights(self, params: dict[str, torch.Tensor], role_of: Any) -> None:
+        """Map weight identities to (layer, role) with `role_of(name) -> (layer, role) | None`."""
+        for name, p in params.items():
+            role = role_of(name)
+            if role is not None:
+                self._roles[id(p)] = role
+
+    def set_rows(self, positions: torch.Tensor, logit_positions: torch.Tensor | None = None) -> None:
+        """Absolute positions of the token rows of the forward about to run (and of its logits rows,
+        when the engine computes logits for a subset)."""
+        self._rows = positions.reshape(-1).long()
+        self._logit_rows = None if logit_positions is None else logit_positions.reshape(-1).long()
+        self._layer, self._ropes, self._pending = -1, 0, None
+
+    # --- recording ----------------------------------------------------------------------------
+    def _ck(self, layer: int, op: str) -> Checkpoint:
+        return checkpoint(layer, op, self.num_layers)
+
+    def _record(self, layer: int, op: str, t: torch.Tensor) -> None:
+        ck = self._ck(layer, op)
+        if self._rows is None or not self.selection.wants(ck, self.num_layers):
+            return
+        rows = self._rows
+        # The rollout computes the final norm, logits and logprobs for its logits rows only.
+        tail = op in POST_OPS or (op == "residual" and layer == self.num_layers - 1)
+        if tail and self._logit_rows is not None:
+            rows = self._logit_rows
+        if rows.numel() == 0:  # e.g. a CP rank that holds only padding
+            return
+        flat = t.detach().reshape(rows.numel(), -1)
+        if self.selection.positions is not None:
+            keep = torch.tensor([int(p) in self.selection.positions for p in rows], dtype=torch.bool)
+            if not keep.any():
+                return
+            rows, flat = rows[keep], flat[keep]
+        self.records.add(ck, rows.clone(), flat.clone())
+
+    def _record_weighted(self, role: tuple[int, str], t: torch.Tensor) -> None:
+        layer, op = role
+        if op == "qkv":
+            for name, part in split_qkv(t, self.heads_per_group, self.head_dim).items():
+                self._record(layer, name, part)
+        elif op == "gate_up":
+            for name, part in split_gate_up(t).items():
+                self._record(layer, name, part)
+        else:
+            self._record(layer, op, t)
+
+    def _role(self, weight: torch.Tensor) -> tuple[int, str] | None:
+        role = self._roles.get(id(weight))
+        if role is not None and role[0] < self.num_layers:
+            self._layer = role[0]
+        return role
+
+    def _kern(self, layer: int, *ops: str) -> Any:
+        for op in ops:
+            alt = self.perturb.get(Checkpoint(self.num_layers if op in POST_OPS else layer, op))
+            if alt is not None:
+                return alt
+        return self.inner
+
+    @staticmethod
+    def _ops(role: tuple[int, str] | None) -> tuple[str, ...]:
+        if role is None:
+            return ()
+        return {"qkv": ("q", "k", "v"), "gate_up": ("mlp_gate", "mlp_up")}.get(role[1], (role[1],))
+
+    # --- linear -------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        role = self._role(weight)
+        if role is not None and role[1] == "o_proj":
+            self._record(role[0], "attn_out", x)
+        y = self._kern(self._layer, *self._ops(role)).linear(x, weight)
+        if role is not None:
+            self._record_weighted(role, y)
+        return y
+
+    def linear_partials(self, x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:
+        role = self._role(weight)
+        if role is not None and role[1] == "o_proj":
+            self._record(role[0], "attn_out", x)
+        self._pending = role
+        return self._kern(self._layer, *self._ops(role)).linear_partials(x, weight, num_shards)
+
+    def combine_partials(self, partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        role, self._pending = self._pending, None
+        y = self._kern(self._layer, *self._ops(role)).combine_partials(partials, out_dtype)
+        if role is not None:
+            self._record_weighted(role, y)
+        return y
+
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        y = self._kern(self.num_layers, "logits").lm_head(x, weight)
+        self._record(self.num_layers, "logits", y)
+        return y
+
+    # --- norms / activations / rotary ----------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        role = self._role(weight)
+        if role is not None:
+            layer, op = role
+            # The residual stream is what enters the next norm.
+            if op == "input_norm":
+                self._ropes = 0
+                if layer > 0:
+                    self._record(layer - 1, "residual", x)
+                else:
+                    self._record(-1, "embed", x)
+            elif op == "post_attn_norm":
+                self._record(layer, "attn_residual", x)
+            elif op == "final_norm":
+                self._record(self.num_layers - 1, "residual", x)
+        y = self._kern(self._layer, *self._ops(role)).rms_norm(x, weight, eps)
+        if role is not None:
+            self._record_weighted(role, y)
+        return y
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        y = self._kern(self._layer, "mlp_act").swiglu(gate, up)
+        self._record(self._layer, "mlp_act", y)
+        return y
+
+    def rope_cos_sin(self, positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.rope_cos_sin(positions, head_dim, theta)
+
+    def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        op = "q_rope" if self._ropes % 2 == 0 else "k_rope"  # both engines rotate q before k
+        self._ropes += 1
+        y = self._kern(self._layer, op).apply_rope(x, cos, sin)
+        self._record(self._layer, op, y)
+        return y
+
+    # --- attention (recorded as the output projection's input) -----------------------------------
+    def attention(self, *args: Any) -> torch.Tensor:
+        return self._kern(self._layer, "attn_out").attention(*args)
+
+    def attention_batched(self, *args: Any) -> torch.Tensor:
+        return self._kern(self._layer, "attn_out").attention_batched(*args)
+
+    def attention_tile(self, *args: Any) -> Any:  # reached through the class (the int shadows it)
+        k = self._kern(self._layer, "attn_out")
+        return type(k).attention_tile(k, *args)
+
+    def merge(self, a: Any, b: Any) -> Any:
+        return self._kern(self._layer, "attn_out").merge(a, b)
+
+    def finalize(self, p: Any, dtype: torch.dtype) -> torch.Tensor:
+        return self._kern(self._layer, "attn_out").finalize(p, dtype)
+
+    # --- logprobs -------------------------------------------------------------------------------
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+        y = self._kern(self.num_layers, "logprobs").logprobs(logits, tokens, vocab_size, temperature)
+        self._record(self.num_layers, "logprobs", y)
+        return y
+
+
+def is_column_op(ck: Checkpoint) -> bool:
+    return ck.op in TP_COLUMN_OPS
