@@ -125,8 +125,20 @@ class GateConfig:
 
 @dataclass
 class AlignConfig:
+    # Which sample: index i reproduces sample i of a run's first step (its prompt and sampling seed).
     sample: int = 0
+    # Explicit prompt token ids instead (the sampling seed still comes from `sample`).
+    prompt: list[int] | None = None
+    # Bounded dumps: keep only these layers / absolute token positions / ops (None keeps all).
     layers: list[int] | None = None
+    positions: list[int] | None = None
+    ops: list[str] | None = None
+    # What the rollout's decode path is compared with: "trainer" (Megatron at parallel.*) or
+    # "full_forward" (one full-sequence forward of the rollout model, no KV cache).
+    reference: str = "trainer"
+    # Test hook: "[rollout:|trainer:]layers.<L>.<op>:<kernel set>" runs that checkpoint's kernel calls
+    # on another kernel set (e.g. "layers.1.mlp_act:default"), so the report must point at it.
+    perturb: str | None = None
 
 
 @dataclass

@@ -37,7 +37,7 @@ def save_png(report: AlignReport, path: str | Path) -> Path:
     if f is not None and report.layer_label(f.layer) in rows and f.op in ops:
         ax.add_patch(plt.Rectangle((ops.index(f.op) - 0.5, rows.index(report.layer_label(f.layer)) - 0.5), 1, 1,
                                    fill=False, edgecolor="blue", linewidth=1.5))
-    fig.colorbar(im, ax=ax, label="log10(1 + mismatched elements)", shrink=0.8)
+    fig.colorbar(im, ax=ax, label="log10(1 + mismatched)", shrink=0.8)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
