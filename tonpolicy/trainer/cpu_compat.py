@@ -4,7 +4,8 @@ megatron-core assumes a GPU in a handful of places (see /work/shared/ENVIRONMENT
 `torch.cuda.current_device()` as a tensor device (rotary embedding, p2p communication, grad buffers),
 the CUDA RNG tracker (`tensor_parallel/random.py`), `torch.cuda.synchronize()` (p2p communication),
 tensors created with `device="cuda"` (pipeline schedules, optimizer, grad clipping, grad buffers) and
-`clip_grad_by_total_norm_fp32` asserting `torch.cuda.FloatTensor`.
+`clip_grad_by_total_norm_fp32` asserting `torch.cuda.FloatTensor`, and `weight.data.cuda()` when the
+tied embedding is synced across pipeline stages.
 
 Rather than editing megatron, each affected module's global name `torch` is replaced by a thin proxy
 that forwards everything to the real torch except: factories map a CUDA device to CPU, and
@@ -123,6 +124,21 @@ def _clip_grad_by_total_norm_fp32(
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _tensor_cuda_is_identity(fn: Any) -> Any:
+    """Wrap a megatron method that calls `tensor.cuda()` (a Tensor method the proxy cannot reach):
+    during the call, `.cuda()` returns the CPU tensor itself."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        orig = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = orig
+
+    return wrapped
+
+
 def needed() -> bool:
     return not torch.cuda.is_available()
 
@@ -142,5 +158,9 @@ def apply() -> bool:
     rnd._set_cuda_rng_state = _set_rng_state
     for name in ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads"):
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    # Tied embeddings under PP: the last stage's copy is synced with `weight.data.cuda()`.
+    lm = importlib.import_module("megatron.core.models.common.language_module.language_module")
+    lm.LanguageModule.setup_embeddings_and_output_layer = _tensor_cuda_is_identity(
+        lm.LanguageModule.setup_embeddings_and_output_layer)
     _applied = True
     return True

@@ -63,7 +63,7 @@ def transformer_config(cfg: ModelConfig, dtype: torch.dtype) -> TransformerConfi
 
 
 def build_gpt(cfg: ModelConfig, dtype: torch.dtype, spec: str = "contract", cp_mode: str = "ulysses",
-              kernels: Any = None) -> GPTModel:
+              kernels: Any = None, canonical_shards: int = CANONICAL_SHARDS) -> GPTModel:
     """`spec`: 'contract' (layer spec on a tonpolicy kernel set, by default `contract`) or 'stock'
     (megatron's local spec: the off-policy negative control)."""
     config = transformer_config(cfg, dtype)
@@ -71,7 +71,7 @@ def build_gpt(cfg: ModelConfig, dtype: torch.dtype, spec: str = "contract", cp_m
     post = parallel_state.is_pipeline_last_stage()
     common = dict(
         config=config,
-        vocab_size=padded_vocab(cfg),
+        vocab_size=padded_vocab(cfg, canonical_shards),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre,
         post_process=post,

@@ -1,0 +1,98 @@
+"""Run (prompt, response) samples through GPTModel with megatron's own forward/backward schedule
+(1F1B across pipeline stages), one sample per microbatch, and collect per-response-token results.
+
+Every microbatch is padded to the same length (megatron's p2p shapes are static); padding sits after
+the real tokens, which causal attention never lets back in. Under CP each rank holds its positions
+(contiguous for Ulysses, zigzag for ring) and `cp.slice_responses` picks its response rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from tonpolicy.trainer import cp as cp_layout
+from tonpolicy.trainer.logprobs import token_logprobs
+
+LossFn = Callable[["Microbatch", torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
+
+
+@dataclass
+class Microbatch:
+    index: int
+    tokens: torch.Tensor  # [1, s_local]
+    positions: torch.Tensor  # [1, s_local] absolute positions
+    slice: cp_layout.ResponseSlice
+    targets: torch.Tensor  # [R] response token ids
+    extras: dict[str, torch.Tensor]  # per-response-token training inputs, full length R
+
+
+def make_microbatches(prompts: list[list[int]], responses: list[list[int]], cp_mode: str, tile: int,
+                      extras: list[dict[str, torch.Tensor]] | None = None) -> tuple[list[Microbatch], int]:
+    """Microbatches for this rank plus the common padded (full) sequence length."""
+    cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    longest = max(len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True))
+    seq_len = cp_layout.padded_len(longest, cp, cp_mode, tile)
+    local = cp_layout.local_positions(seq_len, cp, rank, cp_mode)
+    extras = extras if extras is not None else [{} for _ in prompts]
+    mbs = []
+    for i, (p, r, ex) in enumerate(zip(prompts, responses, extras, strict=True)):
+        ids = torch.tensor(list(p) + list(r)[:-1], dtype=torch.long)  # the last token predicts nothing
+        ids = torch.cat([ids, ids.new_zeros(seq_len - ids.numel())])
+        mbs.append(Microbatch(i, ids[local][None], local[None], cp_layout.response_slice(local, len(p), len(r)),
+                              torch.tensor(r, dtype=torch.long), ex))
+    return mbs, seq_len
+
+
+def local_logprobs(mb: Microbatch, logits: torch.Tensor, vocab_size: int, temperature: float,
+                   kernels: Any, stock_gather: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logprobs of the response tokens whose predicting row is on this rank, and their response
+    indices. `logits` is this TP rank's vocab shard [1, s_local, V_pad/TP]."""
+    [(rows, targets)] = cp_layout.slice_responses([logits[0]], [mb.targets], [mb.slice])
+    return token_logprobs(rows, targets, vocab_size, temperature, kernels, stock_gather), mb.slice.resp
+
+
+def run(model: Any, mbs: list[Microbatch], seq_len: int, loss_fn: LossFn, forward_only: bool) -> list[dict]:
+    """Megatron schedule over the microbatches; returns loss_fn's dicts (last pipeline stage only)."""
+    it = iter(mbs)
+
+    def forward_step(data_iterator: Any, module: Any) -> tuple[torch.Tensor, Callable]:
+        mb = next(data_iterator)
+        cp_layout.set_positions(mb.positions)
+        out = module(mb.tokens, mb.positions, None)
+        return out, functools.partial(loss_fn, mb)
+
+    fb = get_forward_backward_func()
+    return fb(forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(mbs),
+              seq_length=seq_len, micro_batch_size=1, forward_only=forward_only)
+
+
+def _result_src() -> int:
+    """Global rank that holds finished per-sample results: last PP stage, TP/CP/DP rank 0."""
+    mine = int(ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+               and ps.get_context_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
+    flags = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([mine]))
+    return int(torch.cat(flags).nonzero()[0])
+
+
+def assemble(outputs: list[dict], mbs: list[Microbatch], key: str = "lp") -> list[torch.Tensor]:
+    """Full per-sample response vectors on every rank: each CP rank scatters its tokens into zeros,
+    a CP all-reduce fills them in (disjoint, so exact), then the last stage broadcasts to the world."""
+    lengths = [int(mb.targets.numel()) for mb in mbs]
+    flat = torch.zeros(sum(lengths), dtype=torch.float32)
+    if ps.is_pipeline_last_stage():
+        offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+        for out, mb in zip(outputs, mbs, strict=True):
+            flat[offsets[mb.index] + out["resp"]] = out[key].detach().float()
+        if ps.get_context_parallel_world_size() > 1:
+            dist.all_reduce(flat, group=ps.get_context_parallel_group())
+    dist.broadcast(flat, src=_result_src())
+    return list(flat.split(lengths))

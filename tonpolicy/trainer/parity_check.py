@@ -1,0 +1,93 @@
+"""Trainer-vs-rollout parity runs, shared by the tests, the benchmark and the GPU check.
+
+`rollout()` samples responses with the embedded engine (rollout TP=1) from an HF checkpoint;
+`layouts_worker()` runs inside a spawned/torchrun process group and, for each layout in turn, builds
+the trainer from the same checkpoint and compares its logprobs with the engine's decode logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tonpolicy.config.schema import Config, ContractConfig, ExperimentConfig, ParallelConfig
+from tonpolicy.trainer.dist import Layout
+
+CONTRACTS = {
+    "contract": dict(name="qwen3_dense_v1", kernels="contract", exact_zero=True),
+    "off_policy": dict(name="off_policy", kernels="default", exact_zero=False),
+}
+
+
+def make_config(layout: Layout, dtype: str, contract: str, temperature: float) -> Config:
+    cp_type = layout.cp_mode if layout.cp > 1 else "none"
+    return Config(
+        contract=ContractConfig(dtype=dtype, **CONTRACTS[contract]),
+        parallel=ParallelConfig(name=str(layout), tp=layout.tp, pp=layout.pp, cp=layout.cp, cp_type=cp_type),
+        experiment=ExperimentConfig(temperature=temperature),
+    )
+
+
+def rollout(checkpoint: str | Path, kernels: str, n: int, prompt_len: int, max_new_tokens: int,
+            temperature: float, seed: int = 0) -> dict[str, Any]:
+    """Sample `n` responses (varied prompt lengths) with the embedded engine; decode logprobs."""
+    from tonpolicy.kernels import get_kernels
+    from tonpolicy.model.checkpoint import load_hf
+    from tonpolicy.model.qwen3 import Qwen3
+    from tonpolicy.rollout.engine import Engine, GenRequest
+
+    cfg, sd = load_hf(checkpoint)
+    dtype = next(iter(sd.values())).dtype
+    engine = Engine(Qwen3(cfg, get_kernels(kernels), dtype, sd), max_running_requests=max(2, n // 2))
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (prompt_len - 3 * i,), generator=g).tolist() for i in range(n)]
+    reqs = [GenRequest(p, max_new_tokens, temperature=temperature, seed=seed * 100 + i) for i, p in enumerate(prompts)]
+    res = engine.generate(reqs)
+    return {"prompts": prompts, "responses": [r.output_ids for r in res],
+            "logprobs": [r.output_logprobs for r in res]}
+
+
+def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, float]:
+    equal = all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    diffs = torch.cat([(x - y).abs() for x, y in zip(a, b, strict=True)])
+    return {"equal": float(equal), "mismatched": float((diffs != 0).sum()), "tokens": float(diffs.numel()),
+            "max_abs_diff": float(diffs.max())}
+
+
+def layouts_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each job: layout, dtype, contract, checkpoint, rollout (dict from `rollout`), temperature.
+    Returns one result per job (logprob comparison and timings)."""
+    from tonpolicy.trainer.dist import reset_model_parallel
+    from tonpolicy.trainer.worker import TrainerWorker
+
+    out = []
+    for job in jobs:
+        cfg = make_config(job["layout"], job["dtype"], job["contract"], job["temperature"])
+        t0 = time.perf_counter()
+        worker = TrainerWorker(cfg, job["checkpoint"])
+        t1 = time.perf_counter()
+        ro = job["rollout"]
+        lps = worker.logprobs(ro["prompts"], ro["responses"])
+        t2 = time.perf_counter()
+        res = {**{k: v for k, v in job.items() if k not in ("rollout", "checkpoint")}, **compare(lps, ro["logprobs"]),
+               "spec": worker.spec, "build_s": t1 - t0, "logprobs_s": t2 - t1}
+        out.append(res)
+        worker.close()
+        reset_model_parallel()
+    return out
+
+
+def layout_jobs(layouts: list[Layout], checkpoints: dict[str, str], rollouts: dict[tuple[str, str], Any],
+                temperature: float) -> list[dict[str, Any]]:
+    """Every layout x dtype x contract (rollouts keyed by (dtype, contract))."""
+    return [dict(layout=lay, dtype=dt, contract=c, checkpoint=checkpoints[dt], rollout=rollouts[(dt, c)],
+                 temperature=temperature)
+            for lay in layouts for dt in checkpoints for c in CONTRACTS]
+
+
+def replace_layout(layout: Layout, **kw: Any) -> Layout:
+    return dataclasses.replace(layout, **kw)

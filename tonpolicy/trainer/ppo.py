@@ -1,0 +1,55 @@
+"""PPO/GRPO clipped policy loss (per token) and the step metrics users expect.
+
+Loss per response token: max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high)) with r = exp(lp - lp_old),
+plus kl_coef * K3(lp_old || lp); aggregated as a token mean over the batch's loss-masked tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    clip_eps: float = 0.2
+    clip_eps_high: float = 0.28
+    kl_coef: float = 0.0
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's K3 estimator of KL from samples: exp(d) - 1 - d with d = log(p_other / p_sampler)."""
+    return torch.exp(log_ratio) - 1.0 - log_ratio
+
+
+def token_loss(lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor, cfg: PPOConfig) -> torch.Tensor:
+    ratio = torch.exp(lp - old_lp)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps_high))
+    if cfg.kl_coef:
+        pg = pg + cfg.kl_coef * k3(old_lp - lp)
+    return pg
+
+
+def metrics(lp: list[torch.Tensor], old_lp: list[torch.Tensor], rollout_lp: list[torch.Tensor],
+            adv: list[torch.Tensor], mask: list[torch.Tensor], cfg: PPOConfig) -> dict[str, float]:
+    """Batch metrics over loss-masked tokens. `lp` is the training forward's logprobs, `old_lp` the
+    trainer's recompute before the step, `rollout_lp` what the rollout engine reported."""
+    m = torch.cat(mask).bool()
+    cur, old, roll, a = (torch.cat(x).float()[m] for x in (lp, old_lp, rollout_lp, adv))
+    n = max(int(m.sum()), 1)
+    ratio = torch.exp(cur - old)
+    clipped = ((a > 0) & (ratio > 1 + cfg.clip_eps_high)) | ((a < 0) & (ratio < 1 - cfg.clip_eps))
+    diff = old - roll
+    return {
+        "loss": float(token_loss(cur, old, a, cfg).sum() / n),
+        "train_rollout_logprob_abs_diff": float(diff.abs().sum() / n),
+        "train_rollout_logprob_max_abs_diff": float(diff.abs().max()) if diff.numel() else 0.0,
+        "train_rollout_k3_kl": float(k3(diff).sum() / n),  # KL(rollout || trainer) from rollout samples
+        "token_mult_prob_error": float(torch.exp(diff.abs()).sum() / n),
+        "clipfrac": float(clipped.float().sum() / n),
+        "ratio_mean": float(ratio.sum() / n),
+        "ratio_min": float(ratio.min()) if ratio.numel() else 1.0,
+        "ratio_max": float(ratio.max()) if ratio.numel() else 1.0,
+        "tokens": float(m.sum()),
+    }

@@ -1,0 +1,161 @@
+"""The trainer's entry for an orchestrator: inside an initialized process group (torchrun or
+`dist.spawn`), build GPTModel from an HF checkpoint at the configured layout, recompute per-sample
+fp32 logprobs, take PPO/GRPO steps, and export HF weights. Every rank calls every method (they are
+collective); results are returned on every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from tonpolicy.config.schema import Config
+from tonpolicy.kernels import get_kernels
+from tonpolicy.trainer import forward as fw
+from tonpolicy.trainer.dist import Layout, init_distributed
+from tonpolicy.trainer.model import build_gpt, padded_vocab
+from tonpolicy.trainer.ppo import PPOConfig, metrics, token_loss
+from tonpolicy.trainer.weights import load_into, megatron_to_hf
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def layout_of(cfg: Config) -> Layout:
+    p = cfg.parallel
+    return Layout(tp=p.tp, pp=p.pp, cp=p.cp, cp_mode=p.cp_type if p.cp_type in ("ulysses", "ring") else "ulysses")
+
+
+class TrainerWorker:
+    """`spec`: 'contract' (contract layer spec), 'stock' (megatron's local spec) or None: contract spec
+    for the contract kernels; for `default` kernels the stock spec, or at CP > 1 (megatron's own CP
+    needs TransformerEngine) the contract spec running the `default` kernels."""
+
+    def __init__(self, cfg: Config, checkpoint: str | Path | None = None, *, spec: str | None = None,
+                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        from tonpolicy.model.checkpoint import init_state_dict, load_hf
+
+        self.cfg, self.layout = cfg, layout_of(cfg)
+        self.dtype = DTYPES[cfg.contract.dtype]
+        if not ps.model_parallel_is_initialized():
+            init_distributed(self.layout, seed=cfg.experiment.seed + 1)
+        c = cfg.contract
+        kernels = get_kernels(c.kernels, attention_tile=c.attention_tile, canonical_shards=c.canonical_shards,
+                              row_tile=c.row_tile) if c.kernels == "contract" else \
+            get_kernels(c.kernels, attention_tile=c.attention_tile, canonical_shards=c.canonical_shards)
+        if spec is None:
+            spec = "contract" if (c.kernels == "contract" or self.layout.cp > 1) else "stock"
+        self.spec = spec
+        # The logprob recipe runs the kernel set's `logprobs` (stock spec: plain torch, same formula).
+        self.kernels = kernels if spec == "contract" else None
+        if state_dict is not None:
+            self.model_cfg, hf = cfg.model, state_dict
+        elif checkpoint is not None:
+            self.model_cfg, hf = load_hf(checkpoint)
+        else:
+            self.model_cfg, hf = cfg.model, init_state_dict(cfg.model, self.dtype, cfg.model.init_seed)
+        self.vocab_padded = padded_vocab(self.model_cfg, c.canonical_shards)
+        self.module = build_gpt(self.model_cfg, self.dtype, spec, self.layout.cp_mode, kernels,
+                                canonical_shards=c.canonical_shards)
+        load_into(self.module, hf, self.model_cfg, self.vocab_padded)
+        self.tile = kernels.tile_size
+        self.temperature = cfg.experiment.temperature
+        self.ppo = PPOConfig(cfg.trainer.clip_eps, cfg.trainer.clip_eps_high, cfg.trainer.kl_coef)
+        self.model: Any = self.module
+        self.optimizer: Any = None
+
+    # --- logprobs -----------------------------------------------------------------------------------
+    def _lp_loss(self, mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        lp, resp = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
+        return lp.sum() * 0.0, {"lp": lp, "resp": resp}
+
+    @torch.no_grad()
+    def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
+        """fp32 logprob of every response token (temperature from the experiment config)."""
+        self.model.eval()
+        mbs, seq_len = fw.make_microbatches(prompts, responses, self.layout.cp_mode, self.tile)
+        outs = fw.run(self.model, mbs, seq_len, self._lp_loss, forward_only=True)
+        return fw.assemble(outs, mbs)
+
+    # --- training -----------------------------------------------------------------------------------
+    def _setup_optimizer(self) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        t = self.cfg.trainer
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=False)
+        self.model = DistributedDataParallel(config=self.module.config, ddp_config=ddp_cfg, module=self.module)
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
+                                  bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype)
+        self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
+        self.module.config.finalize_model_grads_func = finalize_model_grads
+
+    def ppo_step(self, prompts: list[list[int]], responses: list[list[int]], old_logprobs: list[torch.Tensor],
+                 rollout_logprobs: list[torch.Tensor], advantages: list[float],
+                 loss_masks: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """One clipped policy-gradient step over the whole batch (token-mean loss); returns metrics
+        including grad_norm (before clipping), computed identically on every rank."""
+        if self.optimizer is None:
+            self._setup_optimizer()
+        self.model.train()
+        masks = loss_masks or [torch.ones(len(r)) for r in responses]
+        advs = [torch.full((len(r),), float(a)) for r, a in zip(responses, advantages, strict=True)]
+        extras = [{"old": torch.as_tensor(o, dtype=torch.float32), "adv": a, "mask": m.float()}
+                  for o, a, m in zip(old_logprobs, advs, masks, strict=True)]
+        mbs, seq_len = fw.make_microbatches(prompts, responses, self.layout.cp_mode, self.tile, extras)
+        total = max(float(sum(m.sum() for m in masks)), 1.0)
+        n_mb, cp = len(mbs), self.layout.cp
+
+        def loss_fn(mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            lp, resp = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
+            ex = {k: v[resp] for k, v in mb.extras.items()}
+            local = (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum() / total
+            # megatron multiplies by CP and divides by the microbatch count; DDP averages over DP x CP.
+            return local * n_mb / cp, {"lp": lp.detach(), "resp": resp}
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outs = fw.run(self.model, mbs, seq_len, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        new_lp = fw.assemble(outs, mbs)
+        out = metrics(new_lp, [e["old"] for e in extras], [torch.as_tensor(r, dtype=torch.float32)
+                                                           for r in rollout_logprobs],
+                      advs, masks, self.ppo)
+        out.update(grad_norm=float(grad_norm), update_successful=float(ok), lr=self.cfg.trainer.lr)
+        return out
+
+    # --- weights ------------------------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Merged HF-named weights on global rank 0 (None elsewhere)."""
+        sd = {k: v.detach().cpu() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
+        key = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+        keep = ps.get_context_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+        dist.gather_object((key, sd) if keep else None, gathered if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        shards = dict(x for x in gathered if x is not None)
+        return megatron_to_hf(shards, self.model_cfg, self.layout.tp, self.layout.pp)
+
+    def save_hf(self, path: str | Path) -> None:
+        from tonpolicy.model.checkpoint import save_hf
+
+        hf = self.hf_state_dict()
+        if hf is not None:
+            save_hf(hf, self.model_cfg, path)
+        dist.barrier()
+
+    def close(self) -> None:
+        from tonpolicy.trainer.dist import reset_model_parallel
+
+        reset_model_parallel()
+
+
