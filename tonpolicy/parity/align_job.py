@@ -21,6 +21,8 @@ from tonpolicy.parity.names import ALL_OPS, Checkpoint, parse_name
 from tonpolicy.parity.recorder import Selection
 
 REFERENCES = ("trainer", "full_forward")
+# Checkpoints the engines compute with plain tensor ops (lookup, residual adds), not kernel calls.
+NOT_KERNEL_OPS = ("embed", "attn_residual", "residual")
 
 
 def parse_perturb(spec: str | None, num_layers: int, kernel_params: dict[str, int]) -> tuple[str, dict[Checkpoint, Any]]:
@@ -35,7 +37,10 @@ def parse_perturb(spec: str | None, num_layers: int, kernel_params: dict[str, in
     if len(parts) != 3 or parts[0] not in ("rollout", "trainer"):
         raise ValueError("expected [rollout:|trainer:]<checkpoint>:<kernel set>")
     side, name, kernels = parts
-    return side, {parse_name(name, num_layers): get_kernels(kernels, **kernel_params)}
+    ck = parse_name(name, num_layers)
+    if ck.op in NOT_KERNEL_OPS:
+        raise ValueError(f"{ck.op} is not computed by a kernel call (nothing to perturb)")
+    return side, {ck: get_kernels(kernels, **kernel_params)}
 
 
 def check(cfg: Config) -> None:
