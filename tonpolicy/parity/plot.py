@@ -25,8 +25,7 @@ def save_png(report: AlignReport, path: str | Path) -> Path:
             if op in table[r]:
                 grid[i, j] = math.log10(1 + table[r][op])
     fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(ops) + 1.5), max(2.0, 0.3 * len(rows) + 1.2)), dpi=80)
-    cmap = plt.get_cmap("Reds").copy()
-    cmap.set_bad("#dddddd")  # checkpoints neither dump holds at that layer
+    cmap = plt.get_cmap("Reds").with_extremes(bad="#dddddd")  # grey: no such checkpoint at that layer
     im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=max(1.0, float(np.nanmax(grid, initial=0))),
                    aspect="auto")
     ax.set_xticks(range(len(ops)), ops, rotation=70, fontsize=7)

@@ -124,7 +124,7 @@ class RecordingKernels:
             if not keep.any():
                 return
             rows, flat = rows[keep], flat[keep]
-        self.records.add(ck, rows.clone(), flat.clone())
+        self.records.add(ck, rows.to("cpu", copy=True), flat.to("cpu", copy=True))  # off the device: bounded GPU memory
 
     def _record_weighted(self, role: tuple[int, str], t: torch.Tensor) -> None:
         layer, op = role
