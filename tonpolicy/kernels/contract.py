@@ -86,16 +86,41 @@ class ContractKernels:
         """Batch of independent sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D], positions [B, N]."""
         return ca.attention_batched(q, k, v, q_pos, k_pos, scale, self.tile_size, self.row_tile)
 
+    def attention_pooled(
+        self,
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+        num_keys: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [B, Nq, Hq, D] at q_pos [B, Nq] over a KV pool [slots, cap, Hkv, D] (key j sits at position
+        j; cap a tile multiple), batch row b reading pool slot slots[b], keys [0, num_keys) rounded up to
+        whole tiles. Bitwise equal to `attention` over that row's keys; reads only visible tiles."""
+        t = self.tile_size
+        n, cap, hkv, d = k_pool.shape
+        kpos = torch.arange(cap).view(1, cap // t, t).expand(n, -1, -1)
+        return ca.attention_stores(
+            q, q_pos, k_pool.view(n, cap // t, t, hkv, d), v_pool.view(n, cap // t, t, hkv, d), kpos,
+            slots, -(-num_keys // t), scale, self.row_tile,
+        )
+
+    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """Keys/values are cached in fp32: the upcast is exact and is what every GEMM reads anyway."""
+        return torch.float32
+
     def attention_tile(self, q, k, v, q_pos, k_pos, scale: float) -> AttnPartial:  # noqa: ANN001
         if k.shape[0] != self.tile_size:
             raise ValueError(f"attention_tile takes exactly {self.tile_size} keys, got {k.shape[0]}")
-        parts, nq = ca.tile_partials(
-            q[None], k[None], v[None], q_pos[None], k_pos[None], scale, self.tile_size, self.row_tile
-        )
-        # [1, Hq, Qp, 1(, D)] -> [Nq, Hq(, D)]
-        m = parts.m[0, :, :nq, 0].transpose(0, 1)
-        l = parts.l[0, :, :nq, 0].transpose(0, 1)  # noqa: E741
-        acc = parts.acc[0, :, :nq, 0].transpose(0, 1)
+        ks, vs, kps, _ = ca.to_store(k[None], v[None], k_pos[None], self.tile_size)
+        parts = ca.tile_partials(q[None], q_pos[None], ks, vs, kps, torch.zeros(1, dtype=torch.long), 1, scale,
+                                 self.row_tile)
+        nq = q.shape[0]
+        m = ca.unpack_rows(parts.m[..., 0], nq, self.row_tile)[0]
+        l = ca.unpack_rows(parts.l[..., 0], nq, self.row_tile)[0]  # noqa: E741
+        acc = ca.unpack_rows(parts.acc[..., 0, :], nq, self.row_tile)[0]
         return AttnPartial(m, l, acc)
 
     def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:

@@ -2,19 +2,19 @@
 
 Every query's result is built from key tiles of exactly `tile` keys. For one tile the partial is
 (m, l, acc): m = max of the scaled scores (exact), p = exp(s - m) (masked keys give exactly 0),
-l = last-dim sum of p over `tile` values, acc = p @ v. Scores and p @ v are fixed-shape GEMMs
-([row_tile, D] x [D, tile] and [row_tile, tile] x [tile, D]) batched by one `torch.bmm`, whose
-per-matrix result was measured invariant to the batch count, the thread count, and the position of
-the query inside its row tile. Partials are merged left to right in key order by `merge`; a fully
-masked tile is an exact no-op, so prefill (all tiles), decode (tiles up to the cache length) and
-chunked prefill give the same bits. `torch.exp` is used (its scalar tail and vector paths agreed on
-millions of inputs); `torch.sigmoid`/`silu` are avoided because theirs do not.
+l = last-dim sum of p over `tile` values, acc = p @ v. Scores and p @ v are fixed-shape fp32 GEMMs
+([R, D] x [D, tile] and [R, tile] x [tile, D], R = row_tile queries x the G query heads of one KV head)
+batched by `torch.bmm`, whose per-matrix result was measured invariant to the batch count, the thread
+count and the row's position inside its tile. Partials are merged left to right in key order by
+`merge`. A fully masked tile yields exactly (m=-inf, l=0, acc=0) and merging it is an exact no-op, so
+such (query tile, key tile) pairs are skipped rather than computed; prefill (all tiles), decode (tiles
+up to the cache length) and chunked prefill therefore give the same bits. `torch.exp` is used (its
+scalar-tail and vector paths agreed on millions of inputs); `sigmoid`/`silu` are avoided (they do not).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tonpolicy.kernels.base import AttnPartial
 
@@ -22,11 +22,12 @@ from tonpolicy.kernels.base import AttnPartial
 KEY_PAD_POS = 2**62
 # Position given to padded queries: smaller than any key, so they see nothing (their rows are dropped).
 QUERY_PAD_POS = -1
+NEG_INF = float("-inf")
 
 
 def _safe(m: torch.Tensor) -> torch.Tensor:
     # A fully masked row has m = -inf; subtract 0 instead so exp(-inf - 0) = 0, never NaN.
-    return torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    return torch.where(m == NEG_INF, torch.zeros_like(m), m)
 
 
 def merge(a: AttnPartial, b: AttnPartial) -> AttnPartial:
@@ -44,69 +45,14 @@ def finalize(p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
     return (p.acc / p.l.unsqueeze(-1)).to(dtype)
 
 
-def _pad_dim(x: torch.Tensor, dim: int, size: int, value: float | int) -> torch.Tensor:
-    extra = size - x.shape[dim]
-    if extra == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = extra
-    return torch.cat([x, torch.full(shape, value, dtype=x.dtype)], dim=dim)
-
-
-def tile_partials(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    scale: float,
-    tile: int,
-    row_tile: int,
-) -> tuple[AttnPartial, int]:
-    """Per-tile partials for a batch of sequences.
-
-    q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D] with Nk a multiple of `tile`; q_pos [B, Nq], k_pos [B, Nk].
-    Returns partials with m/l [B, Hq, Qp, Kt] and acc [B, Hq, Qp, Kt, D] (Qp = Nq padded to row_tile),
-    and Nq.
-    """
-    b, nq, hq, d = q.shape
-    nk, hkv = k.shape[1], k.shape[2]
-    if nk % tile:
-        raise ValueError(f"key count {nk} is not a multiple of the tile {tile}")
-    g = hq // hkv
-    kt = nk // tile
-    qt = max(1, -(-nq // row_tile))
-    qp = qt * row_tile
-    qf = _pad_dim(q.float(), 1, qp, 0.0)
-    qpos = _pad_dim(q_pos, 1, qp, QUERY_PAD_POS)
-    # [B, Hq, Qt, rt, D] and keys [B, Hq, Kt, T, D] (GQA: each KV head serves g query heads).
-    qf = qf.permute(0, 2, 1, 3).reshape(b, hq, qt, row_tile, d)
-    kf = k.float().permute(0, 2, 1, 3).repeat_interleave(g, dim=1).reshape(b, hq, kt, tile, d)
-    vf = v.float().permute(0, 2, 1, 3).repeat_interleave(g, dim=1).reshape(b, hq, kt, tile, d)
-    shape = (b, hq, qt, kt)
-    qa = qf.unsqueeze(3).expand(*shape, row_tile, d).reshape(-1, row_tile, d)
-    ka = kf.transpose(-1, -2).unsqueeze(2).expand(*shape, d, tile).reshape(-1, d, tile)
-    s = torch.bmm(qa, ka).view(*shape, row_tile, tile) * scale
-    visible = k_pos.view(b, 1, 1, kt, 1, tile) <= qpos.view(b, 1, qt, 1, row_tile, 1)
-    s = torch.where(visible, s, torch.full_like(s, float("-inf")))
-    m = s.amax(dim=-1)
-    p = torch.exp(s - _safe(m).unsqueeze(-1))
-    l = p.sum(dim=-1)  # noqa: E741
-    va = vf.unsqueeze(2).expand(*shape, tile, d).reshape(-1, tile, d)
-    acc = torch.bmm(p.reshape(-1, row_tile, tile), va).view(*shape, row_tile, d)
-    # -> [B, Hq, Qp, Kt(, D)]: queries flattened back, tiles last for the key-order merge.
-    m = m.permute(0, 1, 2, 4, 3).reshape(b, hq, qp, kt)
-    l = l.permute(0, 1, 2, 4, 3).reshape(b, hq, qp, kt)  # noqa: E741
-    acc = acc.permute(0, 1, 2, 4, 3, 5).reshape(b, hq, qp, kt, d)
-    return AttnPartial(m, l, acc), nq
-
-
 def merge_tiles(p: AttnPartial) -> AttnPartial:
     """Left-to-right `merge` over the tile axis (m/l [..., Kt], acc [..., Kt, D]).
 
     Bitwise equal to folding `merge` tile by tile: the running max is an exact cummax, and the
     factors exp(M_prev - M) and exp(m_t - M) are the very values `merge` would compute."""
     kt = p.m.shape[-1]
+    if kt == 1:
+        return AttnPartial(p.m[..., 0], p.l[..., 0], p.acc[..., 0, :])
     run_m = torch.cummax(p.m, dim=-1).values
     prev_m = torch.cat([p.m[..., :1], run_m[..., :-1]], dim=-1)
     ms = _safe(run_m)
@@ -121,30 +67,101 @@ def merge_tiles(p: AttnPartial) -> AttnPartial:
     return AttnPartial(run_m[..., -1], l_run, a_run)
 
 
-def pad_keys(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int):
-    """Pad the key axis (dim 1 of [B, Nk, H, D]) to a tile multiple: zero k/v, KEY_PAD_POS positions."""
-    nk = k.shape[1]
-    nkp = max(1, -(-nk // tile)) * tile
-    if nkp == nk:
-        return k, v, k_pos
-    extra = nkp - nk
-    k = F.pad(k, (0, 0, 0, 0, 0, extra))
-    v = F.pad(v, (0, 0, 0, 0, 0, extra))
-    return k, v, _pad_dim(k_pos, 1, nkp, KEY_PAD_POS)
-
-
-def attention_batched(
+def tile_partials(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    kpos_store: torch.Tensor,
+    store_index: torch.Tensor,
+    num_tiles: int,
     scale: float,
-    tile: int,
+    row_tile: int,
+) -> AttnPartial:
+    """Per-tile partials of a batch of query blocks over tiled key stores.
+
+    q [B, Nq, Hq, D], q_pos [B, Nq]. Keys live in stores: k_store/v_store [S, Kt_s, T, Hkv, D],
+    kpos_store [S, Kt_s, T]; batch row b reads store `store_index[b]`, tiles [0, num_tiles).
+    Returns dense partials with m/l [B, Qt, Hkv, R, Kt] and acc [B, Qt, Hkv, R, Kt, D]
+    (R = row_tile * G rows ordered (query, head in group); Kt = num_tiles).
+    """
+    b, nq, hq, d = q.shape
+    tile, hkv = k_store.shape[2], k_store.shape[3]
+    g = hq // hkv
+    qt = max(1, -(-nq // row_tile))
+    qp = qt * row_tile
+    r = row_tile * g
+    qf = q.float()
+    if qp != nq:
+        qf = torch.cat([qf, qf.new_zeros(b, qp - nq, hq, d)], dim=1)
+        q_pos = torch.cat([q_pos, q_pos.new_full((b, qp - nq), QUERY_PAD_POS)], dim=1)
+    q_tiles = qf.view(b, qt, row_tile, hkv, g, d).permute(0, 1, 3, 2, 4, 5).reshape(b, qt, hkv, r, d)
+    qpos_rows = q_pos.view(b, qt, row_tile, 1).expand(b, qt, row_tile, g).reshape(b, qt, r)
+    kpos = kpos_store[store_index, :num_tiles]  # [B, Kt, T]
+    # A (query tile, key tile) pair is computed only if some key of the tile is visible to some query.
+    valid = kpos.amin(-1)[:, None, :] <= q_pos.view(b, qt, row_tile).amax(-1)[:, :, None]
+    bi, qi, ki = valid.nonzero(as_tuple=True)
+    npairs = bi.numel()
+    si = store_index[bi]
+    a = q_tiles[bi, qi].reshape(npairs * hkv, r, d)
+    kt_ = k_store[si, ki].float().permute(0, 2, 3, 1).reshape(npairs * hkv, d, tile)
+    s = torch.bmm(a, kt_).view(npairs, hkv, r, tile) * scale
+    visible = kpos[bi, ki].view(npairs, 1, 1, tile) <= qpos_rows[bi, qi].view(npairs, 1, r, 1)
+    s = torch.where(visible, s, torch.full_like(s, NEG_INF))
+    m = s.amax(dim=-1)
+    p = torch.exp(s - _safe(m).unsqueeze(-1))
+    l = p.sum(dim=-1)  # noqa: E741
+    vt = v_store[si, ki].float().permute(0, 2, 1, 3).reshape(npairs * hkv, tile, d)
+    acc = torch.bmm(p.view(npairs * hkv, r, tile), vt).view(npairs, hkv, r, d)
+    # Skipped pairs hold exactly what computing them would give: (-inf, 0, 0).
+    m_d = torch.full((b, qt, num_tiles, hkv, r), NEG_INF)
+    l_d = torch.zeros(b, qt, num_tiles, hkv, r)
+    acc_d = torch.zeros(b, qt, num_tiles, hkv, r, d)
+    m_d[bi, qi, ki] = m
+    l_d[bi, qi, ki] = l
+    acc_d[bi, qi, ki] = acc
+    return AttnPartial(m_d.permute(0, 1, 3, 4, 2), l_d.permute(0, 1, 3, 4, 2), acc_d.permute(0, 1, 3, 4, 2, 5))
+
+
+def unpack_rows(x: torch.Tensor, nq: int, row_tile: int) -> torch.Tensor:
+    """[B, Qt, Hkv, R(, D)] -> [B, Nq, Hq(, D)]."""
+    b, qt, hkv, r = x.shape[:4]
+    g = r // row_tile
+    tail = x.shape[4:]
+    x = x.reshape(b, qt, hkv, row_tile, g, *tail).transpose(2, 3).reshape(b, qt * row_tile, hkv * g, *tail)
+    return x[:, :nq]
+
+
+def to_store(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int):
+    """Token-major keys [B, Nk, Hkv, D] -> tiled stores, padded with zero k/v at KEY_PAD_POS."""
+    b, nk, hkv, d = k.shape
+    kt = max(1, -(-nk // tile))
+    extra = kt * tile - nk
+    if extra:
+        k = torch.cat([k, k.new_zeros(b, extra, hkv, d)], dim=1)
+        v = torch.cat([v, v.new_zeros(b, extra, hkv, d)], dim=1)
+        k_pos = torch.cat([k_pos, k_pos.new_full((b, extra), KEY_PAD_POS)], dim=1)
+    return k.view(b, kt, tile, hkv, d), v.view(b, kt, tile, hkv, d), k_pos.reshape(b, kt, tile), kt
+
+
+def attention_stores(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    kpos_store: torch.Tensor,
+    store_index: torch.Tensor,
+    num_tiles: int,
+    scale: float,
     row_tile: int,
 ) -> torch.Tensor:
-    """q [B, Nq, Hq, D] over k/v [B, Nk, Hkv, D] -> [B, Nq, Hq, D] in q.dtype."""
-    k, v, k_pos = pad_keys(k, v, k_pos, tile)
-    parts, nq = tile_partials(q, k, v, q_pos, k_pos, scale, tile, row_tile)
-    out = finalize(merge_tiles(parts), q.dtype)  # [B, Hq, Qp, D]
-    return out[:, :, :nq].permute(0, 2, 1, 3)
+    """Attention of q [B, Nq, Hq, D] over tiled key stores (see tile_partials) -> [B, Nq, Hq, D]."""
+    parts = tile_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
+    out = finalize(merge_tiles(parts), q.dtype)  # [B, Qt, Hkv, R, D]
+    return unpack_rows(out, q.shape[1], row_tile)
+
+
+def attention_batched(q, k, v, q_pos, k_pos, scale: float, tile: int, row_tile: int) -> torch.Tensor:  # noqa: ANN001
+    """q [B, Nq, Hq, D] over k/v [B, Nk, Hkv, D] (positions [B, N]) -> [B, Nq, Hq, D] in q.dtype."""
+    ks, vs, kps, kt = to_store(k, v, k_pos, tile)
+    return attention_stores(q, q_pos, ks, vs, kps, torch.arange(q.shape[0]), kt, scale, row_tile)

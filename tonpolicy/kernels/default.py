@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tonpolicy.kernels.base import AttnPartial
-from tonpolicy.kernels.contract_attention import finalize, merge, pad_keys
+from tonpolicy.kernels.contract_attention import KEY_PAD_POS, finalize, merge
 
 
 class DefaultKernels:
@@ -79,11 +79,24 @@ class DefaultKernels:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
         return out.transpose(1, 2)
 
+    def attention_pooled(self, q, q_pos, k_pool, v_pool, slots, num_keys: int, scale: float) -> torch.Tensor:  # noqa: ANN001
+        """Plain gather of each row's cached keys, then `attention_batched`."""
+        nk = -(-num_keys // self.tile_size) * self.tile_size
+        k_pos = torch.arange(nk)[None].expand(q.shape[0], nk)
+        return self.attention_batched(q, k_pool[slots, :nk], v_pool[slots, :nk], q_pos, k_pos, scale)
+
+    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
     def attention(self, q, k, v, q_pos, k_pos, scale: float) -> torch.Tensor:  # noqa: ANN001
         return self.attention_batched(q[None], k[None], v[None], q_pos[None], k_pos[None], scale)[0]
 
     def attention_tile(self, q, k, v, q_pos, k_pos, scale: float) -> AttnPartial:  # noqa: ANN001
-        k, v, k_pos = (t[0] for t in pad_keys(k[None], v[None], k_pos[None], self.tile_size))
+        extra = self.tile_size - k.shape[0]
+        if extra > 0:
+            k = torch.cat([k, k.new_zeros(extra, *k.shape[1:])])
+            v = torch.cat([v, v.new_zeros(extra, *v.shape[1:])])
+            k_pos = torch.cat([k_pos, k_pos.new_full((extra,), KEY_PAD_POS)])
         g = q.shape[1] // k.shape[1]
         kh = k.float().repeat_interleave(g, dim=1)
         vh = v.float().repeat_interleave(g, dim=1)

@@ -175,20 +175,18 @@ class Qwen3(nn.Module):
             if s.length == 1:
                 decode.append(i)
                 continue
-            nk = kv.padded_len(s.start + s.length)
-            out[sl] = kern.attention_batched(
-                q[None, sl], kv.k[li][s.slot : s.slot + 1, :nk], kv.v[li][s.slot : s.slot + 1, :nk],
-                pos[None, sl], torch.arange(nk)[None], scale,
+            out[sl] = kern.attention_pooled(
+                q[None, sl], pos[None, sl], kv.k[li], kv.v[li], torch.tensor([s.slot]), s.start + s.length, scale
             )[0]
         if decode:
-            # All single-token segments attend in one batched call (keys past a request's length are
-            # masked by position, so requests of different lengths share the padded key range).
-            slots = torch.tensor([segments[i].slot for i in decode])
+            # All single-token segments attend in one batched call; keys past a request's own length
+            # are masked by position (and their tiles skipped), so different lengths can share it.
+            assert kv is not None
             rows = torch.tensor([offs[i] for i in decode])
-            nk = max(kv.padded_len(segments[i].start + 1) for i in decode)
-            res = kern.attention_batched(
-                q.index_select(0, rows)[:, None], kv.k[li][slots, :nk], kv.v[li][slots, :nk],
-                pos.index_select(0, rows)[:, None], torch.arange(nk)[None].expand(len(decode), nk), scale,
+            res = kern.attention_pooled(
+                q.index_select(0, rows)[:, None], pos.index_select(0, rows)[:, None], kv.k[li], kv.v[li],
+                torch.tensor([segments[i].slot for i in decode]), max(segments[i].start + 1 for i in decode),
+                scale,
             )
             out.index_copy_(0, rows, res[:, 0])
         return out

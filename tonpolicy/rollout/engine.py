@@ -77,7 +77,7 @@ class Engine:
         cap = max(len(requests[i].prompt_ids) + requests[i].max_new_tokens for i in waiting)
         pool = KVPool(
             cfg.num_layers, min(self.max_running, len(waiting)), cap, cfg.num_kv_heads, cfg.head_dim,
-            self.model.dtype, self.model.kernels.tile_size,
+            self.model.kernels.kv_cache_dtype(self.model.dtype), self.model.kernels.tile_size,
         )
         running: list[_Running] = []
         step = 0
