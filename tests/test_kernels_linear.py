@@ -70,6 +70,11 @@ def test_row_parallel_canonical_shards(dtype):
             assert gathered.shape == (4, 23, n) and gathered.dtype == torch.float32
             assert torch.equal(k.combine_partials(gathered, dtype), ref), (kk, n, tp)
             assert torch.equal(k.combine_partials(gathered, torch.float32), ref32)
+            # strided (non-contiguous) rank slices give the same partials
+            strided = [k.linear_partials(x[:, r * c : (r + 1) * c], w[:, r * c : (r + 1) * c], 4 // tp) for r in range(tp)]
+            assert torch.equal(torch.cat(strided), gathered)
+            assert torch.equal(torch.cat([k.linear_partials(x[:1, r * c : (r + 1) * c], w[:, r * c : (r + 1) * c],
+                                                            4 // tp) for r in range(tp)]), gathered[:, :1])
 
 
 def test_combine_tree_order():
@@ -119,3 +124,22 @@ def test_padded_vocab_size():
     assert padded_vocab_size(2003, 4) == 2048
     assert padded_vocab_size(151936, 4) == 152064 and 152064 % 512 == 0
     assert padded_vocab_size(512, 4) == 512 and padded_vocab_size(513, 2) == 768
+
+
+def test_linear_autograd_and_weight_cache():
+    """The trainer differentiates through the contract linear; the fp32 weight cache follows updates."""
+    k = get_kernels("contract")
+    for m in (3, 40):
+        x = randn(m, 128, seed=1).requires_grad_()
+        w = randn(64, 128, seed=2, std=0.1).requires_grad_()
+        k.linear(x, w).square().sum().backward()
+        ref_gx = 2 * (x @ w.T) @ w
+        assert x.grad is not None and w.grad is not None
+        assert (x.grad - ref_gx).abs().max() < 1e-4
+    wb = randn(64, 128, dtype=torch.bfloat16, seed=3)
+    xb = randn(5, 128, dtype=torch.bfloat16, seed=4)
+    before = k.linear(xb, wb)
+    with torch.no_grad():
+        wb.mul_(2)  # in-place update (weight sync) must invalidate the cached fp32 copy
+    assert torch.equal(k.linear(xb, wb), k.linear(xb, wb.clone()))  # a fresh tensor is never cached
+    assert not torch.equal(k.linear(xb, wb), before)

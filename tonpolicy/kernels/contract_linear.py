@@ -12,8 +12,29 @@ bf16 inputs are upcast to fp32 before the GEMM (exact), so products and accumula
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
+
+# fp32 copies of low-precision weights, keyed by tensor identity and checked against its version
+# counter (in-place updates such as weight sync bump it). Upcasting is exact, so caching changes no
+# bits; it only saves re-converting every weight on every call (a 5x memory-traffic tax on decode).
+_FP32: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def fp32_weight(w: torch.Tensor) -> torch.Tensor:
+    if w.dtype == torch.float32:
+        return w
+    if w.requires_grad and torch.is_grad_enabled():
+        return w.float()  # training path: keep the autograd graph to the weight
+    key = id(w)
+    hit = _FP32.get(key)
+    if hit is not None and hit[0]() is w and hit[1] == w._version:
+        return hit[2]
+    f = w.detach().float()
+    _FP32[key] = (weakref.ref(w, lambda _ref, k=key: _FP32.pop(k, None)), w._version, f)
+    return f
 
 
 def tiled_partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int, row_tile: int) -> torch.Tensor:
@@ -24,11 +45,16 @@ def tiled_partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int, row_t
         raise ValueError(f"K={k} must match weight {tuple(weight.shape)} and divide into {num_shards} shards")
     ks = k // num_shards
     x2 = x.reshape(-1, k).float()
-    wf = weight.float()
+    wf = fp32_weight(weight)
     m = x2.shape[0]
     mt = max(1, -(-m // row_tile))
     if mt * row_tile != m:
         x2 = F.pad(x2, (0, 0, 0, mt * row_tile - m))
+    if mt == 1:
+        # One row tile (decode): the shards are the bmm batch, same per-matrix GEMM shape as below.
+        a = x2.unflatten(1, (num_shards, ks)).transpose(0, 1)
+        b = wf.unflatten(1, (num_shards, ks)).permute(1, 2, 0)
+        return torch.bmm(a, b)[:, :m].reshape(num_shards, *lead, n)
     xt = x2.view(mt, row_tile, k)
     outs = []
     for s in range(num_shards):
