@@ -143,3 +143,17 @@ def test_linear_autograd_and_weight_cache():
         wb.mul_(2)  # in-place update (weight sync) must invalidate the cached fp32 copy
     assert torch.equal(k.linear(xb, wb), k.linear(xb, wb.clone()))  # a fresh tensor is never cached
     assert not torch.equal(k.linear(xb, wb), before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_weights_equal_separate(dtype):
+    """The model runs Q/K/V and gate/up as one wide linear; each block equals its own linear."""
+    k = get_kernels("contract")
+    layouts = [(128, [256, 128, 128]), (128, [384, 384]), (1024, [1024, 512, 512]), (1024, [3072, 3072]),
+               (2560, [4096, 1024, 1024]), (256, [96, 32, 32])]
+    for li, (kk, widths) in enumerate(layouts):
+        ws = [randn(n, kk, dtype=dtype, seed=li * 10 + j, std=kk**-0.5) for j, n in enumerate(widths)]
+        for m in (1, 19):
+            x = randn(m, kk, dtype=dtype, seed=li)
+            fused = k.linear(x, torch.cat(ws))
+            assert torch.equal(fused, torch.cat([k.linear(x, w) for w in ws], dim=-1)), (kk, widths, m)

@@ -77,6 +77,7 @@ class Qwen3(nn.Module):
         self.load_weights(state_dict if state_dict is not None else init_state_dict(cfg, dtype, cfg.init_seed))
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, getattr(kernels, "canonical_shards", 1))
         self._lm_cache: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._fused: dict[str, tuple[tuple[tuple[int, int], ...], torch.Tensor]] = {}
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -97,6 +98,16 @@ class Qwen3(nn.Module):
             pad = self.padded_vocab - w.shape[0]
             self._lm_cache = (key, torch.nn.functional.pad(w.detach(), (0, 0, 0, pad)))
         return self._lm_cache[1]
+
+    def fused(self, name: str, weights: list[torch.Tensor]) -> torch.Tensor:
+        """Row-concatenation of weights (QKV, gate/up), cached per weight version. One wide linear
+        equals the separate ones column for column (column invariance, tests/test_kernels_linear.py)."""
+        key = tuple((w.data_ptr(), w._version) for w in weights)
+        hit = self._fused.get(name)
+        if hit is None or hit[0] != key:
+            hit = (key, torch.cat([w.detach() for w in weights]))
+            self._fused[name] = hit
+        return hit[1]
 
     # --- forward --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -129,16 +140,21 @@ class Qwen3(nn.Module):
         for li, layer in enumerate(self.model.layers):
             a = layer.self_attn
             x = kern.rms_norm(h, layer.input_layernorm.weight, cfg.rms_norm_eps)
-            q = kern.linear(x, a.q_proj.weight).view(n, cfg.num_attention_heads, cfg.head_dim)
-            k = kern.linear(x, a.k_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim)
-            v = kern.linear(x, a.v_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim)
+            qkv_w = self.fused(f"{li}.qkv", [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            q, k, v = kern.linear(x, qkv_w).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.reshape(n, cfg.num_attention_heads, cfg.head_dim)
+            k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
             q = kern.apply_rope(kern.rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps), cos, sin)
             k = kern.apply_rope(kern.rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps), cos, sin)
             o = self._attend(li, q, k, v, pos, segments, kv, scale)
             h = h + kern.linear(o.reshape(n, cfg.q_size), a.o_proj.weight)
             x = kern.rms_norm(h, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
             m = layer.mlp
-            act = kern.swiglu(kern.linear(x, m.gate_proj.weight), kern.linear(x, m.up_proj.weight))
+            gate, up = kern.linear(x, self.fused(f"{li}.gate_up", [m.gate_proj.weight, m.up_proj.weight])).split(
+                [cfg.intermediate_size, cfg.intermediate_size], dim=-1
+            )
+            act = kern.swiglu(gate, up)
             h = h + kern.linear(act, m.down_proj.weight)
         if logit_rows is not None:
             h = h.index_select(0, logit_rows)
