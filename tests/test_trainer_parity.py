@@ -35,6 +35,7 @@ def _check(results: list[dict]) -> None:
     for r in results:
         label = f"{r['layout']} {r['dtype']} {r['contract']} ({r['spec']} spec)"
         assert r["tokens"] == 48, label
+        assert r["export_equal"] is True, label  # Megatron -> HF export reproduces the checkpoint
         if r["contract"] == "contract":
             assert r["equal"] == 1.0 and r["max_abs_diff"] == 0.0, label
         else:

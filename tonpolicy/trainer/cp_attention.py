@@ -26,7 +26,7 @@ def context_parallel_attention(kernels: Any, q: torch.Tensor, k: torch.Tensor, v
     """q [s_local, Hq, D], k/v [s_local, Hkv, D] (RoPE applied), positions [s_local] -> [s_local, Hq, D]."""
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1:
-        return kernels.attention(q, k, v, positions, positions, scale)
+        return _attention(kernels, q, k, v, positions, scale)
     group = parallel_state.get_context_parallel_group()
     if mode == "ulysses":
         return _ulysses(kernels, q, k, v, scale, cp, group)
@@ -35,14 +35,29 @@ def context_parallel_attention(kernels: Any, q: torch.Tensor, k: torch.Tensor, v
     raise ValueError(f"unknown CP mode {mode!r}")
 
 
+def _attention(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """`kernels.attention` over one whole sequence, with the query rows padded to the kernel's row tile
+    by repeating the last query. The kernel would otherwise pad with queries that see no key, whose
+    0/0 finalize is dropped in the forward but turns the backward into NaN. Rows are independent by
+    contract, so the real rows' bits are unchanged."""
+    row_tile = getattr(kernels, "row_tile", 1)
+    n = q.shape[0]
+    extra = -n % row_tile
+    if extra == 0:
+        return kernels.attention(q, k, v, positions, positions, scale)
+    qp = torch.cat([q, q[-1:].expand(extra, *q.shape[1:])])
+    q_pos = torch.cat([positions, positions[-1:].expand(extra)])
+    return kernels.attention(qp, k, v, q_pos, positions, scale)[:n]
+
+
 def _ulysses(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cp: int,
              group: Any) -> torch.Tensor:
     if q.shape[1] % cp or k.shape[1] % cp:
         raise ValueError(f"Ulysses CP={cp} must divide the local query ({q.shape[1]}) and KV ({k.shape[1]}) heads")
     # [s/cp, H, D] -> [s, H/cp, D]; chunks arrive in rank order = sequence order (contiguous layout).
     qf, kf, vf = (all_to_all(t, scatter_dim=1, gather_dim=0, group=group) for t in (q, k, v))
-    pos = torch.arange(qf.shape[0])
-    out = kernels.attention(qf, kf, vf, pos, pos, scale)
+    out = _attention(kernels, qf, kf, vf, torch.arange(qf.shape[0]), scale)
     return all_to_all(out, scatter_dim=0, gather_dim=1, group=group)
 
 

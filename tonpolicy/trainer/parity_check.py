@@ -74,11 +74,23 @@ def layouts_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         lps = worker.logprobs(ro["prompts"], ro["responses"])
         t2 = time.perf_counter()
         res = {**{k: v for k, v in job.items() if k not in ("rollout", "checkpoint")}, **compare(lps, ro["logprobs"]),
-               "spec": worker.spec, "build_s": t1 - t0, "logprobs_s": t2 - t1}
+               "spec": worker.spec, "build_s": t1 - t0, "logprobs_s": t2 - t1,
+               "export_equal": _export_round_trips(worker, job["checkpoint"])}
         out.append(res)
         worker.close()
         reset_model_parallel()
     return out
+
+
+def _export_round_trips(worker: Any, checkpoint: str | Path) -> bool | None:
+    """Megatron shards -> merged HF state dict equals the checkpoint it was loaded from (rank 0)."""
+    from tonpolicy.model.checkpoint import load_hf
+
+    hf = worker.hf_state_dict()
+    if hf is None:
+        return None
+    _, ref = load_hf(checkpoint)
+    return hf.keys() == ref.keys() and all(torch.equal(hf[k], ref[k]) for k in ref)
 
 
 def layout_jobs(layouts: list[Layout], checkpoints: dict[str, str], rollouts: dict[tuple[str, str], Any],
@@ -91,3 +103,28 @@ def layout_jobs(layouts: list[Layout], checkpoints: dict[str, str], rollouts: di
 
 def replace_layout(layout: Layout, **kw: Any) -> Layout:
     return dataclasses.replace(layout, **kw)
+
+
+def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each job as in `layouts_worker` plus `advantages`: recompute logprobs, take one PPO step, and
+    recompute again. Returns the step metrics, grad_norm, timings and post-step logprobs."""
+    from tonpolicy.trainer.dist import reset_model_parallel
+    from tonpolicy.trainer.worker import TrainerWorker
+
+    out = []
+    for job in jobs:
+        cfg = make_config(job["layout"], job["dtype"], job["contract"], job["temperature"])
+        worker = TrainerWorker(cfg, job["checkpoint"], spec=job.get("spec"))
+        ro = job["rollout"]
+        t0 = time.perf_counter()
+        old = worker.logprobs(ro["prompts"], ro["responses"])
+        t1 = time.perf_counter()
+        m = worker.ppo_step(ro["prompts"], ro["responses"], old, ro["logprobs"], job["advantages"])
+        t2 = time.perf_counter()
+        new = worker.logprobs(ro["prompts"], ro["responses"])
+        out.append({"layout": job["layout"], "dtype": job["dtype"], "contract": job["contract"], "spec": worker.spec,
+                    **m, "old_vs_rollout": compare(old, ro["logprobs"]), "new_logprobs": new,
+                    "logprobs_s": t1 - t0, "step_s": t2 - t1})
+        worker.close()
+        reset_model_parallel()
+    return out

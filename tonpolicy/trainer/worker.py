@@ -112,14 +112,15 @@ class TrainerWorker:
                   for o, a, m in zip(old_logprobs, advs, masks, strict=True)]
         mbs, seq_len = fw.make_microbatches(prompts, responses, self.layout.cp_mode, self.tile, extras)
         total = max(float(sum(m.sum() for m in masks)), 1.0)
-        n_mb, cp = len(mbs), self.layout.cp
+        n_mb = len(mbs)
 
         def loss_fn(mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
             lp, resp = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
             ex = {k: v[resp] for k, v in mb.extras.items()}
             local = (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum() / total
-            # megatron multiplies by CP and divides by the microbatch count; DDP averages over DP x CP.
-            return local * n_mb / cp, {"lp": lp.detach(), "resp": resp}
+            # megatron's schedule multiplies this by CP and divides it by the microbatch count, and DDP
+            # averages gradients over DP x CP: the update is the gradient of the batch token mean.
+            return local * n_mb, {"lp": lp.detach(), "resp": resp}
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
