@@ -90,13 +90,13 @@ def run_align(cfg: Config, run_dir: Path) -> int:
     from tonpolicy.parity.compare import compare_dumps, format_report
     from tonpolicy.parity.dump import save_dump
     from tonpolicy.parity.rollout_dump import decode_dump, full_forward_dump
-    from tonpolicy.parity.trainer_dump import hf_weights, trainer_dump
+    from tonpolicy.parity.trainer_dump import trainer_dump
 
     check(cfg)
     a, params = cfg.align, kernel_params(cfg.contract)
     side, perturb = parse_perturb(a.perturb, cfg.model.num_layers, params)
     dtype = getattr(torch, cfg.contract.dtype)
-    model = Qwen3(cfg.model, get_kernels(cfg.contract.kernels, **params), dtype, hf_weights(cfg, dtype))
+    model = Qwen3(cfg.model, get_kernels(cfg.contract.kernels, **params), dtype, _weights(cfg, dtype))
     selection = Selection(set(a.layers) if a.layers is not None else None,
                           set(a.positions) if a.positions is not None else None,
                           set(a.ops) if a.ops is not None else None)
@@ -110,12 +110,13 @@ def run_align(cfg: Config, run_dir: Path) -> int:
     print(f"align: sample {a.sample}: prompt {prompt_len} tokens, response {len(response)} tokens; "
           f"rollout dump ({len(rollout.tensors)} checkpoints) in {out / 'rollout'}", flush=True)
     # The reference holds the sample's real tokens only (no padding rows).
-    ref_sel = Selection(selection.layers, set(range(len(tokens))) & (selection.positions or set(range(len(tokens)))),
-                        selection.ops)
+    # The reference keeps the sample's real tokens only (the trainer never feeds the last one: it
+    # predicts nothing; anything past it is padding).
+    real = set(range(len(tokens) - 1 if a.reference == "trainer" else len(tokens)))
+    ref_sel = Selection(selection.layers, real & (selection.positions or real), selection.ops)
     ref_perturb = perturb if side == "trainer" else None
     if a.reference == "trainer":
-        ref = trainer_dump(cfg, tokens, prompt_len, req.temperature, ref_sel, out, perturb=ref_perturb,
-                           timeout=cfg.trainer.timeout_s)
+        ref = trainer_dump(cfg, tokens, prompt_len, ref_sel, out, perturb=ref_perturb, timeout=cfg.trainer.timeout_s)
     else:
         ref = full_forward_dump(model, tokens, prompt_len, req.temperature, ref_sel, perturb=ref_perturb)
     ref_dir = save_dump(ref, out / a.reference)
@@ -125,6 +126,15 @@ def run_align(cfg: Config, run_dir: Path) -> int:
     js, png = write_report(report, run_dir)
     print(f"report written to {js} and {png}", file=sys.stderr)
     return 0 if report.match else 1
+
+
+def _weights(cfg: Config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The weights both engines start from: the user's checkpoint or the seeded random init."""
+    from tonpolicy.model.checkpoint import init_state_dict, load_hf
+
+    if cfg.model.checkpoint:
+        return load_hf(cfg.model.checkpoint)[1]
+    return init_state_dict(cfg.model, dtype, cfg.model.init_seed)
 
 
 def _check_engine_logprobs(rollout: Any, engine_lps: torch.Tensor) -> None:

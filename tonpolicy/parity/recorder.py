@@ -63,6 +63,17 @@ class Records:
         return out
 
 
+@dataclass(frozen=True)
+class Role:
+    """What a weight computes: one op, or several from one fused matmul (kind: how its output columns
+    split: megatron's per-group "qkv", megatron's "gate_up", or an engine's row "concat" of `sizes`)."""
+
+    layer: int
+    ops: tuple[str, ...]
+    kind: str = "single"
+    sizes: tuple[int, ...] = ()
+
+
 class RecordingKernels:
     """Forwards every KernelSet call to `inner` (or to a perturbing set) and records checkpoints."""
 
@@ -74,27 +85,36 @@ class RecordingKernels:
         self.selection = selection or Selection()
         self.perturb = perturb or {}
         self.records = Records()
-        self._roles: dict[int, tuple[int, str]] = {}
+        self._roles: dict[int, Role] = {}
         self._rows: torch.Tensor | None = None
         self._logit_rows: torch.Tensor | None = None
         self._layer = -1
         self._ropes = 0
-        self._pending: tuple[int, str] | None = None  # row-parallel linear between partials and combine
-        # Mirror the kernel set's attributes (ContractKernels keeps the tile size in an instance
-        # attribute that shadows its `attention_tile` method; callers rely on both).
-        self.attention_tile = inner.attention_tile
-        self.canonical_shards = inner.canonical_shards
+        self._pending: Role | None = None  # row-parallel linear between partials and combine
 
-    def __getattr__(self, name: str) -> Any:  # name, row_tile, describe(), ...
+    def __getattr__(self, name: str) -> Any:  # name, tile_size, canonical_shards, kv_cache_dtype(), ...
         return getattr(self.inner, name)
 
     # --- context ------------------------------------------------------------------------------
     def bind_weights(self, params: dict[str, torch.Tensor], role_of: Any) -> None:
-        """Map weight identities to (layer, role) with `role_of(name) -> (layer, role) | None`."""
+        """Map weight identities to roles with `role_of(name) -> (layer, role) | None`; a role is a
+        canonical op, or "qkv"/"gate_up" for megatron's fused projections."""
         for name, p in params.items():
-            role = role_of(name)
-            if role is not None:
-                self._roles[id(p)] = role
+            r = role_of(name)
+            if r is not None:
+                layer, op = r
+                ops = {"qkv": ("q", "k", "v"), "gate_up": ("mlp_gate", "mlp_up")}.get(op, (op,))
+                self._roles[id(p)] = Role(layer, ops, op if op in ("qkv", "gate_up") else "single")
+
+    def bind_concat(self, fused: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """`fused` is the row-concatenation of known weights (an engine's fused QKV or gate/up)."""
+        roles = [self._roles.get(id(p)) for p in parts]
+        if id(fused) in self._roles or any(r is None or len(r.ops) != 1 for r in roles):
+            return
+        layers = {r.layer for r in roles}
+        if len(layers) == 1:
+            self._roles[id(fused)] = Role(layers.pop(), tuple(r.ops[0] for r in roles), "concat",
+                                          tuple(p.shape[0] for p in parts))
 
     def set_rows(self, positions: torch.Tensor, logit_positions: torch.Tensor | None = None) -> None:
         """Absolute positions of the token rows of the forward about to run (and of its logits rows,
@@ -112,9 +132,11 @@ class RecordingKernels:
         if self._rows is None or not self.selection.wants(ck, self.num_layers):
             return
         rows = self._rows
-        # The rollout computes the final norm, logits and logprobs for its logits rows only.
-        tail = op in POST_OPS or (op == "residual" and layer == self.num_layers - 1)
-        if tail and self._logit_rows is not None:
+        n = t.shape[0] if t.dim() else 1  # both engines keep tokens in the leading dim (batch of one)
+        if n != rows.numel():
+            # Computed for the logits rows only (the rollout's final norm/logits, every logprob).
+            if self._logit_rows is None or n != self._logit_rows.numel():
+                raise RuntimeError(f"{ck}: {tuple(t.shape)} fits neither the {rows.numel()} rows nor the logits rows")
             rows = self._logit_rows
         if rows.numel() == 0:  # e.g. a CP rank that holds only padding
             return
@@ -126,21 +148,28 @@ class RecordingKernels:
             rows, flat = rows[keep], flat[keep]
         self.records.add(ck, rows.to("cpu", copy=True), flat.to("cpu", copy=True))  # off the device: bounded GPU memory
 
-    def _record_weighted(self, role: tuple[int, str], t: torch.Tensor) -> None:
-        layer, op = role
-        if op == "qkv":
-            for name, part in split_qkv(t, self.heads_per_group, self.head_dim).items():
-                self._record(layer, name, part)
-        elif op == "gate_up":
-            for name, part in split_gate_up(t).items():
-                self._record(layer, name, part)
-        else:
-            self._record(layer, op, t)
+    def _parts(self, role: Role, width: int) -> dict[str, torch.Tensor]:
+        """Output columns of each op a fused weight computes (for a single op: all of them)."""
+        idx = torch.arange(width)
+        if role.kind == "qkv":
+            return split_qkv(idx, self.heads_per_group, self.head_dim)
+        if role.kind == "gate_up":
+            return split_gate_up(idx)
+        if role.kind == "concat":
+            return dict(zip(role.ops, idx.split(list(role.sizes)), strict=True))
+        return {role.ops[0]: idx}
 
-    def _role(self, weight: torch.Tensor) -> tuple[int, str] | None:
+    def _record_weighted(self, role: Role, t: torch.Tensor) -> None:
+        if len(role.ops) == 1:
+            self._record(role.layer, role.ops[0], t)
+            return
+        for op, cols in self._parts(role, t.shape[-1]).items():
+            self._record(role.layer, op, t.index_select(-1, cols.to(t.device)))
+
+    def _role(self, weight: torch.Tensor) -> Role | None:
         role = self._roles.get(id(weight))
-        if role is not None and role[0] < self.num_layers:
-            self._layer = role[0]
+        if role is not None and role.layer < self.num_layers:
+            self._layer = role.layer
         return role
 
     def _kern(self, layer: int, *ops: str) -> Any:
@@ -150,32 +179,41 @@ class RecordingKernels:
                 return alt
         return self.inner
 
-    @staticmethod
-    def _ops(role: tuple[int, str] | None) -> tuple[str, ...]:
-        if role is None:
-            return ()
-        return {"qkv": ("q", "k", "v"), "gate_up": ("mlp_gate", "mlp_up")}.get(role[1], (role[1],))
+    def _call(self, role: Role | None, method: str, *args: Any) -> torch.Tensor:
+        """Run `method` on the kernel set of `role`'s op; a fused weight whose ops are perturbed only
+        in part takes just those ops' columns from the perturbing set (the others stay untouched)."""
+        if role is None or len(role.ops) == 1:
+            ops = () if role is None else role.ops
+            return getattr(self._kern(self._layer, *ops), method)(*args)
+        y = getattr(self.inner, method)(*args)
+        for op, cols in self._parts(role, y.shape[-1]).items():
+            alt = self._kern(role.layer, op)
+            if alt is not self.inner:
+                y = y.clone()
+                y[..., cols] = getattr(alt, method)(*args)[..., cols]
+        return y
 
     # --- linear -------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         role = self._role(weight)
-        if role is not None and role[1] == "o_proj":
-            self._record(role[0], "attn_out", x)
-        y = self._kern(self._layer, *self._ops(role)).linear(x, weight)
+        if role is not None and role.ops == ("o_proj",):
+            self._record(role.layer, "attn_out", x)
+        y = self._call(role, "linear", x, weight)
         if role is not None:
             self._record_weighted(role, y)
         return y
 
     def linear_partials(self, x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:
+        # Row-parallel (o_proj, mlp_down) and LM-head linears: never fused, recorded at the combine.
         role = self._role(weight)
-        if role is not None and role[1] == "o_proj":
-            self._record(role[0], "attn_out", x)
+        if role is not None and role.ops == ("o_proj",):
+            self._record(role.layer, "attn_out", x)
         self._pending = role
-        return self._kern(self._layer, *self._ops(role)).linear_partials(x, weight, num_shards)
+        return self._call(role, "linear_partials", x, weight, num_shards)
 
     def combine_partials(self, partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         role, self._pending = self._pending, None
-        y = self._kern(self._layer, *self._ops(role)).combine_partials(partials, out_dtype)
+        y = self._call(role, "combine_partials", partials, out_dtype)
         if role is not None:
             self._record_weighted(role, y)
         return y
@@ -189,7 +227,7 @@ class RecordingKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         role = self._role(weight)
         if role is not None:
-            layer, op = role
+            layer, op = role.layer, role.ops[0]
             # The residual stream is what enters the next norm.
             if op == "input_norm":
                 self._ropes = 0
@@ -201,7 +239,7 @@ class RecordingKernels:
                 self._record(layer, "attn_residual", x)
             elif op == "final_norm":
                 self._record(self.num_layers - 1, "residual", x)
-        y = self._kern(self._layer, *self._ops(role)).rms_norm(x, weight, eps)
+        y = self._call(role, "rms_norm", x, weight, eps)
         if role is not None:
             self._record_weighted(role, y)
         return y
@@ -228,9 +266,16 @@ class RecordingKernels:
     def attention_batched(self, *args: Any) -> torch.Tensor:
         return self._kern(self._layer, "attn_out").attention_batched(*args)
 
-    def attention_tile(self, *args: Any) -> Any:  # reached through the class (the int shadows it)
+    def attention_pooled(self, q: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         *args: Any) -> torch.Tensor:
         k = self._kern(self._layer, "attn_out")
-        return type(k).attention_tile(k, *args)
+        if k is not self.inner:  # the pool holds the engine's cache dtype; hand the other set its own
+            dt = k.kv_cache_dtype(q.dtype)
+            k_pool, v_pool = k_pool.to(dt), v_pool.to(dt)
+        return k.attention_pooled(q, q_pos, k_pool, v_pool, *args)
+
+    def attention_tile(self, *args: Any) -> Any:
+        return self._kern(self._layer, "attn_out").attention_tile(*args)
 
     def merge(self, a: Any, b: Any) -> Any:
         return self._kern(self._layer, "attn_out").merge(a, b)

@@ -1,9 +1,10 @@
 """Dumps of the rollout side: the engine's decode path (prefill + one KV-cached step per token) and,
 as a second reference, one full-sequence forward of the same rollout model.
 
-While dumping, the model's kernel set is swapped for a RecordingKernels proxy and its
-`forward_segments` is wrapped to tell the proxy which absolute positions the step's rows (and logits
-rows) hold; both are removed afterwards, so a model that is not dumping runs untouched.
+While dumping, the model's kernel set is swapped for a RecordingKernels proxy, its `forward_segments`
+is wrapped to tell the proxy which absolute positions the step's rows (and logits rows) hold, and its
+`fused` weight cache (if any) to tell it which weights a fused QKV / gate-up matrix is made of; all
+are removed afterwards, so a model that is not dumping runs untouched.
 """
 
 from __future__ import annotations
@@ -41,14 +42,26 @@ def recording(model: Qwen3, rec: RecordingKernels) -> Iterator[RecordingKernels]
         rec.set_rows(pos, None if logit_rows is None else pos.index_select(0, logit_rows))
         return inner_forward(input_ids, segments, kv, logit_rows)
 
+    wrapped = {"forward_segments": forward_segments}
+    if hasattr(model, "fused"):  # the model fuses QKV and gate/up weights into cached row-concatenations
+        inner_fused = model.fused
+
+        def fused(name: str, weights: list[torch.Tensor]) -> torch.Tensor:
+            w = inner_fused(name, weights)
+            rec.bind_concat(w, weights)
+            return w
+
+        wrapped["fused"] = fused
     saved = model.kernels
     model.kernels = rec
-    model.forward_segments = forward_segments  # instance attribute shadows the method
+    for name, fn in wrapped.items():  # instance attributes shadow the methods
+        setattr(model, name, fn)
     try:
         yield rec
     finally:
         model.kernels = saved
-        del model.forward_segments
+        for name in wrapped:
+            delattr(model, name)
 
 
 def decode_dump(model: Qwen3, request: GenRequest, selection: Selection, *, chunked_prefill_size: int | None = None,

@@ -1,5 +1,6 @@
-"""Dump of the trainer side: one full-sequence forward of megatron-core's GPTModel (contract layer
-spec) at the configured TP/PP/CP layout, in real processes (gloo on CPU, NCCL on GPUs).
+"""Dump of the trainer side: the trainer's own logprob recompute of one sample (TrainerWorker: megatron-
+core's GPTModel on the contract layer spec, megatron's forward schedule) at the configured TP/PP/CP
+layout, in real processes (gloo on CPU).
 
 Every rank records what its kernels see (its TP column shards, its CP positions, its PP stage's
 layers) into a shard file; the parent then assembles full tensors: TP column ops are concatenated over
@@ -30,73 +31,52 @@ def cp_mode(cfg: Config) -> str:
     return cfg.parallel.cp_type if cfg.parallel.cp > 1 else "ulysses"
 
 
-def hf_weights(cfg: Config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The same starting weights as the rollout model: the user's checkpoint or the seeded init."""
-    from tonpolicy.model.checkpoint import init_state_dict, load_hf
-
-    if cfg.model.checkpoint:
-        return load_hf(cfg.model.checkpoint)[1]
-    return init_state_dict(cfg.model, dtype, cfg.model.init_seed)
+def _logit_positions(pos: torch.Tensor, prompt_len: int, response_len: int) -> torch.Tensor:
+    """The rows whose logits score a response token (the trainer computes logprobs for those only)."""
+    nxt = pos + 1 - prompt_len
+    return pos[(nxt >= 0) & (nxt < response_len)]
 
 
-def _forward_and_record(cfg: Config, tokens: list[int], temperature: float, rec: RecordingKernels) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from tonpolicy.trainer import cp as cp_layout
-    from tonpolicy.trainer.logprobs import token_logprobs
-    from tonpolicy.trainer.model import build_gpt, padded_vocab
-    from tonpolicy.trainer.weights import load_into
-
-    m, dtype, mode = cfg.model, getattr(torch, cfg.contract.dtype), cp_mode(cfg)
-    model = build_gpt(m, dtype, "contract", mode, kernels=rec)
-    load_into(model, hf_weights(cfg, dtype), m, padded_vocab(m))
-    offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0  # global = local + offset
-    rec.bind_weights(dict(model.named_parameters()), lambda n: megatron_weight_role(n, m.num_layers, offset))
-    model.eval()
-
-    n = len(tokens)
-    seq = cp_layout.padded_len(n, cfg.parallel.cp, mode, cfg.contract.attention_tile)
-    ids = torch.zeros(seq, dtype=torch.long)
-    ids[:n] = torch.tensor(tokens, dtype=torch.long)
-    pos = cp_layout.local_positions(seq, cfg.parallel.cp, ps.get_context_parallel_rank(), mode)
-    cp_layout.set_positions(pos[None])
-    rec.set_rows(pos)
-    with torch.no_grad():
-        if not ps.is_pipeline_first_stage():
-            h = torch.empty(pos.numel(), 1, m.hidden_size, dtype=dtype)
-            dist.recv(h, src=ps.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(h)
-        out = model(ids[pos][None], pos[None], None)
-        if not ps.is_pipeline_last_stage():
-            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-            return
-        keep = pos < n - 1  # the logits at p score token p+1 of the sample
-        rec.set_rows(pos[keep])
-        token_logprobs(out[:, keep], ids[pos[keep] + 1][None], m.vocab_size, temperature, kernels=rec)
-
-
-def _worker(cfg: Config, tokens: list[int], temperature: float, selection: Selection,
+def _worker(cfg: Config, tokens: list[int], prompt_len: int, selection: Selection,
             perturb: dict[Checkpoint, Any], shard_dir: str) -> None:
+    """One trainer rank: the trainer's own TrainerWorker (contract layer spec, megatron's schedule,
+    response slicing, logprob recipe) with its kernel set swapped for the recording proxy."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from tonpolicy.contract.identity import kernel_params
-    from tonpolicy.kernels import get_kernels
-    from tonpolicy.trainer.dist import Layout, init_distributed
+    from tonpolicy.trainer.worker import TrainerWorker
 
-    p, m = cfg.parallel, cfg.model
-    init_distributed(Layout(p.tp, p.pp, p.cp, cp_mode(cfg)))
-    inner = get_kernels(cfg.contract.kernels, **kernel_params(cfg.contract))
-    rec = RecordingKernels(inner, m.num_layers, m.num_attention_heads // m.num_kv_heads, m.head_dim, selection, perturb)
-    _forward_and_record(cfg, tokens, temperature, rec)
+    worker = TrainerWorker(cfg, cfg.model.checkpoint, spec="contract")
+    m = worker.model_cfg
+    rec = RecordingKernels(worker.kernels, m.num_layers, m.num_attention_heads // m.num_kv_heads, m.head_dim,
+                           selection, perturb)
+    for mod in worker.module.modules():  # every layer-spec module holds the set as `kernels`
+        if getattr(mod, "kernels", None) is worker.kernels:
+            mod.kernels = rec
+    worker.kernels = rec
+    layers = worker.module.decoder.layers
+    offset = layers[0].layer_number - 1 if len(layers) else 0  # pipeline stage: global = local + offset
+    rec.bind_weights(dict(worker.module.named_parameters()), lambda n: megatron_weight_role(n, m.num_layers, offset))
+    prompt, response = tokens[:prompt_len], tokens[prompt_len:]
+
+    def rows(_mod: Any, args: tuple) -> None:  # GPTModel(tokens, positions, mask): this rank's positions
+        pos = args[1].reshape(-1)
+        rec.set_rows(pos, _logit_positions(pos, prompt_len, len(response)))
+
+    hook = worker.module.register_forward_pre_hook(rows)
+    try:
+        (lps,) = worker.logprobs([prompt], [response])
+    finally:
+        hook.remove()
     tensors: dict[str, torch.Tensor] = {}
     for ck, (pos, val) in rec.records.collect().items():
         tensors[ck.name] = val.contiguous()
         tensors[ck.name + _POS] = pos.contiguous()
+    tensors["trainer_logprobs"] = lps.float().contiguous()  # what the trainer returns, for a cross-check
     meta = {"tp_rank": str(ps.get_tensor_model_parallel_rank()), "cp_rank": str(ps.get_context_parallel_rank()),
             "pp_rank": str(ps.get_pipeline_model_parallel_rank())}
     save_file(tensors, str(Path(shard_dir) / f"rank{dist.get_rank()}.safetensors"), metadata=meta)
+    worker.close()
 
 
 def assemble(shard_dir: Path, num_layers: int) -> dict[Checkpoint, tuple[torch.Tensor, torch.Tensor]]:
@@ -106,7 +86,7 @@ def assemble(shard_dir: Path, num_layers: int) -> dict[Checkpoint, tuple[torch.T
         with safe_open(str(f), "pt") as sf:
             tp_rank = int(sf.metadata()["tp_rank"])
             for key in sf.keys():
-                if key.endswith(_POS):
+                if key.endswith(_POS) or key == "trainer_logprobs":
                     continue
                 ck = parse_name(key, num_layers)
                 by_tp.setdefault(ck, {}).setdefault(tp_rank, Records()).add(ck, sf.get_tensor(key + _POS), sf.get_tensor(key))
@@ -123,19 +103,33 @@ def assemble(shard_dir: Path, num_layers: int) -> dict[Checkpoint, tuple[torch.T
     return out
 
 
-def trainer_dump(cfg: Config, tokens: list[int], prompt_len: int, temperature: float, selection: Selection,
-                 work_dir: Path, *, perturb: dict[Checkpoint, Any] | None = None, timeout: float = 600.0) -> Dump:
+def trainer_dump(cfg: Config, tokens: list[int], prompt_len: int, selection: Selection, work_dir: Path, *,
+                 perturb: dict[Checkpoint, Any] | None = None, timeout: float = 600.0) -> Dump:
+    """Dump the trainer's logprob forward of one sample (temperature: cfg.experiment's, as in training)."""
     from tonpolicy.trainer.dist import spawn
 
     p = cfg.parallel
     shard_dir = work_dir / "trainer_shards"
     shutil.rmtree(shard_dir, ignore_errors=True)
     shard_dir.mkdir(parents=True)
-    spawn(_worker, p.tp * p.pp * p.cp, cfg, tokens, temperature, selection, perturb or {}, str(shard_dir),
+    spawn(_worker, p.tp * p.pp * p.cp, cfg, tokens, prompt_len, selection, perturb or {}, str(shard_dir),
           timeout=timeout)
     records = assemble(shard_dir, cfg.model.num_layers)
+    _check_trainer_logprobs(shard_dir, records, prompt_len)
     shutil.rmtree(shard_dir, ignore_errors=True)
     layout = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "cp_type": p.cp_type}
     meta = {"engine": "megatron-core", "path": "full_forward", "kernels": cfg.contract.kernels,
             "layout": json.loads(json.dumps(layout)), "perturb": sorted(str(c) for c in (perturb or {}))}
     return make_dump("trainer", tokens, prompt_len, cfg.model.num_layers, cfg.model.vocab_size, records, meta)
+
+
+def _check_trainer_logprobs(shard_dir: Path, records: dict, prompt_len: int) -> None:
+    """The dumped logprobs must be the ones TrainerWorker.logprobs returned."""
+    lp = next((v for ck, v in records.items() if ck.op == "logprobs"), None)
+    if lp is None:
+        return
+    with safe_open(str(shard_dir / "rank0.safetensors"), "pt") as sf:
+        returned = sf.get_tensor("trainer_logprobs")
+    pos, val = lp
+    if not torch.equal(val.flatten(), returned[pos - (prompt_len - 1)]):
+        raise RuntimeError("the dumped trainer logprobs differ from the ones TrainerWorker.logprobs returned")
