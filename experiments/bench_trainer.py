@@ -1,0 +1,103 @@
+"""Benchmark: one trainer training step (forward, backward, optimizer) with the contract layer spec vs
+megatron's stock local spec on the same batch, in one run, at TP1 and TP2; plus the share of the
+step spent in the logprob recipe (TP vocab gather -> fp32 log-softmax -> gather; forward part) and in
+the parity comparison.
+
+    .venv/bin/python experiments/bench_trainer.py [--samples 8] [--prompt-len 96] [--response-len 32]
+        [--steps 3] [--dtype bfloat16] [--tp 1 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tonpolicy.config.model import ModelConfig  # noqa: E402
+from tonpolicy.trainer import parity_check as pc  # noqa: E402
+from tonpolicy.trainer.dist import Layout, spawn  # noqa: E402
+
+
+def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int) -> dict[str, Any]:
+    from tonpolicy.trainer import forward as fw
+    from tonpolicy.trainer.dist import reset_model_parallel
+    from tonpolicy.trainer.worker import TrainerWorker
+
+    recipe = {"s": 0.0}
+    inner = fw.token_logprobs
+
+    def timed(*a: Any, **k: Any) -> torch.Tensor:
+        t = time.perf_counter()
+        out = inner(*a, **k)
+        recipe["s"] += time.perf_counter() - t
+        return out
+
+    fw.token_logprobs = timed
+    out: dict[str, Any] = {"layout": str(layout), "dtype": dtype}
+    for spec in ("contract", "stock"):
+        cfg = pc.make_config(layout, dtype, "contract", 1.0)
+        w = TrainerWorker(cfg, checkpoint, spec=spec)
+        p, r = batch["prompts"], batch["responses"]
+        old = w.logprobs(p, r)
+        times, shares, cmp_s = [], [], []
+        for i in range(steps + 1):  # the first step builds DDP/optimizer: warm-up
+            recipe["s"] = 0.0
+            t0 = time.perf_counter()
+            w.ppo_step(p, r, old, old, batch["advantages"])
+            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            pc.compare(old, [x.clone() for x in old])
+            cmp_s.append(time.perf_counter() - t1)
+            if i:
+                times.append(dt)
+                shares.append(recipe["s"] / dt)
+        out[spec] = {"step_s": statistics.median(times), "recipe_share": statistics.median(shares),
+                     "parity_compare_share": statistics.median(cmp_s) / statistics.median(times)}
+        w.close()
+        reset_model_parallel()
+    out["contract_over_stock"] = out["contract"]["step_s"] / out["stock"]["step_s"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=96)
+    ap.add_argument("--response-len", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    from tonpolicy.model.checkpoint import init_state_dict, save_hf
+
+    cfg = ModelConfig()
+    ck = str(Path(tempfile.mkdtemp()) / "ckpt")
+    save_hf(init_state_dict(cfg, torch.float32 if a.dtype == "float32" else torch.bfloat16, 3), cfg, ck)
+    g = torch.Generator().manual_seed(0)
+    batch = {"prompts": [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.samples)],
+             "responses": [torch.randint(0, cfg.vocab_size, (a.response_len,), generator=g).tolist()
+                           for _ in range(a.samples)],
+             "advantages": torch.randn(a.samples, generator=g).tolist()}
+    results = [spawn(_bench, tp, Layout(tp=tp), a.dtype, ck, batch, a.steps) for tp in a.tp]
+    for r in results:
+        c, s = r["contract"], r["stock"]
+        print(f"{r['layout']:>8} {r['dtype']}: contract {c['step_s'] * 1e3:8.1f} ms  stock {s['step_s'] * 1e3:8.1f} ms"
+              f"  ratio {r['contract_over_stock']:.2f}x  | logprob recipe {c['recipe_share']:.2%} of the contract step"
+              f" (stock {s['recipe_share']:.2%}), parity compare {c['parity_compare_share']:.3%}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
