@@ -33,10 +33,11 @@ def _request(new: int = 5) -> GenRequest:
     return GenRequest(list(PROMPT), new, temperature=1.0, seed=11)
 
 
-def test_decode_matches_full_forward_and_engine_logprobs() -> None:
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_decode_matches_full_forward_and_engine_logprobs(chunk: int | None) -> None:
     model = _model()
     plain = model.kernels
-    dump, response, engine_lps = decode_dump(model, _request(), Selection())
+    dump, response, engine_lps = decode_dump(model, _request(), Selection(), chunked_prefill_size=chunk)
     # Nothing stays installed once the dump is taken.
     assert model.kernels is plain and not {"forward_segments", "fused"} & set(model.__dict__)
     n, p = len(dump.tokens), len(PROMPT)
