@@ -170,6 +170,9 @@ def format_report(r: AlignReport) -> str:
                      f"[{f.name}]")
         lines.append(f"  max|Δ| there {f.max_abs_diff_at_position:.3e} (over the checkpoint {f.max_abs_diff_checkpoint:.3e}), "
                      f"after it {f.max_abs_diff_after:.3e}")
+    lp = next((c for c in r.checkpoints if c.op == "logprobs"), None)
+    if lp is not None:  # what the parity gate sees
+        lines.append(f"logprobs: {lp.mismatched_positions} of {lp.positions} tokens differ, max|Δ| {lp.max_abs_diff:.3e}")
     lines.append(f"{'layer':>6} {'mismatched':>12} {'of':>10}  ops with mismatches")
     rows: dict[str, list[CheckpointDiff]] = {}
     for c in r.checkpoints:
