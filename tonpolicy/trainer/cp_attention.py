@@ -57,7 +57,7 @@ def _ulysses(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         raise ValueError(f"Ulysses CP={cp} must divide the local query ({q.shape[1]}) and KV ({k.shape[1]}) heads")
     # [s/cp, H, D] -> [s, H/cp, D]; chunks arrive in rank order = sequence order (contiguous layout).
     qf, kf, vf = (all_to_all(t, scatter_dim=1, gather_dim=0, group=group) for t in (q, k, v))
-    out = _attention(kernels, qf, kf, vf, torch.arange(qf.shape[0]), scale)
+    out = _attention(kernels, qf, kf, vf, torch.arange(qf.shape[0], device=qf.device), scale)
     return all_to_all(out, scatter_dim=0, gather_dim=1, group=group)
 
 
@@ -73,7 +73,7 @@ def _ring(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     kv = torch.cat([k, v], dim=1)
     for step in range(cp):
         src = (rank - step) % cp
-        k_pos = cp_layout.local_positions(seq_len, cp, src, "ring")
+        k_pos = cp_layout.local_positions(seq_len, cp, src, "ring").to(q.device)
         kb, vb = kv.split([k.shape[1], v.shape[1]], dim=1)
         for start in range(0, kb.shape[0], tile):
             first = int(k_pos[start])

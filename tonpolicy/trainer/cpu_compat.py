@@ -5,7 +5,7 @@ megatron-core assumes a GPU in a handful of places (see /work/shared/ENVIRONMENT
 the CUDA RNG tracker (`tensor_parallel/random.py`), `torch.cuda.synchronize()` (p2p communication),
 tensors created with `device="cuda"` (pipeline schedules, optimizer, grad clipping, grad buffers) and
 `clip_grad_by_total_norm_fp32` asserting `torch.cuda.FloatTensor`, and `weight.data.cuda()` when the
-tied embedding is synced across pipeline stages.
+tied embedding is synced across pipeline stages, and the bf16 optimizer checking `param.type()` names.
 
 Rather than editing megatron, each affected module's global name `torch` is replaced by a thin proxy
 that forwards everything to the real torch except: factories map a CUDA device to CPU, and
@@ -139,6 +139,28 @@ def _tensor_cuda_is_identity(fn: Any) -> Any:
     return wrapped
 
 
+def _tensor_type_reads_cuda(fn: Any) -> Any:
+    """Wrap a megatron method that validates `param.type()` against 'torch.cuda.*Tensor' names (the
+    bf16/fp16 optimizer): during the call, a CPU tensor's type string carries the cuda prefix."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        orig = torch.Tensor.type
+
+        def cuda_named(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            out = orig(self, *a, **k)
+            if a or k or not isinstance(out, str) or out.startswith("torch.cuda."):
+                return out
+            return out.replace("torch.", "torch.cuda.", 1)
+
+        torch.Tensor.type = cuda_named
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = orig
+
+    return wrapped
+
+
 def needed() -> bool:
     return not torch.cuda.is_available()
 
@@ -162,5 +184,9 @@ def apply() -> bool:
     lm = importlib.import_module("megatron.core.models.common.language_module.language_module")
     lm.LanguageModule.setup_embeddings_and_output_layer = _tensor_cuda_is_identity(
         lm.LanguageModule.setup_embeddings_and_output_layer)
+    # bf16 training: Float16OptimizerWithFloat16Params checks parameter type names at construction.
+    opt = importlib.import_module("megatron.core.optimizer.optimizer")
+    opt.Float16OptimizerWithFloat16Params.__init__ = _tensor_type_reads_cuda(
+        opt.Float16OptimizerWithFloat16Params.__init__)
     _applied = True
     return True

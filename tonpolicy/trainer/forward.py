@@ -19,6 +19,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from tonpolicy.trainer import cp as cp_layout
+from tonpolicy.trainer.dist import device
 from tonpolicy.trainer.logprobs import token_logprobs
 
 LossFn = Callable[["Microbatch", torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
@@ -56,7 +57,8 @@ def local_logprobs(mb: Microbatch, logits: torch.Tensor, vocab_size: int, temper
     """fp32 logprobs of the response tokens whose predicting row is on this rank, and their response
     indices. `logits` is this TP rank's vocab shard [1, s_local, V_pad/TP]."""
     [(rows, targets)] = cp_layout.slice_responses([logits[0]], [mb.targets], [mb.slice])
-    return token_logprobs(rows, targets, vocab_size, temperature, kernels, stock_gather), mb.slice.resp
+    lp = token_logprobs(rows, targets.to(rows.device), vocab_size, temperature, kernels, stock_gather)
+    return lp, mb.slice.resp
 
 
 def run(model: Any, mbs: list[Microbatch], seq_len: int, loss_fn: LossFn, forward_only: bool) -> list[dict]:
@@ -65,8 +67,10 @@ def run(model: Any, mbs: list[Microbatch], seq_len: int, loss_fn: LossFn, forwar
 
     def forward_step(data_iterator: Any, module: Any) -> tuple[torch.Tensor, Callable]:
         mb = next(data_iterator)
-        cp_layout.set_positions(mb.positions)
-        out = module(mb.tokens, mb.positions, None)
+        dev = device()
+        positions = mb.positions.to(dev)
+        cp_layout.set_positions(positions)
+        out = module(mb.tokens.to(dev), positions, None)
         return out, functools.partial(loss_fn, mb)
 
     fb = get_forward_backward_func()
@@ -78,8 +82,9 @@ def _result_src() -> int:
     """Global rank that holds finished per-sample results: last PP stage, TP/CP/DP rank 0."""
     mine = int(ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
                and ps.get_context_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
-    flags = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-    dist.all_gather(flags, torch.tensor([mine]))
+    dev = device()  # NCCL collectives need device tensors
+    flags = [torch.zeros(1, dtype=torch.long, device=dev) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([mine], device=dev))
     return int(torch.cat(flags).nonzero()[0])
 
 
@@ -87,7 +92,7 @@ def assemble(outputs: list[dict], mbs: list[Microbatch], key: str = "lp") -> lis
     """Full per-sample response vectors on every rank: each CP rank scatters its tokens into zeros,
     a CP all-reduce fills them in (disjoint, so exact), then the last stage broadcasts to the world."""
     lengths = [int(mb.targets.numel()) for mb in mbs]
-    flat = torch.zeros(sum(lengths), dtype=torch.float32)
+    flat = torch.zeros(sum(lengths), dtype=torch.float32, device=device())
     if ps.is_pipeline_last_stage():
         offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
         for out, mb in zip(outputs, mbs, strict=True):
@@ -95,4 +100,4 @@ def assemble(outputs: list[dict], mbs: list[Microbatch], key: str = "lp") -> lis
         if ps.get_context_parallel_world_size() > 1:
             dist.all_reduce(flat, group=ps.get_context_parallel_group())
     dist.broadcast(flat, src=_result_src())
-    return list(flat.split(lengths))
+    return list(flat.cpu().split(lengths))

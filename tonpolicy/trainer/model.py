@@ -94,4 +94,6 @@ def build_gpt(cfg: ModelConfig, dtype: torch.dtype, spec: str = "contract", cp_m
         raise ValueError(f"unknown layer spec {spec!r}")
     if dtype == torch.bfloat16:
         model = model.to(dtype)
+    if torch.cuda.is_available():  # built on CPU (use_cpu_initialization), then moved once
+        model = model.cuda()
     return model

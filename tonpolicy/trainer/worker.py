@@ -116,7 +116,7 @@ class TrainerWorker:
 
         def loss_fn(mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
             lp, resp = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
-            ex = {k: v[resp] for k, v in mb.extras.items()}
+            ex = {k: v[resp].to(lp.device) for k, v in mb.extras.items()}
             local = (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum() / total
             # megatron's schedule multiplies this by CP and divides it by the microbatch count, and DDP
             # averages gradients over DP x CP: the update is the gradient of the batch token mean.

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One command for a session with a GPU (one H200, well under 10 minutes):
+#   device run: command="bash experiments/gpu_check.sh", carry=[".whl"], timeout_s=600
+# The GPU image lacks megatron-core and hydra-core/omegaconf (tonpolicy.config imports hydra's
+# ConfigStore). Prepare the wheels once, here, in the repo root:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl megatron-core==0.16.1 hydra-core==1.3.2 omegaconf==2.3.0 \
+#     antlr4-python3-runtime==4.9.3 PyYAML
+# (if megatron-core has no cp312 manylinux wheel for that platform tag, add the --platform tags that
+# ../.library/device/README.md lists). Results: $OUT/gpu_check.json and $OUT/gpu_check.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
+dest="${OUT:-/tmp/gpu_check}"
+mkdir -p "$dest"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$dest/gpu_check.log"
+timeout 540 python3 -m torch.distributed.run --standalone --nproc-per-node 1 experiments/gpu_check.py \
+  --out "$dest/gpu_check.json" 2>&1 | tee -a "$dest/gpu_check.log"
