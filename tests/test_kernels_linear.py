@@ -157,3 +157,20 @@ def test_fused_weights_equal_separate(dtype):
             x = randn(m, kk, dtype=dtype, seed=li)
             fused = k.linear(x, torch.cat(ws))
             assert torch.equal(fused, torch.cat([k.linear(x, w) for w in ws], dim=-1)), (kk, widths, m)
+
+
+def test_linear_qwen3_4b_shapes():
+    """Row, TP-shard and thread invariance at Qwen3-4B widths (hidden 2560, intermediate 9728)."""
+    k = get_kernels("contract")
+    for kk, n in [(2560, 9728), (9728, 2560), (2560, 4096)]:
+        x = randn(40, kk, dtype=torch.bfloat16, seed=kk)
+        w = randn(n, kk, dtype=torch.bfloat16, seed=n, std=kk**-0.5)
+        full = k.linear(x, w)
+        assert torch.equal(k.linear(x[17:18], w), full[17:18])
+        assert torch.equal(k.linear(x[3:36], w), full[3:36])
+        c = kk // 2
+        parts = torch.cat([k.linear_partials(x[:, r * c : (r + 1) * c], w[:, r * c : (r + 1) * c], 2) for r in range(2)])
+        assert torch.equal(k.combine_partials(parts, torch.bfloat16), full)
+        assert torch.equal(k.linear(x, w[: n // 2]), full[:, : n // 2])
+        with num_threads(1):
+            assert torch.equal(k.linear(x, w), full)

@@ -56,13 +56,20 @@ def tiled_partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int, row_t
         b = wf.unflatten(1, (num_shards, ks)).permute(1, 2, 0)
         return torch.bmm(a, b)[:, :m].reshape(num_shards, *lead, n)
     xt = x2.view(mt, row_tile, k)
+    tracked = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    # Without autograd the shards write straight into one buffer (bmm out=, same kernel, no stack copy).
+    out = None if tracked else torch.empty(num_shards, mt, row_tile, n)
     outs = []
     for s in range(num_shards):
         a = xt[:, :, s * ks : (s + 1) * ks]
         # Stride-0 batch of the same weight slice: every GEMM is [row_tile, ks] x [ks, N].
         b = wf[:, s * ks : (s + 1) * ks].t().unsqueeze(0).expand(mt, ks, n)
-        outs.append(torch.bmm(a, b).view(mt * row_tile, n)[:m])
-    return torch.stack(outs).view(num_shards, *lead, n)
+        if out is None:
+            outs.append(torch.bmm(a, b))
+        else:
+            torch.bmm(a, b, out=out[s])
+    full = torch.stack(outs) if out is None else out
+    return full.view(num_shards, mt * row_tile, n)[:, :m].reshape(num_shards, *lead, n)
 
 
 def tree_sum(partials: torch.Tensor) -> torch.Tensor:
