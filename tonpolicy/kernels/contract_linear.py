@@ -26,8 +26,10 @@ _FP32: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 def fp32_weight(w: torch.Tensor) -> torch.Tensor:
     if w.dtype == torch.float32:
         return w
-    if w.requires_grad and torch.is_grad_enabled():
-        return w.float()  # training path: keep the autograd graph to the weight
+    if w.requires_grad:
+        # Trainer parameters: keep the autograd graph, and never cache, because optimizers write them
+        # through `.data`, which the version counter does not see (a stale cache broke weight sync).
+        return w.float()
     key = id(w)
     hit = _FP32.get(key)
     if hit is not None and hit[0]() is w and hit[1] == w._version:
