@@ -18,13 +18,17 @@ from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import world_size
 from tonpolicy.contract.identity import identity
 from tonpolicy.launch.procs import Child, ProcessGroup, free_port, port_is_free, wait_until
-from tonpolicy.launch.records import read_jsonl, write_json_atomic
+from tonpolicy.launch.records import (
+    EXIT_CHILD_FAILED,
+    EXIT_GATE_FAILED,
+    EXIT_HANDSHAKE,
+    EXIT_INTERRUPTED,
+    EXIT_SERVER_UNHEALTHY,
+    STATUS_FILE,
+    read_jsonl,
+    write_json_atomic,
+)
 from tonpolicy.launch.report import step_table
-
-EXIT_GATE_FAILED = 3
-EXIT_CHILD_FAILED = 4
-EXIT_SERVER_UNHEALTHY = 5
-EXIT_INTERRUPTED = 130
 
 
 class JobFailed(Exception):
@@ -106,9 +110,14 @@ def supervise(server: Child, trainer: Child) -> int:
             raise JobFailed(EXIT_CHILD_FAILED, f"rollout server died (exit {server.proc.returncode}); log tail:\n{server.tail()}")
         time.sleep(0.2)
     code = trainer.proc.returncode
-    if code not in (0, EXIT_GATE_FAILED):
+    if code != 0:
         raise JobFailed(EXIT_CHILD_FAILED, f"trainer exited with {code}; log tail:\n{trainer.tail(40)}")
-    return code
+    status_path = trainer.log_path.parent.parent / STATUS_FILE
+    status = json.loads(status_path.read_text()) if status_path.exists() else {"code": EXIT_CHILD_FAILED,
+                                                                               "message": "trainer wrote no status"}
+    if status["code"]:
+        raise JobFailed(status["code"], status["message"])
+    return 0
 
 
 def summarize(cfg: Config, run_dir: Path, status: str, wall_s: float) -> dict[str, Any]:
@@ -149,9 +158,10 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
         trainer = start_trainer(cfg, run_dir, plan, url, ckpt, procs)
         write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
         code = supervise(server, trainer)
-        status = "ok" if code == 0 else "gate_failed"
+        status = "ok"
     except JobFailed as exc:
         code = exc.code
+        status = {EXIT_GATE_FAILED: "gate_failed", EXIT_HANDSHAKE: "handshake_refused"}.get(code, "failed")
         print(f"tonpolicy: {exc}", file=sys.stderr)
     except KeyboardInterrupt:
         status, code = "interrupted", EXIT_INTERRUPTED

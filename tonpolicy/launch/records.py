@@ -11,6 +11,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+# Exit codes of a job. torchrun reports any failing rank as 1, so the trainer's verdict (gate,
+# handshake) travels in STATUS_FILE, which the launcher reads.
+EXIT_GATE_FAILED = 3
+EXIT_CHILD_FAILED = 4
+EXIT_SERVER_UNHEALTHY = 5
+EXIT_HANDSHAKE = 6
+EXIT_INTERRUPTED = 130
+STATUS_FILE = "trainer_status.json"
+
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a") as f:

@@ -10,7 +10,7 @@ STEP_COLUMNS = [
     ("mismatched", "mismatched_tokens", "{}"),
     ("max|Δlogp|", "max_abs_logprob_diff", "{:.3e}"),
     ("train_rollout_abs_diff", "train_rollout_logprob_abs_diff", "{:.3e}"),
-    ("K3 KL", "k3_kl", "{:.3e}"),
+    ("K3 KL", "train_rollout_k3_kl", "{:.3e}"),
     ("reward", "reward_mean", "{:.3f}"),
     ("clipfrac", "clipfrac", "{:.3f}"),
     ("grad_norm", "grad_norm", "{:.6g}"),

@@ -20,12 +20,15 @@ import torch.distributed as dist
 from tonpolicy.config.compose import load_config
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import identity
-from tonpolicy.launch.records import append_jsonl
+from tonpolicy.launch.records import (
+    EXIT_GATE_FAILED,
+    EXIT_HANDSHAKE,
+    STATUS_FILE,
+    append_jsonl,
+    write_json_atomic,
+)
 from tonpolicy.launch.task import EOS, make_prompts, reward
 from tonpolicy.parity.gate import compare
-
-EXIT_GATE_FAILED = 3
-EXIT_HANDSHAKE = 6
 
 
 def grpo_advantages(rewards: list[float], group_size: int) -> list[float]:
@@ -125,13 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     if refusal:
         if rank0:
             print(f"tonpolicy: refusing to train: {refusal}", file=sys.stderr)
+            write_json_atomic(run_dir / STATUS_FILE, {"code": EXIT_HANDSHAKE, "message": refusal})
         worker.close()
-        return EXIT_HANDSHAKE
+        return 0
 
     fail_on_mismatch = cfg.gate.fail_on_mismatch
     if fail_on_mismatch is None:
         fail_on_mismatch = cfg.contract.exact_zero
-    code = 0
+    code, message = 0, ""
     for step in range(cfg.experiment.steps):
         t0 = time.monotonic()
         _injected_fault(step)
@@ -157,15 +161,17 @@ def main(argv: list[str] | None = None) -> int:
             client.update_weights_from_disk(str(ckpt), weight_version=f"step_{step + 1}")
             gate_failed = fail_on_mismatch and not parity.exact
         if broadcast(gate_failed):
-            if rank0:
-                print(f"tonpolicy: parity gate failed at step {step}: contract {cfg.contract.name} promises "
-                      "exact zero (gate.fail_on_mismatch)", file=sys.stderr)
             code = EXIT_GATE_FAILED
+            message = broadcast(
+                f"parity gate failed at step {step}: {parity.mismatched_tokens} of {parity.tokens_scored} tokens "
+                f"differ (max |Δlogprob| {parity.max_abs_logprob_diff:.3e}); contract {cfg.contract.name}, "
+                f"gate.fail_on_mismatch={fail_on_mismatch}" if rank0 else None)
             break
     if rank0:
         logger.finish(code)
+        write_json_atomic(run_dir / STATUS_FILE, {"code": code, "message": message if code else "ok"})
     worker.close()
-    return code
+    return 0
 
 
 if __name__ == "__main__":
