@@ -1,7 +1,7 @@
 """One PPO/GRPO step through megatron's schedules, DDP and optimizer at several layouts on the same
 batch (fp32, contract spec). Before the update the trainer reproduces the rollout exactly (ratio 1,
-zero train/rollout diff); grad_norm is bitwise equal to TP1's at PP2 and CP2 (Ulysses and ring) and
-within 1e-5 relative at TP2/TP4 (the backward's TP reductions are not under the contract). The
+zero train/rollout diff); grad_norm is bitwise equal to TP1's at PP2 and CP2-Ulysses, within 1e-6 relative
+at CP2-ring and 1e-5 at TP2/TP4 (backward reductions are not under the contract). The
 off_policy control shows a non-zero train/rollout diff."""
 
 from __future__ import annotations
@@ -47,8 +47,12 @@ def test_ppo_step_two_ranks(batch: tuple[str, dict, dict]) -> None:
     for r in res[:-1]:
         _on_policy(r)
     by = {str(r["layout"]): r for r in res[:-1]}
-    for name in ("tp1_pp2", "tp1_pp1_cp2_ulysses", "tp1_pp1_cp2_ring"):
-        assert by[name]["grad_norm"] == ref["grad_norm"], name  # bitwise
+    for name, r in by.items():
+        print(name, "grad_norm", repr(r["grad_norm"]), "step_s", round(r["step_s"], 3))
+    for name in ("tp1_pp2", "tp1_pp1_cp2_ulysses"):
+        assert by[name]["grad_norm"] == ref["grad_norm"], name  # bitwise: same backward, same order
+    # Ring CP differentiates through its split-KV partials (TP1 uses the plain attention gradient).
+    assert abs(by["tp1_pp1_cp2_ring"]["grad_norm"] / ref["grad_norm"] - 1) < 1e-6
     for name, r in by.items():
         # After the Adam step the weights agree to fp32 rounding (grad summation order differs, e.g. the
         # tied embedding's two contributions under PP); the new logprobs agree closely.
@@ -69,4 +73,5 @@ def test_ppo_step_four_ranks(batch: tuple[str, dict, dict]) -> None:
     ref = res[0]
     for r in res:
         _on_policy(r)
+        print(r["layout"], "grad_norm", repr(r["grad_norm"]), "step_s", round(r["step_s"], 3))
         assert abs(r["grad_norm"] / ref["grad_norm"] - 1) < 1e-5, r["layout"]

@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 
 from tonpolicy.trainer import cp as cp_layout
 from tonpolicy.trainer.comm import all_to_all, ring_shift
+from tonpolicy.trainer.fast_backward import KernelAttention
 
 
 def context_parallel_attention(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -42,13 +43,17 @@ def _attention(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     0/0 finalize is dropped in the forward but turns the backward into NaN. Rows are independent by
     contract, so the real rows' bits are unchanged."""
     row_tile = getattr(kernels, "row_tile", 1)
-    n = q.shape[0]
-    extra = -n % row_tile
-    if extra == 0:
-        return kernels.attention(q, k, v, positions, positions, scale)
-    qp = torch.cat([q, q[-1:].expand(extra, *q.shape[1:])])
-    q_pos = torch.cat([positions, positions[-1:].expand(extra)])
-    return kernels.attention(qp, k, v, q_pos, positions, scale)[:n]
+
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        n = q.shape[0]
+        extra = -n % row_tile
+        if extra == 0:
+            return kernels.attention(q, k, v, positions, positions, scale)
+        qp = torch.cat([q, q[-1:].expand(extra, *q.shape[1:])])
+        q_pos = torch.cat([positions, positions[-1:].expand(extra)])
+        return kernels.attention(qp, k, v, q_pos, positions, scale)[:n]
+
+    return KernelAttention.apply(q, k, v, positions, scale, fwd)
 
 
 def _ulysses(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cp: int,

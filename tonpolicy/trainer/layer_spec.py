@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from tonpolicy.trainer import cp as cp_layout
 from tonpolicy.trainer.comm import replicated_all_gather
 from tonpolicy.trainer.cp_attention import context_parallel_attention
+from tonpolicy.trainer.fast_backward import KernelLinear, RowParallelKernelLinear
 
 
 class ContractColumnParallelLinear(ColumnParallelLinear):
@@ -40,7 +41,7 @@ class ContractColumnParallelLinear(ColumnParallelLinear):
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
         w = self.weight if weight is None else weight
         x = copy_to_tensor_model_parallel_region(input_)  # identity forward, TP all-reduce of dgrad
-        return self.kernels.linear(x, w), None
+        return KernelLinear.apply(x, w, self.kernels.linear), None
 
 
 class ContractRowParallelLinear(RowParallelLinear):
@@ -51,10 +52,14 @@ class ContractRowParallelLinear(RowParallelLinear):
         shards = self.kernels.canonical_shards
         if shards % tp:
             raise ValueError(f"TP={tp} must divide the contract's {shards} canonical shards")
-        partials = self.kernels.linear_partials(input_, self.weight, shards // tp)
-        # The sum is replicated on every TP rank, so the gather's backward narrows (no reduce).
-        stack = replicated_all_gather(partials, 0, parallel_state.get_tensor_model_parallel_group())
-        return self.kernels.combine_partials(stack, input_.dtype), None
+        group = parallel_state.get_tensor_model_parallel_group()
+
+        def canonical(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            # Every rank's canonical K-shard partials, gathered in rank order, one fixed tree sum.
+            stack = replicated_all_gather(self.kernels.linear_partials(x, w, shards // tp), 0, group)
+            return self.kernels.combine_partials(stack, x.dtype)
+
+        return RowParallelKernelLinear.apply(input_, self.weight, canonical), None
 
 
 class ContractLMHead(ContractColumnParallelLinear):
@@ -66,7 +71,11 @@ class ContractLMHead(ContractColumnParallelLinear):
         w = self.weight if weight is None else weight
         x = copy_to_tensor_model_parallel_region(input_)
         k = self.kernels
-        return k.combine_partials(k.linear_partials(x, w, k.canonical_shards), torch.float32), None
+
+        def head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return k.combine_partials(k.linear_partials(x, w, k.canonical_shards), torch.float32)
+
+        return KernelLinear.apply(x, w, head), None
 
 
 def _with_kernels(cls: type, kernels: Any) -> type:

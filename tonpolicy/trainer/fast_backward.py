@@ -1,0 +1,86 @@
+"""Contract forward, plain backward.
+
+Only the forward is under the numerics contract (the logprobs must match the rollout bit for bit).
+Differentiating through the contract kernels' tiling (row-tile padding, canonical K-shard stacks,
+split-KV partials) costs far more than the math needs, so these autograd functions run the kernel in
+the forward and the textbook gradient of the same function in the backward: dX = dY W, dW = dY^T X
+for linears, softmax-attention's gradient (via SDPA) for attention. The gradients are mathematically
+those of the forward; they are not bitwise invariant across layouts (state tolerances, not equality).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def _linear_grads(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    x, w = ctx.saved_tensors
+    g = grad.to(x.dtype)
+    dx = g.matmul(w.to(x.dtype)) if ctx.needs_input_grad[0] else None
+    dw = None
+    if ctx.needs_input_grad[1]:
+        dw = g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(w.dtype)
+    return dx, dw
+
+
+class KernelLinear(torch.autograd.Function):
+    """y = kernels.linear(x, w) (or the fp32 LM head) with the plain linear backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fn: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return fn(x, w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        dx, dw = _linear_grads(ctx, grad)
+        return dx, dw, None
+
+
+class RowParallelKernelLinear(torch.autograd.Function):
+    """Row-parallel y = combine(gather_TP(partials(x_local, w_local))). Every TP rank holds the same y
+    and receives the same dY, so the local gradients need no communication: dX_local = dY W_local,
+    dW_local = dY^T X_local."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fn: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return fn(x, w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        dx, dw = _linear_grads(ctx, grad)
+        return dx, dw, None
+
+
+def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    g = q.shape[1] // k.shape[1]
+    mask = positions[None, :] <= positions[:, None]  # key j visible to query i
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(g, dim=1).transpose(0, 1),
+        v.repeat_interleave(g, dim=1).transpose(0, 1), attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+class KernelAttention(torch.autograd.Function):
+    """Causal attention of one whole sequence: contract kernel forward, SDPA-gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                scale: float, fn: Any) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, positions)
+        ctx.scale = scale
+        return fn(q, k, v, positions)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, positions = ctx.saved_tensors
+        with torch.enable_grad():
+            qd, kd, vd = (t.detach().float().requires_grad_() for t in (q, k, v))
+            out = _plain_attention(qd, kd, vd, positions, ctx.scale)
+            dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), grad.float())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
