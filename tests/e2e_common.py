@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-FAST = ["experiment.prompts_per_step=2", "experiment.samples_per_prompt=2", "experiment.max_prompt_len=12",
+FAST = ["experiment.prompts_per_step=2", "experiment.samples_per_prompt=4", "experiment.max_prompt_len=12",
         "experiment.max_new_tokens=6", "logger=none"]
 
 
