@@ -21,9 +21,9 @@ def _qkv(n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tile", [32, 16])
-def test_prefill_decode_chunked_equal(dtype, tile):
-    k = get_kernels("contract", attention_tile=tile)
+@pytest.mark.parametrize("tile,art", [(32, 8), (16, 16), (32, 1)])
+def test_prefill_decode_chunked_equal(dtype, tile, art):
+    k = get_kernels("contract", attention_tile=tile, attention_row_tile=art)
     rng = random.Random(tile)
     for ci, (hq, hkv, d) in enumerate(HEADS):
         n = rng.choice([47, 100, 131]) if ci else 161
@@ -139,3 +139,10 @@ def test_default_attention_prefill_differs_from_decode():
             one = k.attention(q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], pos[: i + 1], 32**-0.5)
             mismatches += int(not torch.equal(one, full[i : i + 1]))
     assert mismatches > 0
+
+
+def test_query_seeing_no_key_gives_zero_not_nan():
+    k = get_kernels("contract")
+    q, kk, v = _qkv(5, 8, 4, 32, torch.float32, seed=1)
+    out = k.attention(q, kk, v, torch.tensor([-1, 0, 1, 2, 3]), torch.arange(5), 0.2)
+    assert torch.all(out[0] == 0) and not torch.isnan(out).any()

@@ -174,3 +174,16 @@ def test_linear_qwen3_4b_shapes():
         assert torch.equal(k.linear(x, w[: n // 2]), full[:, : n // 2])
         with num_threads(1):
             assert torch.equal(k.linear(x, w), full)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_operand_layout_invariance(dtype):
+    """Column-major (transposed-storage) inputs or weights give the same bits: operands are normalised
+    to row-major, because a transposed GEMM operand selects a different kernel."""
+    k = get_kernels("contract")
+    x = randn(21, 256, dtype=dtype, seed=1)
+    w = randn(384, 256, dtype=dtype, seed=2, std=0.06)
+    ref = k.linear(x, w)
+    assert torch.equal(k.linear(x.t().contiguous().t(), w), ref)
+    assert torch.equal(k.linear(x, w.t().contiguous().t()), ref)
+    assert torch.equal(k.linear(x[:1].t().contiguous().t(), w.t().contiguous().t()), ref[:1])

@@ -19,10 +19,15 @@ from tonpolicy.kernels.contract_linear import tiled_partials, tree_sum
 class ContractKernels:
     name = "contract"
 
-    def __init__(self, *, attention_tile: int = 32, canonical_shards: int = 4, row_tile: int = 16) -> None:
+    def __init__(
+        self, *, attention_tile: int = 32, canonical_shards: int = 4, row_tile: int = 16, attention_row_tile: int = 8
+    ) -> None:
         self.tile_size = attention_tile
         self.canonical_shards = canonical_shards
         self.row_tile = row_tile
+        # Queries per attention GEMM row tile (x G heads per KV head). Smaller than the linear row tile
+        # because decode has one query per sequence: 8 costs 8x padding there, 16 would cost 16x.
+        self.attention_row_tile = attention_row_tile
 
     def describe(self) -> dict[str, Any]:
         """Everything that affects numerics, for the contract fingerprint."""
@@ -31,6 +36,7 @@ class ContractKernels:
             "attention_tile": self.tile_size,
             "canonical_shards": self.canonical_shards,
             "row_tile": self.row_tile,
+            "attention_row_tile": self.attention_row_tile,
             "linear": "fp32 bmm of [row_tile, K/C] x [K/C, N] tiles, canonical K-shards, pairwise tree sum",
             "attention": "split-KV fixed tile, fp32 (m,l,acc), left-to-right merge in key order",
             "rms_norm": "fp32 sum(x^2)/K, x/sqrt(var+eps)*w, one rounding",
@@ -84,7 +90,7 @@ class ContractKernels:
         scale: float,
     ) -> torch.Tensor:
         """Batch of independent sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D], positions [B, N]."""
-        return ca.attention_batched(q, k, v, q_pos, k_pos, scale, self.tile_size, self.row_tile)
+        return ca.attention_batched(q, k, v, q_pos, k_pos, scale, self.tile_size, self.attention_row_tile)
 
     def attention_pooled(
         self,
@@ -104,7 +110,7 @@ class ContractKernels:
         kpos = torch.arange(cap).view(1, cap // t, t).expand(n, -1, -1)
         return ca.attention_stores(
             q, q_pos, k_pool.view(n, cap // t, t, hkv, d), v_pool.view(n, cap // t, t, hkv, d), kpos,
-            slots, -(-num_keys // t), scale, self.row_tile,
+            slots, -(-num_keys // t), scale, self.attention_row_tile,
         )
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -115,12 +121,12 @@ class ContractKernels:
         if k.shape[0] != self.tile_size:
             raise ValueError(f"attention_tile takes exactly {self.tile_size} keys, got {k.shape[0]}")
         ks, vs, kps, _ = ca.to_store(k[None], v[None], k_pos[None], self.tile_size)
-        parts = ca.tile_partials(q[None], q_pos[None], ks, vs, kps, torch.zeros(1, dtype=torch.long), 1, scale,
-                                 self.row_tile)
+        rt = self.attention_row_tile
+        parts = ca.tile_partials(q[None], q_pos[None], ks, vs, kps, torch.zeros(1, dtype=torch.long), 1, scale, rt)
         nq = q.shape[0]
-        m = ca.unpack_rows(parts.m[..., 0], nq, self.row_tile)[0]
-        l = ca.unpack_rows(parts.l[..., 0], nq, self.row_tile)[0]  # noqa: E741
-        acc = ca.unpack_rows(parts.acc[..., 0, :], nq, self.row_tile)[0]
+        m = ca.unpack_rows(parts.m[..., 0], nq, rt)[0]
+        l = ca.unpack_rows(parts.l[..., 0], nq, rt)[0]  # noqa: E741
+        acc = ca.unpack_rows(parts.acc[..., 0, :], nq, rt)[0]
         return AttnPartial(m, l, acc)
 
     def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:

@@ -42,7 +42,10 @@ def merge(a: AttnPartial, b: AttnPartial) -> AttnPartial:
 
 
 def finalize(p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
-    return (p.acc / p.l.unsqueeze(-1)).to(dtype)
+    # A query that sees no key (only padding rows) has l = 0, acc = 0: return 0, not 0/0 = NaN (which
+    # would poison a backward pass). Real rows have l >= 1, so their bits are untouched.
+    l = torch.where(p.l == 0, torch.ones_like(p.l), p.l)  # noqa: E741
+    return (p.acc / l.unsqueeze(-1)).to(dtype)
 
 
 def merge_tiles(p: AttnPartial) -> AttnPartial:
@@ -103,16 +106,18 @@ def tile_partials(
     bi, qi, ki = valid.nonzero(as_tuple=True)
     npairs = bi.numel()
     si = store_index[bi]
-    a = q_tiles[bi, qi].reshape(npairs * hkv, r, d)
-    kt_ = k_store[si, ki].float().permute(0, 2, 3, 1).reshape(npairs * hkv, d, tile)
+    # Every GEMM operand is made row-major contiguous: bmm picks a different kernel for a transposed
+    # operand (and reshape of a permuted view may or may not copy), which changes the bits.
+    a = q_tiles[bi, qi].reshape(npairs * hkv, r, d).contiguous()
+    kt_ = k_store[si, ki].float().permute(0, 2, 3, 1).reshape(npairs * hkv, d, tile).contiguous()
     s = torch.bmm(a, kt_).view(npairs, hkv, r, tile) * scale
     visible = kpos[bi, ki].view(npairs, 1, 1, tile) <= qpos_rows[bi, qi].view(npairs, 1, r, 1)
     s = torch.where(visible, s, torch.full_like(s, NEG_INF))
     m = s.amax(dim=-1)
     p = torch.exp(s - _safe(m).unsqueeze(-1))
     l = p.sum(dim=-1)  # noqa: E741
-    vt = v_store[si, ki].float().permute(0, 2, 1, 3).reshape(npairs * hkv, tile, d)
-    acc = torch.bmm(p.view(npairs * hkv, r, tile), vt).view(npairs, hkv, r, d)
+    vt = v_store[si, ki].float().permute(0, 2, 1, 3).reshape(npairs * hkv, tile, d).contiguous()
+    acc = torch.bmm(p.reshape(npairs * hkv, r, tile).contiguous(), vt).view(npairs, hkv, r, d)
     # Skipped pairs hold exactly what computing them would give: (-inf, 0, 0).
     m_d = torch.full((b, qt, num_tiles, hkv, r), NEG_INF)
     l_d = torch.zeros(b, qt, num_tiles, hkv, r)

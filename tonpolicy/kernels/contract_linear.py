@@ -34,7 +34,7 @@ def fp32_weight(w: torch.Tensor) -> torch.Tensor:
     hit = _FP32.get(key)
     if hit is not None and hit[0]() is w and hit[1] == w._version:
         return hit[2]
-    f = w.detach().float()
+    f = w.detach().float().contiguous()
     _FP32[key] = (weakref.ref(w, lambda _ref, k=key: _FP32.pop(k, None)), w._version, f)
     return f
 
@@ -46,7 +46,8 @@ def tiled_partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int, row_t
     if weight.shape[1] != k or k % num_shards:
         raise ValueError(f"K={k} must match weight {tuple(weight.shape)} and divide into {num_shards} shards")
     ks = k // num_shards
-    x2 = x.reshape(-1, k).float()
+    # Row-major operands always: a transposed operand selects another GEMM kernel (other bits).
+    x2 = x.reshape(-1, k).float().contiguous()
     wf = fp32_weight(weight)
     m = x2.shape[0]
     mt = max(1, -(-m // row_tile))
