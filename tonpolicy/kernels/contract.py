@@ -124,9 +124,9 @@ class ContractKernels:
         rt = self.attention_row_tile
         parts = ca.tile_partials(q[None], q_pos[None], ks, vs, kps, torch.zeros(1, dtype=torch.long), 1, scale, rt)
         nq = q.shape[0]
-        m = ca.unpack_rows(parts.m[..., 0], nq, rt)[0]
-        l = ca.unpack_rows(parts.l[..., 0], nq, rt)[0]  # noqa: E741
-        acc = ca.unpack_rows(parts.acc[..., 0, :], nq, rt)[0]
+        m = ca.unpack_rows(parts.m[0], nq, rt)[0]
+        l = ca.unpack_rows(parts.l[0], nq, rt)[0]  # noqa: E741
+        acc = ca.unpack_rows(parts.acc[0], nq, rt)[0]
         return AttnPartial(m, l, acc)
 
     def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:

@@ -49,25 +49,26 @@ def finalize(p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
 
 
 def merge_tiles(p: AttnPartial) -> AttnPartial:
-    """Left-to-right `merge` over the tile axis (m/l [..., Kt], acc [..., Kt, D]).
+    """Left-to-right `merge` over the tile axis, which is dim 0 (m/l [Kt, ...], acc [Kt, ..., D]).
 
     Bitwise equal to folding `merge` tile by tile: the running max is an exact cummax, and the
     factors exp(M_prev - M) and exp(m_t - M) are the very values `merge` would compute."""
-    kt = p.m.shape[-1]
+    kt = p.m.shape[0]
     if kt == 1:
-        return AttnPartial(p.m[..., 0], p.l[..., 0], p.acc[..., 0, :])
-    run_m = torch.cummax(p.m, dim=-1).values
-    prev_m = torch.cat([p.m[..., :1], run_m[..., :-1]], dim=-1)
+        return AttnPartial(p.m[0], p.l[0], p.acc[0])
+    run_m = torch.cummax(p.m, dim=0).values
+    prev_m = torch.cat([p.m[:1], run_m[:-1]], dim=0)
     ms = _safe(run_m)
     ca = torch.exp(prev_m - ms)
     cb = torch.exp(p.m - ms)
     lb = p.l * cb
     ab = p.acc * cb.unsqueeze(-1)
-    l_run, a_run = p.l[..., 0], p.acc[..., 0, :]
+    ca_acc = ca.unsqueeze(-1)
+    l_run, a_run = p.l[0], p.acc[0]
     for t in range(1, kt):
-        l_run = l_run * ca[..., t] + lb[..., t]
-        a_run = a_run * ca[..., t].unsqueeze(-1) + ab[..., t, :]
-    return AttnPartial(run_m[..., -1], l_run, a_run)
+        l_run = l_run * ca[t] + lb[t]
+        a_run = a_run * ca_acc[t] + ab[t]
+    return AttnPartial(run_m[-1], l_run, a_run)
 
 
 def tile_partials(
@@ -85,8 +86,8 @@ def tile_partials(
 
     q [B, Nq, Hq, D], q_pos [B, Nq]. Keys live in stores: k_store/v_store [S, Kt_s, T, Hkv, D],
     kpos_store [S, Kt_s, T]; batch row b reads store `store_index[b]`, tiles [0, num_tiles).
-    Returns dense partials with m/l [B, Qt, Hkv, R, Kt] and acc [B, Qt, Hkv, R, Kt, D]
-    (R = row_tile * G rows ordered (query, head in group); Kt = num_tiles).
+    Returns dense partials with m/l [Kt, B, Qt, Hkv, R] and acc [Kt, B, Qt, Hkv, R, D]
+    (Kt = num_tiles first, for the key-order merge; R = row_tile * G rows ordered (query, head in group)).
     """
     b, nq, hq, d = q.shape
     tile, hkv = k_store.shape[2], k_store.shape[3]
@@ -103,29 +104,33 @@ def tile_partials(
     kpos = kpos_store[store_index, :num_tiles]  # [B, Kt, T]
     # A (query tile, key tile) pair is computed only if some key of the tile is visible to some query.
     valid = kpos.amin(-1)[:, None, :] <= q_pos.view(b, qt, row_tile).amax(-1)[:, :, None]
-    bi, qi, ki = valid.nonzero(as_tuple=True)
+    ki, bi, qi = valid.permute(2, 0, 1).nonzero(as_tuple=True)  # tile-major pair order
     npairs = bi.numel()
     si = store_index[bi]
     # Every GEMM operand is made row-major contiguous: bmm picks a different kernel for a transposed
     # operand (and reshape of a permuted view may or may not copy), which changes the bits.
     a = q_tiles[bi, qi].reshape(npairs * hkv, r, d).contiguous()
-    kt_ = k_store[si, ki].float().permute(0, 2, 3, 1).reshape(npairs * hkv, d, tile).contiguous()
+    # Gather each tile straight into the GEMM layout (index output is contiguous in that layout).
+    kt_ = k_store.permute(0, 1, 3, 4, 2)[si, ki].float().reshape(npairs * hkv, d, tile).contiguous()
     s = torch.bmm(a, kt_).view(npairs, hkv, r, tile) * scale
     visible = kpos[bi, ki].view(npairs, 1, 1, tile) <= qpos_rows[bi, qi].view(npairs, 1, r, 1)
     s = torch.where(visible, s, torch.full_like(s, NEG_INF))
     m = s.amax(dim=-1)
     p = torch.exp(s - _safe(m).unsqueeze(-1))
     l = p.sum(dim=-1)  # noqa: E741
-    vt = v_store[si, ki].float().permute(0, 2, 1, 3).reshape(npairs * hkv, tile, d).contiguous()
+    vt = v_store.permute(0, 1, 3, 2, 4)[si, ki].float().reshape(npairs * hkv, tile, d).contiguous()
     acc = torch.bmm(p.reshape(npairs * hkv, r, tile).contiguous(), vt).view(npairs, hkv, r, d)
+    if npairs == num_tiles * b * qt:  # every pair visible: the tile-major pair order is the dense order
+        return AttnPartial(m.view(num_tiles, b, qt, hkv, r), l.view(num_tiles, b, qt, hkv, r),
+                           acc.view(num_tiles, b, qt, hkv, r, d))
     # Skipped pairs hold exactly what computing them would give: (-inf, 0, 0).
-    m_d = torch.full((b, qt, num_tiles, hkv, r), NEG_INF)
-    l_d = torch.zeros(b, qt, num_tiles, hkv, r)
-    acc_d = torch.zeros(b, qt, num_tiles, hkv, r, d)
-    m_d[bi, qi, ki] = m
-    l_d[bi, qi, ki] = l
-    acc_d[bi, qi, ki] = acc
-    return AttnPartial(m_d.permute(0, 1, 3, 4, 2), l_d.permute(0, 1, 3, 4, 2), acc_d.permute(0, 1, 3, 4, 2, 5))
+    m_d = torch.full((num_tiles, b, qt, hkv, r), NEG_INF)
+    l_d = torch.zeros(num_tiles, b, qt, hkv, r)
+    acc_d = torch.zeros(num_tiles, b, qt, hkv, r, d)
+    m_d[ki, bi, qi] = m
+    l_d[ki, bi, qi] = l
+    acc_d[ki, bi, qi] = acc
+    return AttnPartial(m_d, l_d, acc_d)
 
 
 def unpack_rows(x: torch.Tensor, nq: int, row_tile: int) -> torch.Tensor:
