@@ -143,7 +143,7 @@ class AlignConfig:
 
 @dataclass
 class Config:
-    mode: str = "plan"  # "plan" | "run" | "align"
+    mode: str = "run"  # "plan" | "run" | "align"
     contract: ContractConfig = field(default_factory=ContractConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -103,9 +103,23 @@ def start_trainer(cfg: Config, run_dir: Path, plan: dict[str, Any], url: str, ck
     return procs.start("trainer", argv, run_dir / "logs" / "trainer.log", env=env)
 
 
-def supervise(server: Child, trainer: Child) -> int:
-    """Wait for the trainer; a dead server ends the job at once."""
-    while trainer.alive():
+def _progress(record: dict[str, Any], steps: int) -> str:
+    return (f"[step {record['step'] + 1}/{steps}] tokens={record['tokens_scored']} "
+            f"mismatched={record['mismatched_tokens']} max|Δlogp|={record['max_abs_logprob_diff']:.3e} "
+            f"reward={record.get('reward_mean', 0.0):.3f} grad_norm={record.get('grad_norm', float('nan')):.5g} "
+            f"(rollout {record.get('rollout_s', 0.0):.1f}s, step {record.get('step_s', 0.0):.1f}s)")
+
+
+def supervise(cfg: Config, run_dir: Path, server: Child, trainer: Child) -> int:
+    """Wait for the trainer, printing each step as its record lands; a dead server ends the job at once."""
+    shown = 0
+    while True:
+        records = read_jsonl(run_dir / "metrics.jsonl")
+        for record in records[shown:]:
+            print(_progress(record, cfg.experiment.steps), file=sys.stderr, flush=True)
+        shown = len(records)
+        if not trainer.alive():
+            break
         if not server.alive():
             raise JobFailed(EXIT_CHILD_FAILED, f"rollout server died (exit {server.proc.returncode}); log tail:\n{server.tail()}")
         time.sleep(0.2)
@@ -157,7 +171,7 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
         print(f"rollout server ({cfg.rollout.backend}) healthy at {url}", file=sys.stderr)
         trainer = start_trainer(cfg, run_dir, plan, url, ckpt, procs)
         write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
-        code = supervise(server, trainer)
+        code = supervise(cfg, run_dir, server, trainer)
         status = "ok"
     except JobFailed as exc:
         code = exc.code
