@@ -146,3 +146,21 @@ def test_query_seeing_no_key_gives_zero_not_nan():
     q, kk, v = _qkv(5, 8, 4, 32, torch.float32, seed=1)
     out = k.attention(q, kk, v, torch.tensor([-1, 0, 1, 2, 3]), torch.arange(5), 0.2)
     assert torch.all(out[0] == 0) and not torch.isnan(out).any()
+
+
+def test_attention_backward_matches_reference():
+    """The trainer differentiates through the contract attention (skipped tiles included)."""
+    k = get_kernels("contract")
+    for n in (5, 70):
+        q, kk, v = (t.requires_grad_() for t in _qkv(n, 8, 4, 32, torch.float32, seed=n))
+        pos = torch.arange(n)
+        out = k.attention(q, kk, v, pos, pos, 0.18)
+        g = randn(*out.shape, seed=1)
+        (out * g).sum().backward()
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, kk, v))
+        s = torch.einsum("qhd,khd->hqk", qd, kd.repeat_interleave(2, 1)) * 0.18
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vd.repeat_interleave(2, 1))
+        (ref * g.double()).sum().backward()
+        for a, b in ((q, qd), (kk, kd), (v, vd)):
+            assert (a.grad - b.grad).abs().max() < 1e-5

@@ -76,7 +76,9 @@ class ContractKernels:
         return cp.apply_rope(x, cos, sin)
 
     # --- attention ------------------------------------------------------------------------------
-    def attention(self, q, k, v, q_pos, k_pos, scale: float) -> torch.Tensor:  # noqa: ANN001
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         out = self.attention_batched(q[None], k[None], v[None], q_pos[None], k_pos[None], scale)
         return out[0]
 
@@ -117,7 +119,9 @@ class ContractKernels:
         """Keys/values are cached in fp32: the upcast is exact and is what every GEMM reads anyway."""
         return torch.float32
 
-    def attention_tile(self, q, k, v, q_pos, k_pos, scale: float) -> AttnPartial:  # noqa: ANN001
+    def attention_tile(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+    ) -> AttnPartial:
         if k.shape[0] != self.tile_size:
             raise ValueError(f"attention_tile takes exactly {self.tile_size} keys, got {k.shape[0]}")
         ks, vs, kps, _ = ca.to_store(k[None], v[None], k_pos[None], self.tile_size)

@@ -171,7 +171,10 @@ def attention_stores(
     return unpack_rows(out, q.shape[1], row_tile)
 
 
-def attention_batched(q, k, v, q_pos, k_pos, scale: float, tile: int, row_tile: int) -> torch.Tensor:  # noqa: ANN001
+def attention_batched(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
+    tile: int, row_tile: int,
+) -> torch.Tensor:
     """q [B, Nq, Hq, D] over k/v [B, Nk, Hkv, D] (positions [B, N]) -> [B, Nq, Hq, D] in q.dtype."""
     ks, vs, kps, kt = to_store(k, v, k_pos, tile)
     return attention_stores(q, q_pos, ks, vs, kps, torch.arange(q.shape[0]), kt, scale, row_tile)

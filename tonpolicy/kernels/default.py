@@ -64,7 +64,9 @@ class DefaultKernels:
         rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * c + rot * s
 
-    def attention_batched(self, q, k, v, q_pos, k_pos, scale: float) -> torch.Tensor:  # noqa: ANN001
+    def attention_batched(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D]: SDPA for prefill, plain softmax for decode."""
         g = q.shape[2] // k.shape[2]
         qh = q.transpose(1, 2)
@@ -79,7 +81,10 @@ class DefaultKernels:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
         return out.transpose(1, 2)
 
-    def attention_pooled(self, q, q_pos, k_pool, v_pool, slots, num_keys: int, scale: float) -> torch.Tensor:  # noqa: ANN001
+    def attention_pooled(
+        self, q: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+        num_keys: int, scale: float,
+    ) -> torch.Tensor:
         """Plain gather of each row's cached keys, then `attention_batched`."""
         nk = -(-num_keys // self.tile_size) * self.tile_size
         k_pos = torch.arange(nk)[None].expand(q.shape[0], nk)
@@ -88,10 +93,14 @@ class DefaultKernels:
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
 
-    def attention(self, q, k, v, q_pos, k_pos, scale: float) -> torch.Tensor:  # noqa: ANN001
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         return self.attention_batched(q[None], k[None], v[None], q_pos[None], k_pos[None], scale)[0]
 
-    def attention_tile(self, q, k, v, q_pos, k_pos, scale: float) -> AttnPartial:  # noqa: ANN001
+    def attention_tile(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+    ) -> AttnPartial:
         extra = self.tile_size - k.shape[0]
         if extra > 0:
             k = torch.cat([k, k.new_zeros(extra, *k.shape[1:])])

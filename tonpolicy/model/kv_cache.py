@@ -34,7 +34,3 @@ class KVPool:
             raise ValueError(f"KV slot overflow: {start + n} > capacity {self.capacity}")
         self.k[layer][slot, start : start + n] = k
         self.v[layer][slot, start : start + n] = v
-
-    def padded_len(self, length: int) -> int:
-        """Keys to read for a context of `length`: whole tiles only."""
-        return max(1, -(-length // self.tile)) * self.tile
