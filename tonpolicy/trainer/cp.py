@@ -62,8 +62,10 @@ def response_slice(positions: torch.Tensor, prompt_len: int, response_len: int) 
 
 
 def slice_responses(
-    per_row: list[torch.Tensor], per_response: list[torch.Tensor], slices: list[ResponseSlice]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The shared slicer for every CP mode: for each sample, (local rows of a per-row tensor such as
-    logits, the matching entries of a per-response-token tensor such as targets or the loss mask)."""
-    return [(x[s.rows], y[s.resp]) for x, y, s in zip(per_row, per_response, slices, strict=True)]
+    per_row: list[torch.Tensor], per_response: list[dict[str, torch.Tensor]], slices: list[ResponseSlice]
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """The one slicer for every CP mode: for each sample, (this rank's rows of a per-row tensor such as
+    the logits, the matching entries of each per-response-token tensor: targets, loss mask, old
+    logprobs, advantages)."""
+    return [(x[s.rows.to(x.device)], {k: v[s.resp] for k, v in y.items()})
+            for x, y, s in zip(per_row, per_response, slices, strict=True)]

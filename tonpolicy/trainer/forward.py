@@ -53,12 +53,15 @@ def make_microbatches(prompts: list[list[int]], responses: list[list[int]], cp_m
 
 
 def local_logprobs(mb: Microbatch, logits: torch.Tensor, vocab_size: int, temperature: float,
-                   kernels: Any, stock_gather: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 logprobs of the response tokens whose predicting row is on this rank, and their response
-    indices. `logits` is this TP rank's vocab shard [1, s_local, V_pad/TP]."""
-    [(rows, targets)] = cp_layout.slice_responses([logits[0]], [mb.targets], [mb.slice])
-    lp = token_logprobs(rows, targets.to(rows.device), vocab_size, temperature, kernels, stock_gather)
-    return lp, mb.slice.resp
+                   kernels: Any, stock_gather: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """fp32 logprobs of the response tokens whose predicting row is on this rank, and the microbatch's
+    per-response-token tensors (targets, extras) sliced to the same tokens. `logits` is this TP rank's
+    vocab shard [1, s_local, V_pad/TP]."""
+    per_response = {"targets": mb.targets, **mb.extras}
+    [(rows, sliced)] = cp_layout.slice_responses([logits[0]], [per_response], [mb.slice])
+    sliced = {k: v.to(rows.device) for k, v in sliced.items()}
+    lp = token_logprobs(rows, sliced["targets"], vocab_size, temperature, kernels, stock_gather)
+    return lp, sliced
 
 
 def run(model: Any, mbs: list[Microbatch], seq_len: int, loss_fn: LossFn, forward_only: bool) -> list[dict]:

@@ -69,8 +69,8 @@ class TrainerWorker:
 
     # --- logprobs -----------------------------------------------------------------------------------
     def _lp_loss(self, mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        lp, resp = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
-        return lp.sum() * 0.0, {"lp": lp, "resp": resp}
+        lp, _ = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
+        return lp.sum() * 0.0, {"lp": lp, "resp": mb.slice.resp}
 
     @torch.no_grad()
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
@@ -115,12 +115,11 @@ class TrainerWorker:
         n_mb = len(mbs)
 
         def loss_fn(mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            lp, resp = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
-            ex = {k: v[resp].to(lp.device) for k, v in mb.extras.items()}
+            lp, ex = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
             local = (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum() / total
             # megatron's schedule multiplies this by CP and divides it by the microbatch count, and DDP
             # averages gradients over DP x CP: the update is the gradient of the batch token mean.
-            return local * n_mb, {"lp": lp.detach(), "resp": resp}
+            return local * n_mb, {"lp": lp.detach(), "resp": mb.slice.resp}
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
