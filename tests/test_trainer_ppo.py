@@ -19,15 +19,18 @@ ADV = [1.0, -0.5, 0.7, -1.2]
 
 
 @pytest.fixture(scope="module")
-def batch(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, dict]:
+def batch(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, dict, str, dict]:
     cfg = ModelConfig()
-    ck = str(tmp_path_factory.mktemp("ppo") / "fp32")
+    root = tmp_path_factory.mktemp("ppo")
+    ck, ck16 = str(root / "fp32"), str(root / "bf16")
     save_hf(init_state_dict(cfg, torch.float32, 11), cfg, ck)
-    return ck, pc.rollout(ck, "contract", 4, 40, 12, T), pc.rollout(ck, "default", 4, 40, 12, T)
+    save_hf(init_state_dict(cfg, torch.bfloat16, 11), cfg, ck16)
+    return (ck, pc.rollout(ck, "contract", 4, 40, 12, T), pc.rollout(ck, "default", 4, 40, 12, T),
+            ck16, pc.rollout(ck16, "contract", 4, 40, 12, T))
 
 
-def _jobs(ck: str, ro: dict, layouts: list[Layout], contract: str = "contract") -> list[dict]:
-    return [dict(layout=lay, dtype="float32", contract=contract, checkpoint=ck, rollout=ro, temperature=T,
+def _jobs(ck: str, ro: dict, layouts: list[Layout], contract: str = "contract", dtype: str = "float32") -> list[dict]:
+    return [dict(layout=lay, dtype=dtype, contract=contract, checkpoint=ck, rollout=ro, temperature=T,
                  advantages=ADV) for lay in layouts]
 
 
@@ -39,14 +42,17 @@ def _on_policy(r: dict) -> None:
     assert r["update_successful"] == 1.0 and r["grad_norm"] > 0
 
 
-def test_ppo_step_two_ranks(batch: tuple[str, dict, dict]) -> None:
-    ck, ro, ro_off = batch
+def test_ppo_step_two_ranks(batch: tuple) -> None:
+    ck, ro, ro_off, ck16, ro16 = batch
     layouts = [Layout(tp=1), Layout(tp=2), Layout(pp=2), Layout(cp=2, cp_mode="ulysses"), Layout(cp=2, cp_mode="ring")]
-    res = spawn(pc.ppo_worker, 2, _jobs(ck, ro, layouts) + _jobs(ck, ro_off, [Layout(tp=1)], "off_policy"))
-    ref, off = res[0], res[-1]
-    for r in res[:-1]:
-        _on_policy(r)
-    by = {str(r["layout"]): r for r in res[:-1]}
+    res = spawn(pc.ppo_worker, 2, _jobs(ck, ro, layouts) + _jobs(ck16, ro16, [Layout(tp=2)], dtype="bfloat16")
+                + _jobs(ck, ro_off, [Layout(tp=1)], "off_policy"))
+    bf16, off = res[-2], res[-1]
+    res = res[:-2]
+    ref = res[0]
+    for r in res + [bf16]:
+        _on_policy(r)  # bf16 too: the bf16 optimizer path, ratio exactly 1 before the update
+    by = {str(r["layout"]): r for r in res}
     for name, r in by.items():
         print(name, "grad_norm", repr(r["grad_norm"]), "step_s", round(r["step_s"], 3))
     for name in ("tp1_pp2", "tp1_pp1_cp2_ulysses"):
@@ -67,8 +73,8 @@ def test_ppo_step_two_ranks(batch: tuple[str, dict, dict]) -> None:
     assert off["train_rollout_logprob_abs_diff"] > 0 and off["token_mult_prob_error"] > 1.0
 
 
-def test_ppo_step_four_ranks(batch: tuple[str, dict, dict]) -> None:
-    ck, ro, _ = batch
+def test_ppo_step_four_ranks(batch: tuple) -> None:
+    ck, ro = batch[0], batch[1]
     res = spawn(pc.ppo_worker, 4, _jobs(ck, ro, [Layout(tp=1), Layout(tp=4), Layout(tp=2, pp=2)]))
     ref = res[0]
     for r in res:
