@@ -59,10 +59,13 @@ class RowParallelKernelLinear(torch.autograd.Function):
 def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      scale: float) -> torch.Tensor:
     g = q.shape[1] // k.shape[1]
-    mask = positions[None, :] <= positions[:, None]  # key j visible to query i
+    if torch.equal(positions, torch.arange(positions.numel(), device=positions.device)):
+        mask, causal = None, True  # whole sequence from position 0: the fast causal path
+    else:
+        mask, causal = positions[None, :] <= positions[:, None], False  # key j visible to query i
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.repeat_interleave(g, dim=1).transpose(0, 1),
-        v.repeat_interleave(g, dim=1).transpose(0, 1), attn_mask=mask, scale=scale)
+        v.repeat_interleave(g, dim=1).transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale)
     return out.transpose(0, 1)
 
 
