@@ -15,6 +15,7 @@ from megatron.core import parallel_state as ps
 
 from tonpolicy.config.schema import Config
 from tonpolicy.kernels import get_kernels
+from tonpolicy.rollout.types import logprob_temperature
 from tonpolicy.trainer import forward as fw
 from tonpolicy.trainer.dist import Layout, init_distributed
 from tonpolicy.trainer.model import build_gpt, padded_vocab
@@ -62,7 +63,8 @@ class TrainerWorker:
                                 canonical_shards=c.canonical_shards)
         load_into(self.module, hf, self.model_cfg, self.vocab_padded)
         self.tile = kernels.tile_size
-        self.temperature = cfg.experiment.temperature
+        # The rollout reports greedy (temperature <= 0) logprobs at temperature 1; so do we.
+        self.temperature = logprob_temperature(cfg.experiment.temperature)
         self.ppo = PPOConfig(cfg.trainer.clip_eps, cfg.trainer.clip_eps_high, cfg.trainer.kl_coef)
         self.model: Any = self.module
         self.optimizer: Any = None
