@@ -109,7 +109,7 @@ class ContractKernels:
         whole tiles. Bitwise equal to `attention` over that row's keys; reads only visible tiles."""
         t = self.tile_size
         n, cap, hkv, d = k_pool.shape
-        kpos = torch.arange(cap).view(1, cap // t, t).expand(n, -1, -1)
+        kpos = torch.arange(cap, device=q.device).view(1, cap // t, t).expand(n, -1, -1)
         return ca.attention_stores(
             q, q_pos, k_pool.view(n, cap // t, t, hkv, d), v_pool.view(n, cap // t, t, hkv, d), kpos,
             slots, -(-num_keys // t), scale, self.attention_row_tile,
@@ -126,7 +126,8 @@ class ContractKernels:
             raise ValueError(f"attention_tile takes exactly {self.tile_size} keys, got {k.shape[0]}")
         ks, vs, kps, _ = ca.to_store(k[None], v[None], k_pos[None], self.tile_size)
         rt = self.attention_row_tile
-        parts = ca.tile_partials(q[None], q_pos[None], ks, vs, kps, torch.zeros(1, dtype=torch.long), 1, scale, rt)
+        parts = ca.tile_partials(q[None], q_pos[None], ks, vs, kps, torch.zeros(1, dtype=torch.long, device=q.device), 1,
+                                 scale, rt)
         nq = q.shape[0]
         m = ca.unpack_rows(parts.m[0], nq, rt)[0]
         l = ca.unpack_rows(parts.l[0], nq, rt)[0]  # noqa: E741

@@ -124,9 +124,9 @@ def tile_partials(
         return AttnPartial(m.view(num_tiles, b, qt, hkv, r), l.view(num_tiles, b, qt, hkv, r),
                            acc.view(num_tiles, b, qt, hkv, r, d))
     # Skipped pairs hold exactly what computing them would give: (-inf, 0, 0).
-    m_d = torch.full((num_tiles, b, qt, hkv, r), NEG_INF)
-    l_d = torch.zeros(num_tiles, b, qt, hkv, r)
-    acc_d = torch.zeros(num_tiles, b, qt, hkv, r, d)
+    m_d = m.new_full((num_tiles, b, qt, hkv, r), NEG_INF)
+    l_d = l.new_zeros(num_tiles, b, qt, hkv, r)
+    acc_d = acc.new_zeros(num_tiles, b, qt, hkv, r, d)
     m_d[ki, bi, qi] = m
     l_d[ki, bi, qi] = l
     acc_d[ki, bi, qi] = acc
@@ -177,4 +177,4 @@ def attention_batched(
 ) -> torch.Tensor:
     """q [B, Nq, Hq, D] over k/v [B, Nk, Hkv, D] (positions [B, N]) -> [B, Nq, Hq, D] in q.dtype."""
     ks, vs, kps, kt = to_store(k, v, k_pos, tile)
-    return attention_stores(q, q_pos, ks, vs, kps, torch.arange(q.shape[0]), kt, scale, row_tile)
+    return attention_stores(q, q_pos, ks, vs, kps, torch.arange(q.shape[0], device=q.device), kt, scale, row_tile)

@@ -20,7 +20,13 @@ import torch.nn.functional as F
 # fp32 copies of low-precision weights, keyed by tensor identity and checked against its version
 # counter (in-place updates such as weight sync bump it). Upcasting is exact, so caching changes no
 # bits; it only saves re-converting every weight on every call (a 5x memory-traffic tax on decode).
-_FP32: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+_FP32: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+
+
+def clear_weight_cache() -> None:
+    """Forget every cached fp32 weight (call after updating weights through `.data`, which does not
+    bump the version counter)."""
+    _FP32.clear()
 
 
 def fp32_weight(w: torch.Tensor) -> torch.Tensor:
@@ -32,10 +38,10 @@ def fp32_weight(w: torch.Tensor) -> torch.Tensor:
         return w.float()
     key = id(w)
     hit = _FP32.get(key)
-    if hit is not None and hit[0]() is w and hit[1] == w._version:
-        return hit[2]
+    if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == w.data_ptr():
+        return hit[3]
     f = w.detach().float().contiguous()
-    _FP32[key] = (weakref.ref(w, lambda _ref, k=key: _FP32.pop(k, None)), w._version, f)
+    _FP32[key] = (weakref.ref(w, lambda _ref, k=key: _FP32.pop(k, None)), w._version, w.data_ptr(), f)
     return f
 
 
@@ -61,7 +67,7 @@ def tiled_partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int, row_t
     xt = x2.view(mt, row_tile, k)
     tracked = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     # Without autograd the shards write straight into one buffer (bmm out=, same kernel, no stack copy).
-    out = None if tracked else torch.empty(num_shards, mt, row_tile, n)
+    out = None if tracked else x2.new_empty(num_shards, mt, row_tile, n)
     outs = []
     for s in range(num_shards):
         a = xt[:, :, s * ks : (s + 1) * ks]

@@ -44,13 +44,15 @@ def _rope_chunk(head_dim: int, theta: float, chunk: int) -> tuple[torch.Tensor, 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     positions = positions.reshape(-1).long()
     if positions.numel() == 0:
-        empty = torch.empty(0, head_dim)
+        empty = torch.empty(0, head_dim, device=positions.device)
         return empty, empty
     nchunks = int(positions.max()) // _ROPE_CHUNK + 1
     chunks = [_rope_chunk(head_dim, theta, c) for c in range(nchunks)]
     cos = torch.cat([c for c, _ in chunks])
     sin = torch.cat([s for _, s in chunks])
-    return cos.index_select(0, positions), sin.index_select(0, positions)
+    # Tables are built on the CPU (same bits everywhere), then moved.
+    cpu = positions.cpu()
+    return cos.index_select(0, cpu).to(positions.device), sin.index_select(0, cpu).to(positions.device)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ class DefaultKernels:
     def rope_cos_sin(
         self, positions: torch.Tensor, head_dim: int, theta: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
         freqs = positions.reshape(-1).float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
@@ -87,7 +87,7 @@ class DefaultKernels:
     ) -> torch.Tensor:
         """Plain gather of each row's cached keys, then `attention_batched`."""
         nk = -(-num_keys // self.tile_size) * self.tile_size
-        k_pos = torch.arange(nk)[None].expand(q.shape[0], nk)
+        k_pos = torch.arange(nk, device=q.device)[None].expand(q.shape[0], nk)
         return self.attention_batched(q, k_pool[slots, :nk], v_pool[slots, :nk], q_pos, k_pos, scale)
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:

@@ -13,13 +13,13 @@ import torch
 class KVPool:
     def __init__(
         self, num_layers: int, slots: int, capacity: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, tile: int,
+        dtype: torch.dtype, tile: int, device: torch.device | str = "cpu",
     ) -> None:
         self.capacity = -(-capacity // tile) * tile
         self.tile = tile
         shape = (slots, self.capacity, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.free = list(range(slots - 1, -1, -1))
 
     def alloc(self) -> int:

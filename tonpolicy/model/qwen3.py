@@ -14,6 +14,7 @@ from torch import nn
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import KernelSet, padded_vocab_size
+from tonpolicy.kernels.contract_linear import clear_weight_cache
 from tonpolicy.model.checkpoint import init_state_dict, param_shapes
 from tonpolicy.model.kv_cache import KVPool
 
@@ -74,10 +75,10 @@ class Qwen3(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _W((cfg.vocab_size, cfg.hidden_size), dtype)
         assert set(dict(self.named_parameters())) == set(param_shapes(cfg))
-        self.load_weights(state_dict if state_dict is not None else init_state_dict(cfg, dtype, cfg.init_seed))
-        self.padded_vocab = padded_vocab_size(cfg.vocab_size, getattr(kernels, "canonical_shards", 1))
         self._lm_cache: tuple[tuple[int, int], torch.Tensor] | None = None
         self._fused: dict[str, tuple[tuple[tuple[int, int], ...], torch.Tensor]] = {}
+        self.load_weights(state_dict if state_dict is not None else init_state_dict(cfg, dtype, cfg.init_seed))
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, getattr(kernels, "canonical_shards", 1))
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -89,6 +90,8 @@ class Qwen3(nn.Module):
         for k, v in sd.items():
             params[k].copy_(v.to(self.dtype))
         self._lm_cache = None
+        self._fused.clear()
+        clear_weight_cache()
 
     def lm_weight(self) -> torch.Tensor:
         """LM head weight padded with zero rows to the padded vocab (cached per weight version)."""
@@ -129,11 +132,12 @@ class Qwen3(nn.Module):
         Writes each cached segment's keys/values into `kv` at [start, start+length). Returns fp32
         logits [len(logit_rows) or N, padded_vocab]."""
         cfg, kern = self.cfg, self.kernels
-        ids = input_ids.reshape(-1).long()
+        dev = self.model.embed_tokens.weight.device
+        ids = input_ids.reshape(-1).long().to(dev)
         n = ids.numel()
         if sum(s.length for s in segments) != n:
             raise ValueError("segment lengths must add up to the token count")
-        pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+        pos = torch.cat([torch.arange(s.start, s.start + s.length, device=dev) for s in segments])
         cos, sin = kern.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
         scale = cfg.head_dim**-0.5
         h = self.model.embed_tokens.weight.index_select(0, ids)
@@ -157,7 +161,7 @@ class Qwen3(nn.Module):
             act = kern.swiglu(gate, up)
             h = h + kern.linear(act, m.down_proj.weight)
         if logit_rows is not None:
-            h = h.index_select(0, logit_rows)
+            h = h.index_select(0, logit_rows.to(dev))
         h = kern.rms_norm(h, self.model.norm.weight, cfg.rms_norm_eps)
         return kern.lm_head(h, self.lm_weight())
 
@@ -192,16 +196,17 @@ class Qwen3(nn.Module):
                 decode.append(i)
                 continue
             out[sl] = kern.attention_pooled(
-                q[None, sl], pos[None, sl], kv.k[li], kv.v[li], torch.tensor([s.slot]), s.start + s.length, scale
+                q[None, sl], pos[None, sl], kv.k[li], kv.v[li], torch.tensor([s.slot], device=q.device), s.start + s.length,
+                scale,
             )[0]
         if decode:
             # All single-token segments attend in one batched call; keys past a request's own length
             # are masked by position (and their tiles skipped), so different lengths can share it.
             assert kv is not None
-            rows = torch.tensor([offs[i] for i in decode])
+            rows = torch.tensor([offs[i] for i in decode], device=q.device)
             res = kern.attention_pooled(
                 q.index_select(0, rows)[:, None], pos.index_select(0, rows)[:, None], kv.k[li], kv.v[li],
-                torch.tensor([segments[i].slot for i in decode]), max(segments[i].start + 1 for i in decode),
+                torch.tensor([segments[i].slot for i in decode], device=q.device), max(segments[i].start + 1 for i in decode),
                 scale,
             )
             out.index_copy_(0, rows, res[:, 0])

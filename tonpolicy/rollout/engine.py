@@ -78,6 +78,7 @@ class Engine:
         pool = KVPool(
             cfg.num_layers, min(self.max_running, len(waiting)), cap, cfg.num_kv_heads, cfg.head_dim,
             self.model.kernels.kv_cache_dtype(self.model.dtype), self.model.kernels.tile_size,
+            self.model.model.embed_tokens.weight.device,
         )
         running: list[_Running] = []
         step = 0
@@ -128,6 +129,7 @@ class Engine:
         )
         finished = []
         vocab = self.model.cfg.vocab_size
+        logits = logits.cpu()  # sampling and logprobs run on the CPU with per-request CPU generators
         for j, r in enumerate(samplers):
             q = r.req
             row = logits[j : j + 1]

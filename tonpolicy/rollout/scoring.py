@@ -16,7 +16,7 @@ def score_logprobs(
     if not prompt_ids:
         raise ValueError("prompt must be non-empty")
     ids = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)
-    logits = model(ids)
+    logits = model(ids).cpu()
     p = len(prompt_ids)
     rows = logits[p - 1 : p - 1 + len(response_ids)]
     return model.kernels.logprobs(
