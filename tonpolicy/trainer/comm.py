@@ -60,7 +60,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.P
     return _AllToAll.apply(x, scatter_dim, gather_dim, group)
 
 
-def _shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
+def shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
+    """Send `x` to the rank `step` places ahead in `group`, receive from the one `step` behind."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     send_to = dist.get_global_rank(group, (rank + step) % world)
     recv_from = dist.get_global_rank(group, (rank - step) % world)
@@ -70,20 +71,3 @@ def _shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     return out
-
-
-class _RingShift(torch.autograd.Function):
-    """Send to the next rank, receive from the previous one; the backward shifts gradients back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _shift(x, group, 1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _shift(grad, ctx.group, -1), None
-
-
-def ring_shift(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _RingShift.apply(x, group)

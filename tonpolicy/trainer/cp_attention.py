@@ -4,10 +4,8 @@ contract kernel.
 - cp == 1: `kernels.attention` directly.
 - Ulysses: all-to-all scatters heads and gathers the (contiguous) sequence chunks, so each rank runs
   the single-device kernel on whole sequences for H/CP heads (heads are independent), then back.
-- ring (zigzag): K/V blocks travel round the CP ring; for every key tile that reaches this rank, the
-  partial of the local queries is computed with `kernels.attention_tile`; at the end the partials are
-  merged in ascending key order with `kernels.merge`, exactly the single-device fold. Tiles entirely
-  after every local query are skipped: the contract makes a fully masked merge an exact no-op.
+- ring (zigzag): `ring_attention.RingAttention` (K/V travel the ring; remote split-KV partials merged
+  in the single-device key order).
 """
 
 from __future__ import annotations
@@ -17,9 +15,9 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
-from tonpolicy.trainer import cp as cp_layout
-from tonpolicy.trainer.comm import all_to_all, ring_shift
+from tonpolicy.trainer.comm import all_to_all
 from tonpolicy.trainer.fast_backward import KernelAttention
+from tonpolicy.trainer.ring_attention import RingAttention
 
 
 def context_parallel_attention(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,30 +66,4 @@ def _ulysses(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 
 def _ring(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
           scale: float, cp: int, group: Any) -> torch.Tensor:
-    tile = kernels.tile_size
-    rank = parallel_state.get_context_parallel_rank()
-    seq_len = positions.shape[0] * cp
-    if seq_len % (2 * cp * tile):
-        raise ValueError(f"ring CP needs the sequence ({seq_len}) padded to a multiple of 2*CP*tile")
-    last_query = int(positions.max())
-    partials: dict[int, Any] = {}
-    kv = torch.cat([k, v], dim=1)
-    for step in range(cp):
-        src = (rank - step) % cp
-        k_pos = cp_layout.local_positions(seq_len, cp, src, "ring").to(q.device)
-        kb, vb = kv.split([k.shape[1], v.shape[1]], dim=1)
-        for start in range(0, kb.shape[0], tile):
-            first = int(k_pos[start])
-            if first > last_query:  # fully masked for every local query: an exact no-op
-                continue
-            sl = slice(start, start + tile)
-            partials[first // tile] = kernels.attention_tile(q, kb[sl], vb[sl], positions, k_pos[sl], scale)
-        if step + 1 < cp:
-            kv = ring_shift(kv, group)
-    order = sorted(partials)
-    if order != list(range(len(order))):
-        raise RuntimeError(f"ring CP missed key tiles: {order}")
-    acc = partials[order[0]]
-    for t in order[1:]:
-        acc = kernels.merge(acc, partials[t])
-    return kernels.finalize(acc, q.dtype)
+    return RingAttention.apply(q, k, v, positions, scale, kernels)
