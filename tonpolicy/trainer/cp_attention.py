@@ -36,20 +36,10 @@ def context_parallel_attention(kernels: Any, q: torch.Tensor, k: torch.Tensor, v
 
 def _attention(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                scale: float) -> torch.Tensor:
-    """`kernels.attention` over one whole sequence, with the query rows padded to the kernel's row tile
-    by repeating the last query. The kernel would otherwise pad with queries that see no key, whose
-    0/0 finalize is dropped in the forward but turns the backward into NaN. Rows are independent by
-    contract, so the real rows' bits are unchanged."""
-    row_tile = getattr(kernels, "row_tile", 1)
+    """`kernels.attention` over one whole sequence (forward), plain attention gradient (backward)."""
 
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        n = q.shape[0]
-        extra = -n % row_tile
-        if extra == 0:
-            return kernels.attention(q, k, v, positions, positions, scale)
-        qp = torch.cat([q, q[-1:].expand(extra, *q.shape[1:])])
-        q_pos = torch.cat([positions, positions[-1:].expand(extra)])
-        return kernels.attention(qp, k, v, q_pos, positions, scale)[:n]
+        return kernels.attention(q, k, v, positions, positions, scale)
 
     return KernelAttention.apply(q, k, v, positions, scale, fwd)
 
