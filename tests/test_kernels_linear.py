@@ -187,3 +187,30 @@ def test_linear_operand_layout_invariance(dtype):
     assert torch.equal(k.linear(x.t().contiguous().t(), w), ref)
     assert torch.equal(k.linear(x, w.t().contiguous().t()), ref)
     assert torch.equal(k.linear(x[:1].t().contiguous().t(), w.t().contiguous().t()), ref[:1])
+
+
+def test_gemm_row_tile_sizes_give_same_bits():
+    """The measured fact behind `prefill_row_tile`: fixed-shape GEMM tiles of 4..256 rows give the
+    same row bits (1 and 2 threads, many widths). Tiles of 1 or 2 rows do NOT (a gemv-like path), which
+    is why rows are never computed in tiles that small."""
+    from tonpolicy.kernels.contract_linear import tiled_partials
+
+    for th in (1, 2):
+        with num_threads(th):
+            for si, (kk, n) in enumerate(SHAPES):
+                x = randn(256, kk, seed=si)
+                w = randn(n, kk, seed=30 + si, std=kk**-0.5)
+                ref = tiled_partials(x, w, 4, 16)
+                for rt in (4, 8, 32, 64, 128, 256):
+                    assert torch.equal(tiled_partials(x, w, 4, rt), ref), (th, kk, n, rt)
+                    assert torch.equal(tiled_partials(x, w, 4, 16, rt), ref), (th, kk, n, rt)
+                assert not torch.equal(tiled_partials(x, w, 4, 1), ref)
+
+
+def test_linear_long_prefill_rows():
+    k = get_kernels("contract")
+    x = randn(700, 1024, dtype=torch.bfloat16, seed=5)  # 5 tiles of 128 + 60 rows in 16-row tiles
+    w = randn(1024, 1024, dtype=torch.bfloat16, seed=6, std=1 / 32)
+    full = k.linear(x, w)
+    for off, m in [(0, 1), (130, 1), (639, 2), (650, 50), (100, 300)]:
+        assert torch.equal(k.linear(x[off : off + m], w), full[off : off + m])

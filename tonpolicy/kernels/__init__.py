@@ -23,17 +23,19 @@ def get_kernels(
     canonical_shards: int = 4,
     row_tile: int = 16,
     attention_row_tile: int = 8,
+    prefill_row_tile: int = 128,
 ) -> KernelSet:
     """Build a kernel set by name ("contract" or "default").
 
     attention_tile: keys per split-KV tile; canonical_shards: K-shards of every linear (TP must divide
-    it); row_tile: rows per linear GEMM; attention_row_tile: queries per attention GEMM row tile."""
+    it); row_tile: rows per linear GEMM; prefill_row_tile: rows per linear GEMM for long inputs (same
+    bits); attention_row_tile: queries per attention GEMM row tile."""
     if name == "contract":
         from tonpolicy.kernels.contract import ContractKernels
 
         return ContractKernels(
             attention_tile=attention_tile, canonical_shards=canonical_shards, row_tile=row_tile,
-            attention_row_tile=attention_row_tile,
+            attention_row_tile=attention_row_tile, prefill_row_tile=prefill_row_tile,
         )
     if name == "default":
         from tonpolicy.kernels.default import DefaultKernels

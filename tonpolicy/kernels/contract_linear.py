@@ -45,8 +45,33 @@ def fp32_weight(w: torch.Tensor) -> torch.Tensor:
     return f
 
 
-def tiled_partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int, row_tile: int) -> torch.Tensor:
-    """fp32 partials [num_shards, ..., N] of x [..., K] @ weight[N, K].T over equal K shards."""
+def _tile_gemms(x: torch.Tensor, wf: torch.Tensor, num_shards: int, rows: int, out: torch.Tensor | None):
+    """Per-shard bmm of x [mt*rows, K] (row-major) in tiles of `rows`: every GEMM is [rows, K/C] x [K/C, N]
+    (weight slice as a stride-0 batch). Writes into out [C, mt*rows, N] when given (no autograd)."""
+    k, n = x.shape[1], wf.shape[0]
+    ks = k // num_shards
+    mt = x.shape[0] // rows
+    xt = x.view(mt, rows, k)
+    outs = []
+    for s in range(num_shards):
+        a = xt[:, :, s * ks : (s + 1) * ks]
+        b = wf[:, s * ks : (s + 1) * ks].t().unsqueeze(0).expand(mt, ks, n)
+        if out is None:
+            outs.append(torch.bmm(a, b).view(mt * rows, n))
+        else:
+            torch.bmm(a, b, out=out[s].view(mt, rows, n))
+    return torch.stack(outs) if out is None else out
+
+
+def tiled_partials(
+    x: torch.Tensor, weight: torch.Tensor, num_shards: int, row_tile: int, big_row_tile: int | None = None
+) -> torch.Tensor:
+    """fp32 partials [num_shards, ..., N] of x [..., K] @ weight[N, K].T over equal K shards.
+
+    Rows go through GEMMs of fixed shape: whole tiles of `big_row_tile` rows first (prefill), the rest
+    zero-padded into tiles of `row_tile` rows. The two shapes give identical row bits (measured over
+    many shapes and thread counts, tests/test_kernels_linear.py); the big tile only amortises the
+    per-GEMM packing of the weight, which made 16-row tiles ~3x slower than 128-row ones in prefill."""
     *lead, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or k % num_shards:
@@ -56,29 +81,28 @@ def tiled_partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int, row_t
     x2 = x.reshape(-1, k).float().contiguous()
     wf = fp32_weight(weight)
     m = x2.shape[0]
-    mt = max(1, -(-m // row_tile))
-    if mt * row_tile != m:
-        x2 = F.pad(x2, (0, 0, 0, mt * row_tile - m))
-    if mt == 1:
-        # One row tile (decode): the shards are the bmm batch, same per-matrix GEMM shape as below.
+    if m <= row_tile:
+        # One small tile (decode): the shards are the bmm batch, same per-matrix GEMM shape as below.
+        if m < row_tile:
+            x2 = F.pad(x2, (0, 0, 0, row_tile - m))
         a = x2.unflatten(1, (num_shards, ks)).transpose(0, 1)
         b = wf.unflatten(1, (num_shards, ks)).permute(1, 2, 0)
         return torch.bmm(a, b)[:, :m].reshape(num_shards, *lead, n)
-    xt = x2.view(mt, row_tile, k)
+    big = big_row_tile if big_row_tile and big_row_tile > row_tile else row_tile
+    m_big = (m // big) * big
+    m_pad = m_big + -(-(m - m_big) // row_tile) * row_tile
+    if m_pad != m:
+        x2 = F.pad(x2, (0, 0, 0, m_pad - m))
     tracked = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    # Without autograd the shards write straight into one buffer (bmm out=, same kernel, no stack copy).
-    out = None if tracked else x2.new_empty(num_shards, mt, row_tile, n)
-    outs = []
-    for s in range(num_shards):
-        a = xt[:, :, s * ks : (s + 1) * ks]
-        # Stride-0 batch of the same weight slice: every GEMM is [row_tile, ks] x [ks, N].
-        b = wf[:, s * ks : (s + 1) * ks].t().unsqueeze(0).expand(mt, ks, n)
-        if out is None:
-            outs.append(torch.bmm(a, b))
-        else:
-            torch.bmm(a, b, out=out[s])
-    full = torch.stack(outs) if out is None else out
-    return full.view(num_shards, mt * row_tile, n)[:, :m].reshape(num_shards, *lead, n)
+    # Without autograd the tiles write straight into one buffer (bmm out=, same kernel, no copies).
+    out = None if tracked else x2.new_empty(num_shards, m_pad, n)
+    parts = []
+    if m_big:
+        parts.append(_tile_gemms(x2[:m_big], wf, num_shards, big, None if out is None else out[:, :m_big]))
+    if m_pad > m_big:
+        parts.append(_tile_gemms(x2[m_big:], wf, num_shards, row_tile, None if out is None else out[:, m_big:]))
+    full = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]) if out is None else out
+    return full[:, :m].reshape(num_shards, *lead, n)
 
 
 def tree_sum(partials: torch.Tensor) -> torch.Tensor:
