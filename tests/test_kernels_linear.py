@@ -129,10 +129,13 @@ def test_padded_vocab_size():
 def test_linear_autograd_and_weight_cache():
     """The trainer differentiates through the contract linear; the fp32 weight cache follows updates."""
     k = get_kernels("contract")
-    for m in (3, 40):
+    for m in (3, 40, 300):
         x = randn(m, 128, seed=1).requires_grad_()
         w = randn(64, 128, seed=2, std=0.1).requires_grad_()
-        k.linear(x, w).square().sum().backward()
+        y = k.linear(x, w)
+        with torch.no_grad():  # the untracked path (rollout) gives the tracked path's (trainer's) bits
+            assert torch.equal(y.detach(), k.linear(x.detach(), w.detach()))
+        y.square().sum().backward()
         ref_gx = 2 * (x @ w.T) @ w
         assert x.grad is not None and w.grad is not None
         assert (x.grad - ref_gx).abs().max() < 1e-4
