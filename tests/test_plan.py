@@ -31,7 +31,7 @@ def test_fingerprint_tracks_every_numerics_field() -> None:
     assert base == fingerprint(compose_config().contract), "fingerprint must be deterministic"
     changes = {
         "family": "qwen3_moe", "kernels": "default", "dtype": "float32", "accumulate_dtype": "float64",
-        "attention_tile": 64, "row_tile": 32, "canonical_shards": 8, "logprob_recipe": "other",
+        "attention_tile": 64, "row_tile": 32, "prefill_row_tile": 64, "attention_row_tile": 16, "canonical_shards": 8, "logprob_recipe": "other",
     }
     assert set(changes) == set(NUMERICS_FIELDS)
     seen = {base}

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tonpolicy.config.compose import compose_config
-from tonpolicy.contract.identity import identity
+from tonpolicy.contract.identity import identity, kernel_params
 from tonpolicy.rollout.server_args import parse_server_args
 
 
@@ -29,7 +29,7 @@ def test_resolved_config_gives_contract_identity_and_engine_settings(tmp_path: P
         ident.fingerprint,
     )
     assert a.kernels == cfg.contract.kernels and a.dtype == cfg.contract.dtype
-    assert a.kernel_params == {"attention_tile": 32, "canonical_shards": 4, "row_tile": 16}
+    assert a.kernel_params == kernel_params(cfg.contract)
     assert a.model == cfg.model and a.model_path is None
     assert a.max_running_requests == 5 and a.host == "127.0.0.1" and a.port == 0
     assert a.port_file == str(tmp_path / "port")

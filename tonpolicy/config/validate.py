@@ -92,7 +92,7 @@ def validate(cfg: Config, *, check_hf: bool = True) -> None:
         "model.head_dim", "model.intermediate_size", "model.vocab_size", "model.max_position_embeddings",
         "parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp", "parallel.rollout_tp",
         "parallel.rollout_dp", "parallel.num_microbatches", "contract.attention_tile",
-        "contract.row_tile", "contract.canonical_shards", "experiment.steps",
+        "contract.row_tile", "contract.prefill_row_tile", "contract.attention_row_tile", "contract.canonical_shards", "experiment.steps",
         "experiment.prompts_per_step", "experiment.samples_per_prompt", "experiment.max_prompt_len",
         "experiment.max_new_tokens", "rollout.max_running_requests", "trainer.nnodes",
         "trainer.micro_batch_size",

@@ -20,6 +20,8 @@ NUMERICS_FIELDS = (
     "accumulate_dtype",
     "attention_tile",
     "row_tile",
+    "prefill_row_tile",
+    "attention_row_tile",
     "canonical_shards",
     "logprob_recipe",
 )
@@ -57,4 +59,6 @@ def kernel_params(contract: ContractConfig) -> dict[str, int]:
         "attention_tile": contract.attention_tile,
         "canonical_shards": contract.canonical_shards,
         "row_tile": contract.row_tile,
+        "prefill_row_tile": contract.prefill_row_tile,
+        "attention_row_tile": contract.attention_row_tile,
     }

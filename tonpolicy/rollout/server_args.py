@@ -21,7 +21,7 @@ from tonpolicy.config.model import ModelConfig
 
 DTYPES = ("bfloat16", "float32", "float16")
 # Contract fields handed to tonpolicy.kernels.get_kernels as keyword arguments.
-KERNEL_PARAM_FIELDS = ("attention_tile", "canonical_shards", "row_tile")
+KERNEL_PARAM_FIELDS = ("attention_tile", "canonical_shards", "row_tile", "prefill_row_tile", "attention_row_tile")
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from tonpolicy.config.schema import Config
+from tonpolicy.contract.identity import kernel_params
 from tonpolicy.kernels import get_kernels
 from tonpolicy.rollout.types import logprob_temperature
 from tonpolicy.trainer import forward as fw
@@ -44,9 +45,7 @@ class TrainerWorker:
         if not ps.model_parallel_is_initialized():
             init_distributed(self.layout, seed=cfg.experiment.seed + 1)
         c = cfg.contract
-        kernels = get_kernels(c.kernels, attention_tile=c.attention_tile, canonical_shards=c.canonical_shards,
-                              row_tile=c.row_tile) if c.kernels == "contract" else \
-            get_kernels(c.kernels, attention_tile=c.attention_tile, canonical_shards=c.canonical_shards)
+        kernels = get_kernels(c.kernels, **kernel_params(c))
         if spec is None:
             spec = "contract" if (c.kernels == "contract" or self.layout.cp > 1) else "stock"
         self.spec = spec
