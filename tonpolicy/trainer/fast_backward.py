@@ -40,20 +40,10 @@ class KernelLinear(torch.autograd.Function):
         return dx, dw, None
 
 
-class RowParallelKernelLinear(torch.autograd.Function):
-    """Row-parallel y = combine(gather_TP(partials(x_local, w_local))). Every TP rank holds the same y
-    and receives the same dY, so the local gradients need no communication: dX_local = dY W_local,
-    dW_local = dY^T X_local."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fn: Any) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        return fn(x, w)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        dx, dw = _linear_grads(ctx, grad)
-        return dx, dw, None
+# Row-parallel y = combine(gather_TP(partials(x_local, w_local))): every TP rank holds the same y and
+# receives the same dY, so the local gradients need no communication (dX_local = dY W_local,
+# dW_local = dY^T X_local) and the column-parallel backward applies unchanged.
+RowParallelKernelLinear = KernelLinear
 
 
 def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
