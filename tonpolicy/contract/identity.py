@@ -39,8 +39,13 @@ class ContractIdentity:
 
 
 def numerics(contract: ContractConfig) -> dict[str, Any]:
+    from tonpolicy.kernels import get_kernels
+
     body = {f: getattr(contract, f) for f in NUMERICS_FIELDS}
     body["sglang"] = {f: getattr(contract.sglang, f) for f in SGLANG_NUMERICS_FIELDS}
+    # The kernel set's own account of its dtype steps and reduction orders: a kernel change that
+    # updates its description changes the fingerprint even when no config field moved.
+    body["kernel_description"] = get_kernels(contract.kernels, **kernel_params(contract)).describe()
     return body
 
 

@@ -9,7 +9,7 @@ torch/HF layout [N, K]. Attention tensors are token-major: q [Nq, Hq, D], k/v [N
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -29,6 +29,11 @@ class AttnPartial(NamedTuple):
 
 class KernelSet(Protocol):
     name: str
+    tile_size: int  # keys per split-KV tile
+    canonical_shards: int  # K-shards of every linear; a TP size must divide it
+
+    def describe(self) -> dict[str, Any]:
+        """Everything that affects numerics (part of the contract fingerprint)."""
 
     # --- linear -------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -42,6 +47,9 @@ class KernelSet(Protocol):
 
     def combine_partials(self, partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Reduce the canonical partial stack [C, ..., N] in a fixed tree order, cast to out_dtype."""
+
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 logits x @ weight.T (weight may carry vocab padding rows)."""
 
     # --- norms / activations / rotary ----------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
@@ -69,6 +77,21 @@ class KernelSet(Protocol):
         """Causal attention of queries at absolute positions q_pos over keys at k_pos (key j is
         visible to query i iff k_pos[j] <= q_pos[i]). GQA: Hq is a multiple of Hkv. Returns [Nq, Hq, D]
         in q.dtype. Keys must be in ascending position order, starting at position 0."""
+
+    def attention_batched(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """`attention` over a batch of independent sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D]."""
+
+    def attention_pooled(
+        self, q: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+        slots: torch.Tensor, num_keys: int, scale: float,
+    ) -> torch.Tensor:
+        """`attention` of q [B, Nq, Hq, D] straight over a KV pool [slots, cap, Hkv, D] (decode path)."""
+
+    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the engine's KV cache stores for activations of `dtype`."""
 
     def attention_tile(
         self,
