@@ -10,6 +10,6 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[test,slurm]"
 # Released SGLang's argument parser, for the test that checks every rendered flag. --no-deps: its
 # dependencies pin a CUDA torch; these light ones are all `sglang.srt.server_args` needs.
-.venv/bin/python -m pip install -q --no-deps "sglang==0.5.23"
-.venv/bin/python -m pip install -q orjson psutil pybase64 pillow starlette msgspec pyzmq IPython aiohttp
+.venv/bin/python -m pip install -q --no-deps --no-warn-conflicts "sglang==0.5.23"
+.venv/bin/python -m pip install -q --no-warn-conflicts orjson psutil pybase64 pillow starlette msgspec pyzmq IPython aiohttp
 echo "tonpolicy environment ready in .venv"
