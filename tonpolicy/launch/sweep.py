@@ -43,14 +43,22 @@ def _chart(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r.get('layout')}\n{r.get('contract')}" for r in rows]
+    contracts = {r.get("contract") for r in rows}
+    labels = [str(r.get("layout")) if len(contracts) == 1 else f"{r.get('layout')}\n{r.get('contract')}" for r in rows]
+    mismatched = [r.get("mismatched_tokens", 0) for r in rows]
+    grad_norms = [r.get("last_grad_norm") or 0.0 for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(rows)), 4))
-    ax1.bar(labels, [r.get("mismatched_tokens", 0) for r in rows], color="tab:red")
-    ax1.set_title("mismatched tokens (parity: 0)")
-    ax2.bar(labels, [r.get("last_grad_norm", 0.0) for r in rows], color="tab:blue")
+    ax1.bar(labels, mismatched, color="tab:red")
+    ax1.set_title("mismatched tokens (exact parity = 0)")
+    ax1.set_ylim(0, max(1, *mismatched) * 1.15)
+    ax2.bar(labels, grad_norms, color="tab:blue")
     ax2.set_title("grad_norm (last step)")
-    for ax in (ax1, ax2):
-        ax.tick_params(axis="x", labelsize=7)
+    for ax, values, fmt in ((ax1, mismatched, "{}"), (ax2, grad_norms, "{:.4g}")):
+        for i, v in enumerate(values):
+            ax.annotate(fmt.format(v), (i, v), ha="center", va="bottom", fontsize=7)
+        ax.tick_params(axis="x", labelsize=7, labelrotation=30)
+    if len(contracts) == 1:
+        fig.suptitle(f"contract {contracts.pop()}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
