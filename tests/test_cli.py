@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,21 @@ def test_multirun_sweep_one_dir_per_job(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     plans = sorted((tmp_path / "sweep").glob("*/launch_plan.json"))
     assert sorted(json.loads(p.read_text())["layout"] for p in plans) == sorted(layouts)
+
+
+def test_rendered_launch_script_runs_the_job(tmp_path: Path) -> None:
+    """`launch.sh` from a plan is runnable as it stands: init weights, server, trainer ranks."""
+    from e2e_common import FAST, records
+
+    from tonpolicy.launch.procs import free_port
+
+    run_dir = tmp_path / "run"
+    proc = tonpolicy("mode=plan", "parallel=tp2", "experiment.steps=1", *FAST, f"rollout.port={free_port()}",
+                     f"trainer.master_port={free_port()}", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(run_dir / "launch.sh")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (rec,) = records(run_dir)
+    assert rec["tokens_scored"] > 0 and rec["mismatched_tokens"] == 0

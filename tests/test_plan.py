@@ -81,7 +81,7 @@ def test_plan_contents() -> None:
     assert "NCCL_ALGO" not in off["environment"]
     script = launch_script(plan)
     assert "sglang.launch_server" not in script  # the embedded server is the rollout here
-    assert "torchrun" in script and "export NCCL_ALGO=Ring" in script
+    assert "torch.distributed.run" in script and "export NCCL_ALGO=Ring" in script
 
 
 def test_rendered_sglang_flags_exist_in_sglang() -> None:

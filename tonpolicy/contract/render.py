@@ -143,7 +143,7 @@ def torchrun_argv(cfg: Config, run_dir: Path, model_path: str) -> list[str]:
     t = cfg.trainer
     nproc = t.nproc_per_node or world_size(cfg) // t.nnodes
     return [
-        "torchrun", "--nnodes", str(t.nnodes), "--nproc-per-node", str(nproc),
+        "python", "-m", "torch.distributed.run", "--nnodes", str(t.nnodes), "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(t.master_port or 29500), "--max-restarts", "0",
         "-m", "tonpolicy.launch.trainer_main", "--config", str(run_dir / "resolved_config.yaml"),
         "--run-dir", str(run_dir), "--server-url", f"http://{cfg.rollout.host}:{rollout_port(cfg)}",
@@ -180,24 +180,38 @@ def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         ]
     # The SGLang command is always rendered so a GPU user can take it to a cluster.
     plan["sglang_command"] = sglang_argv(cfg, model_path)
+    if not cfg.model.checkpoint:  # a seeded random init, written before the engines start
+        plan["init_checkpoint_command"] = [
+            "python", "-m", "tonpolicy.launch.init_checkpoint", "--config", str(run_dir / "resolved_config.yaml"),
+            "--out", model_path,
+        ]
     return plan
+
+
+def _shell(argv: list[str]) -> str:
+    """argv as a shell line; a leading `python` becomes "$PY" so the script runs any interpreter."""
+    if argv[0] == "python":
+        return '"$PY" ' + shlex.join(argv[1:])
+    return shlex.join(argv)
 
 
 def launch_script(plan: dict[str, Any]) -> str:
     env = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(plan["environment"].items()))
-    rollout = shlex.join(plan["rollout"]["command"])
-    trainer = shlex.join(plan["trainer_command"])
+    init = plan.get("init_checkpoint_command")
+    init_line = f"\n# Initial weights (seeded random init in HF format).\n{_shell(init)}\n" if init else ""
     c = plan["contract"]
     return f"""#!/usr/bin/env bash
 # tonpolicy launch plan: contract {c['name']} v{c['version']} ({c['fingerprint'][:16]}), layout {plan['layout']}
+# Run it from an environment with tonpolicy installed; PYTHON picks the interpreter.
 set -euo pipefail
+PY="${{PYTHON:-python}}"
 {env}
-
+{init_line}
 # Rollout server ({plan['rollout']['backend']}); the trainer waits for its /health.
-{rollout} &
+{_shell(plan['rollout']['command'])} &
 ROLLOUT_PID=$!
 trap 'kill $ROLLOUT_PID 2>/dev/null || true' EXIT
 
 # Trainer ranks ({plan['dist_backend']}).
-{trainer}
+{_shell(plan['trainer_command'])}
 """

@@ -17,6 +17,7 @@ from typing import Any
 from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import world_size
 from tonpolicy.contract.identity import identity
+from tonpolicy.launch.init_checkpoint import write_init_checkpoint
 from tonpolicy.launch.procs import Child, ProcessGroup, free_port, port_is_free, wait_until
 from tonpolicy.launch.records import (
     EXIT_CHILD_FAILED,
@@ -41,15 +42,7 @@ def prepare_checkpoint(cfg: Config, run_dir: Path) -> Path:
     """The HF checkpoint both engines start from: the user's, or a seeded random init."""
     if cfg.model.checkpoint:
         return Path(cfg.model.checkpoint)
-    import torch
-
-    from tonpolicy.model.checkpoint import init_state_dict, save_hf
-
-    path = run_dir / "checkpoints" / "init"
-    if not (path / "config.json").exists():
-        dtype = getattr(torch, cfg.contract.dtype)
-        save_hf(init_state_dict(cfg.model, dtype, cfg.model.init_seed), cfg.model, path)
-    return path
+    return write_init_checkpoint(cfg, run_dir / "checkpoints" / "init")
 
 
 def _health_ok(url: str) -> bool:
@@ -67,6 +60,7 @@ def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, 
         raise JobFailed(EXIT_SERVER_UNHEALTHY, f"rollout.port={port}: port already in use on {host}; pick another or use 0 (a free port)")
     port_file = run_dir / "rollout.port"
     port_file.unlink(missing_ok=True)
+    (run_dir / STATUS_FILE).unlink(missing_ok=True)  # a verdict from an earlier run in this folder
     if cfg.rollout.backend == "embedded":
         argv = [sys.executable, "-m", "tonpolicy.rollout.server", "--config", str(run_dir / "resolved_config.yaml"),
                 "--model-path", str(ckpt), "--host", host, "--port", str(port), "--port-file", str(port_file)]
@@ -123,12 +117,12 @@ def supervise(cfg: Config, run_dir: Path, server: Child, trainer: Child) -> int:
         if not server.alive():
             raise JobFailed(EXIT_CHILD_FAILED, f"rollout server died (exit {server.proc.returncode}); log tail:\n{server.tail()}")
         time.sleep(0.2)
-    code = trainer.proc.returncode
-    if code != 0:
-        raise JobFailed(EXIT_CHILD_FAILED, f"trainer exited with {code}; log tail:\n{trainer.tail(40)}")
-    status_path = trainer.log_path.parent.parent / STATUS_FILE
-    status = json.loads(status_path.read_text()) if status_path.exists() else {"code": EXIT_CHILD_FAILED,
-                                                                               "message": "trainer wrote no status"}
+    # The trainer's verdict (ok, gate, handshake) is in its status file; torchrun's exit code only
+    # says whether some rank failed, and a rank that died wrote no verdict.
+    status_path = run_dir / STATUS_FILE
+    if not status_path.exists():
+        raise JobFailed(EXIT_CHILD_FAILED, f"trainer exited with {trainer.proc.returncode}; log tail:\n{trainer.tail(40)}")
+    status = json.loads(status_path.read_text())
     if status["code"]:
         raise JobFailed(status["code"], status["message"])
     return 0

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tonpolicy: refusing to train: {refusal}", file=sys.stderr)
             write_json_atomic(run_dir / STATUS_FILE, {"code": EXIT_HANDSHAKE, "message": refusal})
         worker.close()
-        return 0
+        return EXIT_HANDSHAKE
 
     fail_on_mismatch = cfg.gate.fail_on_mismatch
     if fail_on_mismatch is None:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.finish(code)
         write_json_atomic(run_dir / STATUS_FILE, {"code": code, "message": message if code else "ok"})
     worker.close()
-    return 0
+    return code  # non-zero fails a hand-run launch.sh too; the launcher reads the status file
 
 
 if __name__ == "__main__":
