@@ -69,3 +69,17 @@ def test_rendered_launch_script_runs_the_job(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (rec,) = records(run_dir)
     assert rec["tokens_scored"] > 0 and rec["mismatched_tokens"] == 0
+
+
+def test_sweep_goes_on_past_a_failed_job_and_exits_non_zero(tmp_path: Path) -> None:
+    from e2e_common import FAST
+
+    sweep = tmp_path / "sweep"
+    proc = tonpolicy("-m", "mode=run", "experiment.steps=1", *FAST, "parallel=tp1", "parallel.tp=1,3",
+                     f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    statuses = sorted(json.loads(p.read_text())["status"] for p in sweep.glob("*/summary.json"))
+    assert statuses == ["invalid_config", "ok"]
+    assert "parallel.tp=3: must divide" in proc.stderr
+    table = (sweep / "sweep_summary.md").read_text()
+    assert "invalid_config" in table and "| ok " in table

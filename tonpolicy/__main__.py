@@ -7,10 +7,12 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from tonpolicy.config.schema import Config, register_configs
 from tonpolicy.config.validate import ConfigError
+from tonpolicy.launch.records import write_json_atomic
 
 register_configs()
 
@@ -19,12 +21,21 @@ register_configs()
 def main(dcfg: DictConfig) -> None:
     from tonpolicy.app import run
 
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
     cfg: Config = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
     try:
-        code = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        code = run(cfg, run_dir)
     except ConfigError as exc:
         print(f"tonpolicy: {exc}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run_dir / "summary.json", {"status": "invalid_config", "layout": cfg.parallel.name,
+                                                     "contract": cfg.contract.name, "error": str(exc)})
+    if code and hc.mode == RunMode.MULTIRUN:
+        # One failed job must not stop the sweep; the sweep summary reports it and sets the exit code.
+        print(f"tonpolicy: job {hc.job.num} ({hc.job.override_dirname}) exited {code}", file=sys.stderr)
+        return
     if code:
         sys.exit(code)
 

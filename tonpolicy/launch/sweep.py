@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,8 @@ def write_summary(sweep_dir: Path) -> Path | None:
     headers = ["job", "layout", "contract", "status", "steps", "tokens", "mismatched", "max|Δlogp|", "grad_norm (last)", "wall_s"]
     table = [[r["job_dir"], r.get("layout", "?"), r.get("contract", "?"), r.get("status", "?"),
               str(r.get("steps_completed", "-")), str(r.get("tokens_scored", "-")),
-              str(r.get("mismatched_tokens", "-")), f"{r.get('max_abs_logprob_diff', 0.0):.3e}",
-              f"{r.get('last_grad_norm', float('nan')):.6g}", f"{r.get('wall_s', 0.0):.1f}"] for r in rows]
+              str(r.get("mismatched_tokens", "-")), f"{r.get('max_abs_logprob_diff') or 0.0:.3e}",
+              f"{r.get('last_grad_norm') or float('nan'):.6g}", f"{r.get('wall_s') or 0.0:.1f}"] for r in rows]
     md = sweep_dir / "sweep_summary.md"
     md.write_text("# tonpolicy sweep\n\n" + markdown_table(headers, table) + "\n")
     _chart(rows, sweep_dir / "sweep_summary.png")
@@ -66,4 +67,9 @@ def _chart(rows: list[dict[str, Any]], path: Path) -> None:
 
 class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        write_summary(Path(config.hydra.sweep.dir))
+        sweep_dir = Path(config.hydra.sweep.dir)
+        write_summary(sweep_dir)
+        failed = [r["job_dir"] for r in collect(sweep_dir) if r.get("status") != "ok"]
+        if failed:
+            print(f"tonpolicy: sweep finished with failed jobs: {', '.join(failed)}", file=sys.stderr)
+            sys.exit(1)
