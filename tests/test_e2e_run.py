@@ -64,3 +64,6 @@ def test_gate_fails_the_run_when_forced_on_off_policy(tmp_path: Path) -> None:
     assert proc.returncode == 3, proc.stderr[-4000:]
     assert "parity gate failed at step 0" in proc.stderr
     assert len(records(run_dir)) == 1 and summary(run_dir)["status"] == "gate_failed"
+    # The gate runs before the update: the failing step trained nothing and synced nothing.
+    assert records(run_dir)[0]["gate"] == "failed" and "grad_norm" not in records(run_dir)[0]
+    assert not (run_dir / "checkpoints" / "step_1").exists()

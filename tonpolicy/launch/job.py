@@ -141,7 +141,7 @@ def summarize(cfg: Config, run_dir: Path, status: str, wall_s: float) -> dict[st
         "tokens_scored": sum(r["tokens_scored"] for r in records),
         "mismatched_tokens": sum(r["mismatched_tokens"] for r in records),
         "max_abs_logprob_diff": max((r["max_abs_logprob_diff"] for r in records), default=0.0),
-        "last_grad_norm": records[-1]["grad_norm"] if records else None,
+        "last_grad_norm": next((r["grad_norm"] for r in reversed(records) if "grad_norm" in r), None),
         "wall_s": round(wall_s, 2),
     }
     write_json_atomic(run_dir / "summary.json", summary)

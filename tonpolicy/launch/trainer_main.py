@@ -142,14 +142,17 @@ def main(argv: list[str] | None = None) -> int:
         batch = broadcast(rollout(cfg, client, step) if rank0 else None)
         t_rollout = time.monotonic() - t0
         trainer_logprobs = worker.logprobs(batch["prompts"], batch["responses"])
-        metrics = worker.ppo_step(batch["prompts"], batch["responses"], old_logprobs=trainer_logprobs,
-                                  rollout_logprobs=batch["rollout_logprobs"], advantages=batch["advantages"])
-        ckpt = run_dir / "checkpoints" / f"step_{step + 1}"
-        worker.save_hf(ckpt)
-        gate_failed = False
+        parity = compare(batch["rollout_logprobs"], trainer_logprobs) if rank0 else None
+        # The gate runs before the update: a step that breaks the contract trains nothing.
+        gate_failed = broadcast(bool(rank0 and fail_on_mismatch and not parity.exact))
+        metrics: dict[str, Any] = {}
+        if not gate_failed:
+            metrics = worker.ppo_step(batch["prompts"], batch["responses"], old_logprobs=trainer_logprobs,
+                                      rollout_logprobs=batch["rollout_logprobs"], advantages=batch["advantages"])
+            ckpt = run_dir / "checkpoints" / f"step_{step + 1}"
+            worker.save_hf(ckpt)
         if rank0:
-            parity = compare(batch["rollout_logprobs"], trainer_logprobs)
-            record = {"step": step, **parity.to_dict(), **metrics,
+            record = {"step": step, **parity.to_dict(), **metrics, "gate": "failed" if gate_failed else "passed",
                       "reward_mean": sum(batch["rewards"]) / len(batch["rewards"]),
                       "rollout_s": round(t_rollout, 3), "step_s": round(time.monotonic() - t0, 3)}
             append_jsonl(run_dir / "metrics.jsonl", record)
@@ -158,14 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             logger.log(record)
             print(f"step {step}: tokens={parity.tokens_scored} mismatched={parity.mismatched_tokens} "
                   f"max|Δ|={parity.max_abs_logprob_diff:.3e} grad_norm={metrics.get('grad_norm')}", flush=True)
-            client.update_weights_from_disk(str(ckpt), weight_version=f"step_{step + 1}")
-            gate_failed = fail_on_mismatch and not parity.exact
-        if broadcast(gate_failed):
+            if not gate_failed:
+                client.update_weights_from_disk(str(ckpt), weight_version=f"step_{step + 1}")
+        if gate_failed:
             code = EXIT_GATE_FAILED
-            message = broadcast(
-                f"parity gate failed at step {step}: {parity.mismatched_tokens} of {parity.tokens_scored} tokens "
-                f"differ (max |Δlogprob| {parity.max_abs_logprob_diff:.3e}); contract {cfg.contract.name}, "
-                f"gate.fail_on_mismatch={fail_on_mismatch}" if rank0 else None)
+            if rank0:
+                message = (f"parity gate failed at step {step}: {parity.mismatched_tokens} of {parity.tokens_scored} "
+                           f"tokens differ (max |Δlogprob| {parity.max_abs_logprob_diff:.3e}); contract "
+                           f"{cfg.contract.name}, gate.fail_on_mismatch={fail_on_mismatch}; no update was made")
             break
     if rank0:
         logger.finish(code)
