@@ -1,15 +1,26 @@
 """Embedded rollout engine: continuous batching over a KV pool, optional chunked prefill, seeded
 per-request sampling, and per-token fp32 logprobs from the step that sampled each token.
 
+Incremental API (what the server's engine loop drives): `add(request) -> handle` queues a request at
+any time, even while others are mid-decode; `step()` runs one engine step and returns the
+`(handle, GenResult)` pairs that finished in it; `has_work()` says whether anything is unfinished.
+`generate(requests)` is `add` for each request, then `step` until done: one scheduling code path.
+
 Each engine step forwards one flat batch made of prefill chunks (admission order, sharing a
 `chunked_prefill_size` token budget) and one decode token per request already past its prompt.
-Requests become visible at `arrival_step` and are admitted while fewer than `max_running_requests`
-run, so batch composition changes as requests arrive and finish. Under the `contract` kernels each
-logits row is independent of the batch, so results equal the request run alone and `score_logprobs`.
+A request becomes visible `arrival_step` steps after it was added (idle gaps are skipped, not
+stepped through) and is admitted while fewer than `max_running_requests` run, so batch composition
+changes as requests arrive and finish. Under the `contract` kernels each logits row is independent
+of the batch, so results equal the request run alone and `score_logprobs`.
+
+The KV pool lives as long as the engine (or until `flush_cache`) and grows on admission, in slots
+(up to `max_running_requests`) and in positions (up to what admitted requests need), so its memory
+is bounded by max_running_requests x max_position_embeddings and is usually far less.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -25,13 +36,20 @@ __all__ = ["Engine", "GenRequest", "GenResult", "score_logprobs"]
 
 @dataclass
 class _Running:
-    index: int
+    handle: int
     req: GenRequest
     slot: int
     gen: torch.Generator
     prefilled: int = 0
     out_ids: list[int] = field(default_factory=list)
     out_lps: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(order=True)
+class _Waiting:
+    visible_at: int  # scheduler time at which the request may be admitted
+    handle: int  # ties go to the request added first
+    req: GenRequest = field(compare=False)
 
 
 class Engine:
@@ -52,8 +70,17 @@ class Engine:
         self.chunk = chunked_prefill_size
         self.eos_token_id = eos_token_id
         self.steps_run = 0  # engine steps of the last generate() call (for tests and benchmarks)
+        self.steps_total = 0  # engine steps since construction
+        self._clock = 0  # scheduler time: one per step, jumps over idle gaps to the next arrival
+        self._next_handle = 0
+        self._waiting: list[_Waiting] = []  # sorted by (visible_at, handle)
+        self._running: list[_Running] = []  # admission order
+        self._done: list[tuple[int, GenResult]] = []  # finished without a step (max_new_tokens <= 0)
+        self._pool: KVPool | None = None
 
-    def _check(self, req: GenRequest) -> None:
+    # --- incremental API ------------------------------------------------------------------------
+    def check(self, req: GenRequest) -> None:
+        """Raise ValueError for a request the engine cannot run."""
         cfg = self.model.cfg
         if not req.prompt_ids:
             raise ValueError("prompt_ids must be non-empty")
@@ -62,44 +89,128 @@ class Engine:
         if any(not 0 <= t < cfg.vocab_size for t in req.prompt_ids):
             raise ValueError("prompt token id out of vocab range")
 
+    def add(self, req: GenRequest) -> int:
+        """Queue a request (visible `req.arrival_step` steps from now); returns its handle."""
+        self.check(req)
+        handle = self._next_handle
+        self._next_handle += 1
+        if req.max_new_tokens <= 0:
+            self._done.append((handle, GenResult([], torch.empty(0, dtype=torch.float32), "length")))
+        else:
+            bisect.insort(self._waiting, _Waiting(self._clock + req.arrival_step, handle, req))
+        return handle
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._done)
+
+    @property
+    def unfinished(self) -> int:
+        """Requests added and not yet returned by `step`."""
+        return len(self._waiting) + len(self._running) + len(self._done)
+
+    @property
+    def decoding(self) -> int:
+        """Running requests whose prompt is fully prefilled (they have sampled at least one token)."""
+        return sum(1 for r in self._running if r.out_ids)
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, GenResult]]:
+        """Admit what is visible, run one forward, return the requests that finished."""
+        finished, self._done = self._done, []
+        self._admit()
+        if not self._running and self._waiting:
+            self._clock = self._waiting[0].visible_at  # idle: jump to the next arrival
+            self._admit()
+        if not self._running:
+            return finished
+        pool = self._pool
+        assert pool is not None  # admission allocated it
+        for r in self._forward():
+            self._running.remove(r)
+            pool.release(r.slot)
+            finished.append((r.handle, self._result(r)))
+        self._clock += 1
+        self.steps_total += 1
+        return finished
+
+    def abort(self) -> list[int]:
+        """Drop every unfinished request (after a failed step its state is unknown); their handles."""
+        handles = [w.handle for w in self._waiting] + [r.handle for r in self._running]
+        handles += [h for h, _ in self._done]
+        self._waiting, self._running, self._done = [], [], []
+        self._pool = None  # slots of dropped requests are not worth tracking down
+        return handles
+
+    def flush_cache(self) -> None:
+        """Free the KV pool (there is no prefix cache, so nothing else is kept between requests)."""
+        if self._running:
+            raise RuntimeError("flush_cache while requests are running")
+        self._pool = None
+
+    # --- whole batch ----------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Run `requests` to completion (arrival_step counted from this call); results in order."""
+        if self.has_work():
+            raise RuntimeError("generate() needs an idle engine; requests added with add() are unfinished")
         for r in requests:
-            self._check(r)
-        cfg = self.model.cfg
+            self.check(r)  # all or nothing: no request is queued when one is invalid
+        index = {self.add(r): i for i, r in enumerate(requests)}
         results: list[GenResult | None] = [None] * len(requests)
-        waiting = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_step, i))
-        for i in [i for i in waiting if requests[i].max_new_tokens <= 0]:
-            results[i] = GenResult([], torch.empty(0, dtype=torch.float32), "length")
-        waiting = [i for i in waiting if results[i] is None]
-        if not waiting:
-            return results  # type: ignore[return-value]
-        cap = max(len(requests[i].prompt_ids) + requests[i].max_new_tokens for i in waiting)
+        start = self.steps_total
+        try:
+            while self.has_work():
+                for handle, res in self.step():
+                    results[index[handle]] = res
+        except BaseException:
+            self.abort()  # leave the engine usable for the next call
+            raise
+        finally:
+            self.steps_run = self.steps_total - start
+        return results  # type: ignore[return-value]
+
+    # --- scheduling internals -------------------------------------------------------------------
+    def _admit(self) -> None:
+        while (
+            self._waiting and len(self._running) < self.max_running and self._waiting[0].visible_at <= self._clock
+        ):
+            w = self._waiting.pop(0)
+            slot = self._alloc_slot(len(w.req.prompt_ids) + w.req.max_new_tokens)
+            self._running.append(_Running(w.handle, w.req, slot, make_generator(w.req.seed)))
+
+    def _alloc_slot(self, positions: int) -> int:
+        pool = self._pool
+        if pool is None or not pool.free or pool.capacity < positions:
+            pool = self._grow_pool(positions)
+        return pool.alloc()
+
+    def _grow_pool(self, positions: int) -> KVPool:
+        """A larger pool holding the running requests' keys/values at their slots. Doubling keeps
+        regrowth rare; capacity never matters numerically (attention reads only visible tiles)."""
+        old = self._pool
+        cfg = self.model.cfg
+        slots, cap = len(self._running) + 1, positions
+        if old is not None:
+            slots = max(slots, old.k[0].shape[0] * (1 if old.free else 2))
+            cap = max(cap, old.capacity * (1 if old.capacity >= positions else 2))
+        slots, cap = min(slots, self.max_running), min(cap, cfg.max_position_embeddings)
         pool = KVPool(
-            cfg.num_layers, min(self.max_running, len(waiting)), cap, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_layers, slots, cap, cfg.num_kv_heads, cfg.head_dim,
             self.model.kernels.kv_cache_dtype(self.model.dtype), self.model.kernels.tile_size,
             self.model.model.embed_tokens.weight.device,
         )
-        running: list[_Running] = []
-        step = 0
-        self.steps_run = 0
-        while waiting or running:
-            while waiting and len(running) < self.max_running and requests[waiting[0]].arrival_step <= step:
-                i = waiting.pop(0)
-                running.append(_Running(i, requests[i], pool.alloc(), make_generator(requests[i].seed)))
-            if not running:
-                step = requests[waiting[0]].arrival_step  # idle: jump to the next arrival
-                continue
-            for r in self._step(running, pool):
-                running.remove(r)
-                pool.release(r.slot)
-                results[r.index] = self._result(r)
-            step += 1
-            self.steps_run += 1
-        return results  # type: ignore[return-value]
+        if old is not None:
+            n, c = old.k[0].shape[0], old.capacity
+            for dst, src in zip(pool.k + pool.v, old.k + old.v, strict=True):
+                dst[:n, :c] = src
+        used = {r.slot for r in self._running}
+        pool.free = [s for s in range(slots - 1, -1, -1) if s not in used]  # lowest slot first, as KVPool
+        self._pool = pool
+        return pool
 
-    def _step(self, running: list[_Running], pool: KVPool) -> list[_Running]:
+    def _forward(self) -> list[_Running]:
         """One forward over the current batch; returns the requests that finished."""
+        running, pool = self._running, self._pool
         budget = self.chunk if self.chunk is not None else float("inf")
         tokens: list[int] = []
         segments: list[Segment] = []

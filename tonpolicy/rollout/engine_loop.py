@@ -1,10 +1,13 @@
 """One background thread owns the engine; HTTP handler threads hand it work through a queue.
 
-Concurrent /generate requests are coalesced: the loop takes every request waiting at that moment
-and runs them as one `engine.generate` batch (the engine batches them continuously inside). Work
-that must not overlap a batch (weight reload, cache flush) runs on the same thread, between batches,
-in arrival order, so a request sent after a weight update is answered with the new weights.
-`tag` (the weight version) is read on the loop thread when a batch runs and returned with it.
+True continuous batching across requests: between engine steps the loop takes every job waiting
+and `engine.add`s its requests, so a request sent while others are mid-decode joins the running
+batch at the next step instead of waiting for them. Work that must not overlap generation (weight
+reload, cache flush) keeps arrival order by pausing admission: a call waits, with every job queued
+after it, until the requests already in the engine finish; then it runs and admission resumes. So
+a request sent before a weight update is answered with the old weights, one sent after with the new.
+`tag` (the weight version) is read on the loop thread when a job's requests are admitted; a call can
+only change it while no request is in flight, so it is also the tag they finish under.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 @dataclass(frozen=True)
 class BatchResult:
     results: list[Any]  # engine results, in request order
-    tag: Any  # EngineLoop.tag when the batch ran
+    tag: Any  # EngineLoop.tag when the requests ran
 
 
 @dataclass
@@ -30,25 +33,35 @@ class _Job:
     requests: Sequence[Any] | None  # GenRequests for a generate job, None for a call
     fn: Callable[[Any], Any] | None  # called with the engine, on the loop thread
     future: Future = field(default_factory=Future)
+    results: list[Any] = field(default_factory=list)  # filled as its requests finish
+    remaining: int = 0
+    tag: Any = None
 
 
 class EngineLoop:
+    """Drives an engine with the incremental API: check(req), add(req) -> handle,
+    step() -> [(handle, result)], has_work(), abort() -> [handle]."""
+
     def __init__(self, engine: Any, *, batch_wait_s: float = 0.005) -> None:
         self.engine = engine
-        # A short wait lets requests sent together by concurrent clients land in one batch.
+        # When the engine is idle, a short wait lets requests sent together by concurrent clients
+        # start in the same step; once it runs, later requests join between steps anyway.
         self.batch_wait_s = batch_wait_s
-        self.tag: Any = None  # set it from a `call` to keep it in step with the batches
+        self.tag: Any = None  # set it from a `call` to keep it in step with the requests
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tonpolicy-engine-loop", daemon=True)
-        self.batches_run = 0
+        self._inflight: dict[int, tuple[_Job, int]] = {}  # engine handle -> (job, request index)
+        self.batches_run = 0  # busy periods: the engine went from idle to running requests
         self.requests_run = 0
-        self.largest_batch = 0
+        self.largest_batch = 0  # most requests in the engine at once
+        self.steps_run = 0
         self.error: BaseException | None = None  # set when the loop itself died
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Requests submitted before stop() still finish (stop waits like a call), later ones fail."""
         self._queue.put(None)
         self._thread.join(timeout_s)
 
@@ -56,11 +69,11 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def generate(self, requests: Sequence[Any]) -> Future:
-        """Future of a BatchResult: `engine.generate(requests)` results, in the same order."""
+        """Future of a BatchResult: the engine's results for `requests`, in the same order."""
         return self._submit(_Job(list(requests), None))
 
     def call(self, fn: Callable[[Any], Any]) -> Future:
-        """Future of `fn(engine)`, run between batches."""
+        """Future of `fn(engine)`, run once no request is in flight (admission pauses until then)."""
         return self._submit(_Job(None, fn))
 
     def _submit(self, job: _Job) -> Future:
@@ -71,33 +84,48 @@ class EngineLoop:
         return job.future
 
     def _run(self) -> None:
-        pending: deque[_Job | None] = deque()
+        pending: deque[_Job | None] = deque()  # taken off the queue, not admitted yet
         try:
             while True:
-                job = pending.popleft() if pending else self._queue.get()
-                if job is None:
+                self._take(pending)
+                if self._admit(pending):
                     break
-                if job.fn is not None:
-                    self._run_call(job)
-                    continue
-                batch = [job]
-                if self.batch_wait_s > 0:
-                    time.sleep(self.batch_wait_s)
-                while True:  # take everything waiting; a call waits until this batch is done
-                    try:
-                        nxt = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if nxt is None or nxt.fn is not None:
-                        pending.append(nxt)
-                        break
-                    batch.append(nxt)
-                self._run_batch(batch)
+                if self.engine.has_work():
+                    self._step()
         except BaseException as e:  # noqa: BLE001 - record why the loop died for /health
             self.error = e
             raise
         finally:
             self._fail_waiting(pending)
+
+    def _take(self, pending: deque[_Job | None]) -> None:
+        """Move queued jobs to `pending`; block only when there is nothing else to do."""
+        if not pending and not self.engine.has_work():
+            pending.append(self._queue.get())
+            if pending[0] is not None and pending[0].fn is None and self.batch_wait_s > 0:
+                time.sleep(self.batch_wait_s)
+        while True:
+            try:
+                pending.append(self._queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _admit(self, pending: deque[_Job | None]) -> bool:
+        """Add pending jobs to the engine in arrival order, up to the first call (or stop) while
+        requests are in flight. True when stop was reached with nothing in flight."""
+        while pending:
+            job = pending[0]
+            if job is None or job.fn is not None:
+                if self.engine.has_work():
+                    return False  # pause admission: the call runs when in-flight requests finish
+                pending.popleft()
+                if job is None:
+                    return True
+                self._run_call(job)
+                continue
+            pending.popleft()
+            self._add_job(job)
+        return False
 
     def _run_call(self, job: _Job) -> None:
         try:
@@ -105,30 +133,48 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - the caller gets the error
             job.future.set_exception(e)
 
-    def _run_batch(self, batch: list[_Job]) -> None:
-        flat = [r for job in batch for r in job.requests]
-        if not flat:
-            for job in batch:
-                job.future.set_result(BatchResult([], self.tag))
-            return
+    def _add_job(self, job: _Job) -> None:
         try:
-            results = self.engine.generate(flat)
-            if len(results) != len(flat):
-                raise RuntimeError(f"engine returned {len(results)} results for {len(flat)} requests")
-        except Exception as e:  # noqa: BLE001 - every request of the batch gets the error
-            for job in batch:
-                job.future.set_exception(e)
+            for r in job.requests:
+                self.engine.check(r)  # all or nothing: one bad request fails only its own job
+        except Exception as e:  # noqa: BLE001 - the caller gets the error
+            job.future.set_exception(e)
             return
-        self.batches_run += 1
-        self.requests_run += len(flat)
-        self.largest_batch = max(self.largest_batch, len(flat))
-        start = 0
-        for job in batch:
-            n = len(job.requests)
-            job.future.set_result(BatchResult(list(results[start : start + n]), self.tag))
-            start += n
+        if not job.requests:
+            job.future.set_result(BatchResult([], self.tag))
+            return
+        if not self.engine.has_work():
+            self.batches_run += 1
+        job.results, job.remaining, job.tag = [None] * len(job.requests), len(job.requests), self.tag
+        for i, r in enumerate(job.requests):
+            self._inflight[self.engine.add(r)] = (job, i)
+        self.largest_batch = max(self.largest_batch, len(self._inflight))
+
+    def _step(self) -> None:
+        try:
+            done = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - every request in flight gets the error
+            self.engine.abort()
+            self._fail_inflight(e)
+            return
+        self.steps_run += 1
+        for handle, result in done:
+            job, i = self._inflight.pop(handle)
+            job.results[i] = result
+            job.remaining -= 1
+            self.requests_run += 1
+            if job.remaining == 0:
+                job.future.set_result(BatchResult(job.results, job.tag))
+
+    def _fail_inflight(self, error: BaseException) -> None:
+        jobs = {id(job): job for job, _ in self._inflight.values()}
+        self._inflight.clear()
+        for job in jobs.values():
+            if not job.future.done():
+                job.future.set_exception(error)
 
     def _fail_waiting(self, pending: deque[_Job | None]) -> None:
+        self._fail_inflight(RuntimeError("the engine loop stopped"))
         while True:
             try:
                 pending.append(self._queue.get_nowait())

@@ -60,8 +60,7 @@ def reload_weights(engine: Engine, path: str, current: ModelConfig) -> None:
 
 
 def flush_cache(engine: Engine) -> None:
-    # The engine keeps no KV across generate() calls (a pool per batch), so there is nothing to drop
-    # unless a later engine grows a prefix cache.
+    # Frees the engine's KV pool (it has no prefix cache); the loop runs this with nothing in flight.
     flush = getattr(engine, "flush_cache", None)
     if flush is not None:
         flush()

@@ -1,0 +1,39 @@
+"""The engine loop feeds requests into the running engine between steps, and runs calls (weight
+reloads, cache flushes) in arrival order only once no request is in flight."""
+
+from __future__ import annotations
+
+import torch
+from kernel_utils import num_threads
+
+from tonpolicy.config.model import ModelConfig
+from tonpolicy.kernels import get_kernels
+from tonpolicy.model import Qwen3
+from tonpolicy.rollout.engine import Engine, GenRequest
+from tonpolicy.rollout.engine_loop import EngineLoop
+
+
+def test_calls_wait_for_in_flight_requests_and_keep_arrival_order() -> None:
+    with num_threads(1):
+        engine = Engine(Qwen3(ModelConfig(), get_kernels("contract"), torch.bfloat16), max_running_requests=4)
+        loop = EngineLoop(engine, batch_wait_s=0)
+        loop.tag = "v1"
+        loop.start()
+        seen: list[tuple[bool, int]] = []
+
+        def update(e: Engine) -> None:
+            seen.append((e.has_work(), loop.requests_run))
+            loop.tag = "v2"
+
+        long = loop.generate([GenRequest([1, 2, 3], 40, seed=1), GenRequest([4], 0)])
+        call = loop.call(update)
+        after = loop.generate([GenRequest([5, 6], 3, seed=2)])
+        bad = loop.generate([GenRequest([], 3)])
+        done = after.result(60)
+        loop.stop()
+    assert call.result() is None and seen == [(False, 2)]  # ran after both earlier requests, idle
+    assert long.result().tag == "v1" and done.tag == "v2"
+    assert [len(r.output_ids) for r in long.result().results] == [40, 0]
+    assert isinstance(bad.exception(), ValueError) and not loop.is_alive()
+    alone = Engine(engine.model, max_running_requests=1).generate([GenRequest([5, 6], 3, seed=2)])[0]
+    assert torch.equal(done.results[0].output_logprobs, alone.output_logprobs)
