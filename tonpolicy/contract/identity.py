@@ -67,3 +67,45 @@ def kernel_params(contract: ContractConfig) -> dict[str, int]:
         "prefill_row_tile": contract.prefill_row_tile,
         "attention_row_tile": contract.attention_row_tile,
     }
+
+
+# --- runtime identity: what an engine actually built ------------------------------------------------
+
+
+def build_info(device: str) -> dict[str, Any]:
+    """The parts of this process's build that decide bits: torch, its BLAS/oneDNN, the CPU's vector
+    ISA, and the accelerator when there is one."""
+    import torch
+
+    config = torch.__config__.show()
+    libs = [line.strip(" -") for line in config.splitlines()
+            if any(lib in line for lib in ("Math Kernel Library", "MKL-DNN", "oneDNN", "OpenBLAS"))
+            and "Build settings" not in line]
+    info: dict[str, Any] = {"torch": torch.__version__, "device": device, "blas": libs,
+                            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if device == "cuda":
+        info["cuda"] = torch.version.cuda
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def runtime_identity(kernels: Any, dtype: str, device: str) -> dict[str, Any]:
+    """Fingerprint of a built engine: the kernel set's own description (every tile size, shard count,
+    reduction order and the logprob recipe), the model dtype and the build. Each engine computes it
+    from the kernel set it constructed, so two engines agree only when they really run the same
+    numerics; the trainer refuses a rollout server whose runtime fingerprint differs from its own."""
+    body = {"kernels": kernels.describe(), "dtype": dtype, "build": build_info(device)}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return {"fingerprint": digest, **body}
+
+
+def runtime_differences(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """Which parts of two runtime identities differ: {path: (ours, theirs)}."""
+    out: dict[str, Any] = {}
+    for key in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out |= {f"{key}.{k}": v for k, v in runtime_differences(a, b).items()}
+        elif a != b and key != "fingerprint":
+            out[key] = (a, b)
+    return out

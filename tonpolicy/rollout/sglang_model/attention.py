@@ -1,0 +1,71 @@
+"""Contract attention over SGLang's own KV pool.
+
+SGLang owns the cache: `token_to_kv_pool` stores keys/values per token slot, `req_to_token_pool` maps
+(request, position) to a slot. For each forward batch this module writes the new keys/values into
+their slots (`set_kv_buffer` at `out_cache_loc`), gathers every request's keys [0, seq_len) in
+position order, and runs the kernel set's split-KV attention with explicit positions. A key is
+visible to a query iff its position is <= the query's; padding keys sit at a position above any
+query and padding queries below any key, so they change no bits (see kernels/contract_attention.py).
+Whether a prefix came from the radix cache, a previous chunk or this very batch, a query reduces
+over the same key tiles in the same order: the bits match a fresh full forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+
+from tonpolicy.kernels.contract_attention import KEY_PAD_POS, QUERY_PAD_POS
+
+
+@dataclass
+class _LayerRef:
+    """What `set_kv_buffer` reads off a layer."""
+
+    layer_id: int
+
+
+class PooledAttention:
+    """Per-batch gather plan: built once per forward, used by every layer."""
+
+    def __init__(self, forward_batch, kernels, scale: float) -> None:  # noqa: ANN001 - SGLang's ForwardBatch
+        self.kernels, self.scale = kernels, scale
+        self.pool = get_token_to_kv_pool()
+        fb = forward_batch
+        dev = fb.seq_lens.device
+        seq_lens = fb.seq_lens.long()
+        if fb.forward_mode.is_decode():
+            q_lens = torch.ones_like(seq_lens)
+        else:
+            q_lens = fb.extend_seq_lens.long()
+        bsz = seq_lens.numel()
+        max_keys, max_q = int(seq_lens.max()), int(q_lens.max())
+        keys = torch.arange(max_keys, device=dev)
+        self.key_valid = keys[None, :] < seq_lens[:, None]  # [B, L]
+        slots = get_req_to_token_pool().req_to_token[fb.req_pool_indices.long(), :max_keys].long()
+        self.slots = torch.where(self.key_valid, slots, torch.zeros_like(slots))
+        self.key_pos = torch.where(self.key_valid, keys[None, :].expand(bsz, -1),
+                                   torch.full_like(slots, KEY_PAD_POS))
+        j = torch.arange(max_q, device=dev)
+        self.query_valid = j[None, :] < q_lens[:, None]  # [B, Q]
+        starts = torch.cumsum(q_lens, 0) - q_lens  # each request's first row in the flat token batch
+        rows = starts[:, None] + j[None, :]
+        self.query_rows = torch.where(self.query_valid, rows, starts[:, None].expand(-1, max_q))
+        prefix = (seq_lens - q_lens)[:, None]
+        self.query_pos = torch.where(self.query_valid, prefix + j[None, :],
+                                     torch.full_like(rows, QUERY_PAD_POS))
+        self.write_loc = KVWriteLoc.for_batch(fb)
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] of this batch's new tokens -> attention output [N, Hq, D]."""
+        self.pool.set_kv_buffer(_LayerRef(layer_id), self.write_loc, k, v)
+        mask = self.key_valid[:, :, None, None]
+        # Slots past a request's length are read as zeros: masked keys must hold finite values.
+        keys = torch.where(mask, self.pool.get_key_buffer(layer_id)[self.slots], 0)
+        values = torch.where(mask, self.pool.get_value_buffer(layer_id)[self.slots], 0)
+        out = self.kernels.attention_batched(q[self.query_rows], keys.to(q.dtype), values.to(q.dtype),
+                                             self.query_pos, self.key_pos, self.scale)
+        return out[self.query_valid]

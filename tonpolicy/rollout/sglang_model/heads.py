@@ -1,0 +1,61 @@
+"""The output side inside SGLang: contract logits and the contract logprob of the sampled token.
+
+`ContractLogitsProcessor` keeps SGLang's LogitsProcessor (pruning to the rows that are sampled,
+input-logprob chunking, the fp32 logits buffer, truncation to the real vocab) and replaces only the
+LM head matmul with the model's contract head: fp32 logits over the TP-independent padded vocab,
+gathered in rank order by the model itself (so SGLang's own TP gather is switched off).
+
+`ContractSampler` keeps SGLang's sampling (temperature, top-p/top-k, seeds, TP token sync) and makes
+the returned logprob the contract's: it hands the unmodified logits to SGLang's `logprob_logits`
+route, which returns fp32 `log_softmax(logits / T)` (plain `log_softmax(logits)` for greedy batches,
+as the trainer's temperature-1 rule), instead of the default `log(softmax(...))`, which differs in
+the last bits. SGLang resolves the sampling backend itself (on CPU it forces "pytorch" whatever the
+flag says), so the contract sampler is registered under the built-in names a CPU or CUDA server
+resolves to ("pytorch", "flashinfer"; both build a plain `Sampler`) and under "tonpolicy".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.sampler import Sampler, register_sampler_backend
+
+SAMPLING_BACKENDS = ("tonpolicy", "pytorch", "flashinfer")
+
+
+class ContractLogitsProcessor(LogitsProcessor):
+    def __init__(self, config, head: Callable[[torch.Tensor], torch.Tensor]) -> None:  # noqa: ANN001
+        super().__init__(config, skip_all_gather=True)
+        self._head = head
+
+    def _compute_lm_head(self, hidden_states: torch.Tensor, lm_head, embedding_bias=None, *, out=None):  # noqa: ANN001
+        if embedding_bias is not None:
+            raise ValueError("the contract LM head has no bias")
+        return self._head(hidden_states)
+
+
+class ContractSampler(Sampler):
+    def forward(self, logits_output, sampling_info, return_logprob, top_logprobs_nums, token_ids_logprobs,  # noqa: ANN001
+                positions, *, logprob_logits=None):
+        if return_logprob and logprob_logits is None:
+            # A copy: the default path divides the logits by T in place before sampling.
+            logprob_logits = logits_output.next_token_logits.clone()
+        return super().forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,
+                               token_ids_logprobs, positions, logprob_logits=logprob_logits)
+
+
+def register_contract_sampler() -> None:
+    """Route SGLang's sampler construction to the contract sampler (before SGLang parses its
+    arguments, and in every SGLang process before it creates its sampler)."""
+    for backend in SAMPLING_BACKENDS:
+        register_sampler_backend(backend, ContractSampler)
+
+
+def contract_sampler_active() -> bool:
+    """Whether the sampler this SGLang process built is the contract sampler."""
+    from sglang.srt.layers import sampler
+    from sglang.srt.runtime_context import get_exec
+
+    return sampler._CUSTOM_SAMPLER_FACTORIES.get(get_exec().kernel.sampling_backend) is ContractSampler
