@@ -39,8 +39,8 @@ def test_fingerprint_tracks_every_numerics_field() -> None:
         fp = fingerprint(dataclasses.replace(c, **{field: value}))
         assert fp not in seen, field
         seen.add(fp)
-    for field, value in {"attention_backend": "triton", "enable_deterministic_inference": False,
-                         "rl_on_policy_target": None}.items():
+    for field, value in {"attention_backend": "triton", "enable_deterministic_inference": True,
+                         "rl_on_policy_target": "fsdp", "model_package": None}.items():
         changed = dataclasses.replace(c, sglang=dataclasses.replace(c.sglang, **{field: value}))
         assert fingerprint(changed) != base, field
     # Labels and layout gates do not change the numerics.
@@ -53,7 +53,8 @@ def render(overrides: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
-def test_golden_plan(name: str) -> None:
+def test_golden_plan(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TONPOLICY_SGLANG_PYTHON", "python")  # no machine-specific interpreter path
     plan = render(GOLDEN_CASES[name])
     path = GOLDEN / f"{name}.json"
     if os.environ.get("TONPOLICY_UPDATE_GOLDEN"):
@@ -65,9 +66,11 @@ def test_plan_contents() -> None:
     plan = render(GOLDEN_CASES["qwen3_4b_tp2_pp2_cuda"])
     argv = plan["sglang_command"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
-    assert "--enable-deterministic-inference" in argv
-    assert argv[argv.index("--attention-backend") + 1] == "fa3"
-    assert argv[argv.index("--rl-on-policy-target") + 1] == "fsdp"
+    # The contract inside SGLang: tonpolicy's model package, no deterministic mode, radix cache on.
+    assert argv[1:3] == ["-m", "tonpolicy.rollout.sglang_server"]
+    assert "--enable-deterministic-inference" not in argv and "--disable-radix-cache" not in argv
+    assert "--rl-on-policy-target" not in argv and "--skip-tokenizer-init" in argv
+    assert "--disable-cuda-graph" in argv and "--device" not in argv
     tc = plan["megatron"]["transformer_config"]
     assert (tc["tensor_model_parallel_size"], tc["pipeline_model_parallel_size"]) == (2, 2)
     assert not tc["sequence_parallel"] and not tc["apply_rope_fusion"] and not tc["bias_activation_fusion"]
@@ -77,6 +80,7 @@ def test_plan_contents() -> None:
     assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"
     assert plan["dist_backend"] == "nccl"
     off = render(["contract=off_policy", "trainer.device=cuda"])
+    assert off["sglang_command"][1:3] == ["-m", "sglang.launch_server"]  # stock SGLang: its own model
     assert "--enable-deterministic-inference" not in off["sglang_command"]
     assert "NCCL_ALGO" not in off["environment"]
     script = launch_script(plan)
@@ -90,14 +94,14 @@ def test_rendered_sglang_flags_exist_in_sglang() -> None:
     for overrides in [*GOLDEN_CASES.values(), ["contract=off_policy", "rollout=sglang", "trainer.device=cuda",
                                                "rollout.chunked_prefill_size=256"]]:
         argv = sglang_argv(compose_config(overrides), "/ckpt")
-        assert argv[1:3] == ["-m", "sglang.launch_server"]
+        assert argv[1:3] in (["-m", "sglang.launch_server"], ["-m", "tonpolicy.rollout.sglang_server"])
         argvs.append(argv[3:])
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / "sglang_argcheck.py")],
                           input=json.dumps(argvs), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(r["ok"] for r in results), results
-    assert results[0]["attention_backend"] == "fa3"
+    assert results[2]["attention_backend"] == "torch_native"  # tiny_tp2_cpu: SGLang's CPU engine
     # A flag that does not exist is refused: the check can fail.
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / "sglang_argcheck.py")],
                           input=json.dumps([["--model-path", "x", "--true-on-policy-contract", "v1"]]),

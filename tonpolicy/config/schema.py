@@ -16,13 +16,18 @@ from tonpolicy.config.model import ModelConfig
 
 @dataclass
 class SGLangPolicy:
-    """How the contract maps onto released SGLang's server flags."""
+    """How the contract maps onto released SGLang."""
 
-    enable_deterministic_inference: bool = True
-    attention_backend: str = "fa3"
+    # Out-of-tree model package SGLang loads (SGLANG_EXTERNAL_MODEL_PACKAGE) in place of its own
+    # Qwen3: tonpolicy.rollout.sglang_model runs every op on the contract kernels. null: SGLang's own
+    # model and kernels (stock SGLang).
+    model_package: str | None = "tonpolicy.rollout.sglang_model"
+    enable_deterministic_inference: bool = False
+    # null: SGLang's default on GPUs, torch_native on CPU (the one CPU backend that needs no AMX).
+    attention_backend: str | None = None
     # Released SGLang accepts only "fsdp"; null leaves the flag out.
-    rl_on_policy_target: str | None = "fsdp"
-    disable_radix_cache: bool = True
+    rl_on_policy_target: str | None = None
+    disable_radix_cache: bool = False
 
 
 @dataclass
@@ -71,7 +76,13 @@ class RolloutConfig:
     chunked_prefill_size: int | None = None
     health_timeout_s: float = 120.0
     mem_fraction_static: float | None = None
-    python: str = "python"  # interpreter that has sglang installed (GPU machines)
+    # KV pool size in tokens (SGLang --max-total-tokens). null: SGLang sizes it from free memory on
+    # GPUs; on CPU (where it would size it from RAM) tonpolicy renders CPU_MAX_TOTAL_TOKENS.
+    max_total_tokens: int | None = None
+    # Interpreter of the SGLang environment (scripts/setup_sglang.sh). null: $TONPOLICY_SGLANG_PYTHON,
+    # else .venv-sglang/bin/python beside the source tree or the working directory, else this Python.
+    # With rollout=sglang the trainer runs under it too, so both engines share one torch build.
+    python: str | None = None
 
 
 @dataclass

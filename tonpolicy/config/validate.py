@@ -6,6 +6,7 @@ whole command line in one go, before any process starts.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,43 @@ def padded_seq_len(cfg: Config) -> int:
     e = cfg.experiment
     m = max(seq_pad_multiple(cfg), 1)
     return -(-(e.max_prompt_len + e.max_new_tokens) // m) * m
+
+
+# The model package that carries the contract into released SGLang.
+CONTRACT_SGLANG_PACKAGE = "tonpolicy.rollout.sglang_model"
+
+
+def _check_sglang(cfg: Config, bad: Any) -> None:
+    """Rules for released SGLang: what the contract needs inside it, what its CPU engine accepts."""
+    c, pol = cfg.contract, cfg.contract.sglang
+    if c.kernels == "contract" and pol.model_package != CONTRACT_SGLANG_PACKAGE:
+        bad("contract.sglang.model_package", f"contract {c.name} runs its kernels inside SGLang only through "
+            f"{CONTRACT_SGLANG_PACKAGE!r}; SGLang's own kernels cannot reproduce its bits")
+    if c.kernels != "contract" and pol.model_package:
+        bad("contract.sglang.model_package", f"kernel set {c.kernels!r} is stock SGLang's: must be null")
+    if pol.model_package:
+        if pol.enable_deterministic_inference:
+            bad("contract.sglang.enable_deterministic_inference", "must be false with the model package: its "
+                "kernels are invariant by construction, and SGLang's deterministic mode swaps the sampler, "
+                "turns the radix cache off and refuses the CPU attention backend")
+        if pol.rl_on_policy_target is not None:
+            bad("contract.sglang.rl_on_policy_target", "must be null with the model package: SGLang would "
+                "round the returned logprobs to bf16")
+    if cfg.trainer.device == "cpu":
+        if pol.attention_backend not in (None, "torch_native"):
+            bad("contract.sglang.attention_backend", "SGLang's CPU engine on a CPU without AMX runs only "
+                "torch_native (or null)")
+        if pol.enable_deterministic_inference:
+            bad("contract.sglang.enable_deterministic_inference", "SGLang's deterministic mode needs an accelerator")
+    if cfg.rollout.max_total_tokens is not None and cfg.rollout.max_total_tokens < 1:
+        bad("rollout.max_total_tokens", "must be a positive number of tokens (or null)")
+    if cfg.mode == "run":
+        from tonpolicy.rollout.sglang_env import sglang_python
+
+        py = sglang_python(cfg)
+        if os.sep in py and not os.access(py, os.X_OK):
+            bad("rollout.python", f"{py} is not an executable interpreter; make the SGLang environment with "
+                "`bash scripts/setup_sglang.sh` or point rollout.python at one")
 
 
 def validate(cfg: Config, *, check_hf: bool = True) -> None:
@@ -170,8 +208,8 @@ def validate(cfg: Config, *, check_hf: bool = True) -> None:
         bad("contract.sglang.attention_backend", f"SGLang deterministic inference accepts only {list(SGLANG_DETERMINISTIC_BACKENDS)}")
     if c.sglang.rl_on_policy_target not in (None, "fsdp"):
         bad("contract.sglang.rl_on_policy_target", "released SGLang accepts only 'fsdp' (or null to omit the flag)")
-    if cfg.rollout.backend == "sglang" and cfg.trainer.device == "cpu":
-        bad("rollout.backend", "SGLang needs a GPU: use rollout=embedded with trainer.device=cpu")
+    if cfg.rollout.backend == "sglang":
+        _check_sglang(cfg, bad)
 
     # Sampling and lengths.
     if not e.temperature > 0:

@@ -25,7 +25,7 @@ NUMERICS_FIELDS = (
     "canonical_shards",
     "logprob_recipe",
 )
-SGLANG_NUMERICS_FIELDS = ("enable_deterministic_inference", "attention_backend", "rl_on_policy_target")
+SGLANG_NUMERICS_FIELDS = ("model_package", "enable_deterministic_inference", "attention_backend", "rl_on_policy_target")
 
 
 @dataclass(frozen=True)

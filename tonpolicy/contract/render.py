@@ -13,6 +13,7 @@ from typing import Any
 from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import padded_seq_len, seq_pad_multiple, world_size
 from tonpolicy.contract.identity import identity, kernel_params
+from tonpolicy.rollout.sglang_env import CPU_MAX_TOTAL_TOKENS, server_environment, sglang_python, trainer_python
 
 SGLANG_DEFAULT_PORT = 30000
 # Megatron's cp_comm_type names for our CP modes (we implement both inside the contract attention).
@@ -27,10 +28,14 @@ def resolve_device(cfg: Config) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def sglang_argv(cfg: Config, model_path: str) -> list[str]:
+def sglang_argv(cfg: Config, model_path: str, device: str | None = None) -> list[str]:
+    """Released SGLang's server command. With a model package (the contract inside SGLang) it is
+    `python -m tonpolicy.rollout.sglang_server`, which takes exactly SGLang's flags."""
     c, r, p = cfg.contract, cfg.rollout, cfg.parallel
+    device = device or resolve_device(cfg)
+    entry = "tonpolicy.rollout.sglang_server" if c.sglang.model_package else "sglang.launch_server"
     argv = [
-        r.python, "-m", "sglang.launch_server",
+        sglang_python(cfg), "-m", entry,
         "--model-path", model_path,
         "--host", r.host,
         "--port", str(rollout_port(cfg)),
@@ -40,14 +45,25 @@ def sglang_argv(cfg: Config, model_path: str) -> list[str]:
         "--random-seed", str(cfg.experiment.seed),
         "--max-running-requests", str(r.max_running_requests),
         "--skip-server-warmup",
+        # The trainer sends token ids; a checkpoint needs no tokenizer.
+        "--skip-tokenizer-init",
     ]
+    if device == "cpu":
+        argv += ["--device", "cpu"]
+    max_tokens = r.max_total_tokens or (CPU_MAX_TOTAL_TOKENS if device == "cpu" else None)
+    if max_tokens:
+        argv += ["--max-total-tokens", str(max_tokens)]
     if r.chunked_prefill_size is not None:
         argv += ["--chunked-prefill-size", str(r.chunked_prefill_size)]
     if r.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(r.mem_fraction_static)]
     if c.sglang.enable_deterministic_inference:
         argv += ["--enable-deterministic-inference"]
-    argv += ["--attention-backend", c.sglang.attention_backend]
+    backend = c.sglang.attention_backend or ("torch_native" if device == "cpu" else None)
+    if backend:
+        argv += ["--attention-backend", backend]
+    if c.sglang.model_package and device == "cuda":
+        argv += ["--disable-cuda-graph"]  # the contract kernels pick shapes per batch on the host
     if c.sglang.rl_on_policy_target:
         argv += ["--rl-on-policy-target", c.sglang.rl_on_policy_target]
     if c.sglang.disable_radix_cache:
@@ -142,8 +158,10 @@ def environment(cfg: Config, device: str) -> dict[str, str]:
 def torchrun_argv(cfg: Config, run_dir: Path, model_path: str) -> list[str]:
     t = cfg.trainer
     nproc = t.nproc_per_node or world_size(cfg) // t.nnodes
+    # With real SGLang the trainer runs in SGLang's environment: one torch build for both engines.
+    py = trainer_python(cfg) if cfg.rollout.backend == "sglang" else "python"
     return [
-        "python", "-m", "torch.distributed.run", "--nnodes", str(t.nnodes), "--nproc-per-node", str(nproc),
+        py, "-m", "torch.distributed.run", "--nnodes", str(t.nnodes), "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(t.master_port or 29500), "--max-restarts", "0",
         "-m", "tonpolicy.launch.trainer_main", "--config", str(run_dir / "resolved_config.yaml"),
         "--run-dir", str(run_dir), "--server-url", f"http://{cfg.rollout.host}:{rollout_port(cfg)}",
@@ -172,14 +190,15 @@ def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "trainer_command": torchrun_argv(cfg, run_dir, model_path),
     }
     if cfg.rollout.backend == "sglang":
-        plan["rollout"]["command"] = sglang_argv(cfg, model_path)
+        plan["rollout"]["command"] = sglang_argv(cfg, model_path, device)
+        plan["rollout"]["environment"] = server_environment(cfg, device, ident.fingerprint)
     else:
         plan["rollout"]["command"] = [
             "python", "-m", "tonpolicy.rollout.server", "--config", str(run_dir / "resolved_config.yaml"),
             "--model-path", model_path, "--host", cfg.rollout.host, "--port", str(rollout_port(cfg)),
         ]
     # The SGLang command is always rendered so a GPU user can take it to a cluster.
-    plan["sglang_command"] = sglang_argv(cfg, model_path)
+    plan["sglang_command"] = sglang_argv(cfg, model_path, device)
     if not cfg.model.checkpoint:  # a seeded random init, written before the engines start
         plan["init_checkpoint_command"] = [
             "python", "-m", "tonpolicy.launch.init_checkpoint", "--config", str(run_dir / "resolved_config.yaml"),
@@ -195,6 +214,12 @@ def _shell(argv: list[str]) -> str:
     return shlex.join(argv)
 
 
+def _server_env(plan: dict[str, Any]) -> str:
+    """`env K=V ... ` for the variables only the rollout server gets (SGLang's model package, CPU engine)."""
+    env = plan["rollout"].get("environment") or {}
+    return "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " " if env else ""
+
+
 def launch_script(plan: dict[str, Any]) -> str:
     env = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(plan["environment"].items()))
     init = plan.get("init_checkpoint_command")
@@ -208,7 +233,7 @@ PY="${{PYTHON:-python}}"
 {env}
 {init_line}
 # Rollout server ({plan['rollout']['backend']}); the trainer waits for its /health.
-{_shell(plan['rollout']['command'])} &
+{_server_env(plan)}{_shell(plan['rollout']['command'])} &
 ROLLOUT_PID=$!
 trap 'kill $ROLLOUT_PID 2>/dev/null || true' EXIT
 

@@ -30,6 +30,7 @@ from tonpolicy.launch.records import (
     write_json_atomic,
 )
 from tonpolicy.launch.report import step_table
+from tonpolicy.rollout.sglang_env import trainer_python
 
 
 class JobFailed(Exception):
@@ -65,12 +66,13 @@ def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, 
         argv = [sys.executable, "-m", "tonpolicy.rollout.server", "--config", str(run_dir / "resolved_config.yaml"),
                 "--model-path", str(ckpt), "--host", host, "--port", str(port), "--port-file", str(port_file)]
     else:
-        argv = list(plan["sglang_command"])
+        argv = list(plan["rollout"]["command"])
         port = port or free_port(host)
         argv[argv.index("--port") + 1] = str(port)
         argv[argv.index("--model-path") + 1] = str(ckpt)
         port_file.write_text(str(port))
-    server = procs.start("rollout", argv, run_dir / "logs" / "rollout.log", env=plan["environment"])
+    env = {**plan["environment"], **plan["rollout"].get("environment", {})}
+    server = procs.start("rollout", argv, run_dir / "logs" / "rollout.log", env=env)
     if not wait_until(lambda: port_file.exists() and port_file.read_text().strip() != "", 60, alive=server):
         raise JobFailed(EXIT_SERVER_UNHEALTHY, f"rollout server did not report a port\n{server.tail()}")
     url = f"http://{host}:{int(port_file.read_text().strip())}"
@@ -83,7 +85,7 @@ def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, 
 def start_trainer(cfg: Config, run_dir: Path, plan: dict[str, Any], url: str, ckpt: Path, procs: ProcessGroup) -> Child:
     nproc = cfg.trainer.nproc_per_node or world_size(cfg) // cfg.trainer.nnodes
     master_port = cfg.trainer.master_port or free_port()
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cfg.trainer.nnodes),
+    argv = [trainer_python(cfg), "-m", "torch.distributed.run", "--nnodes", str(cfg.trainer.nnodes),
             "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(master_port),
             "--max-restarts", "0", "-m", "tonpolicy.launch.trainer_main",
             "--config", str(run_dir / "resolved_config.yaml"), "--run-dir", str(run_dir),

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tonpolicy.config.compose import load_config
 from tonpolicy.config.schema import Config
-from tonpolicy.contract.identity import identity
+from tonpolicy.contract.identity import identity, runtime_differences, runtime_identity
 from tonpolicy.launch.records import (
     EXIT_GATE_FAILED,
     EXIT_HANDSHAKE,
@@ -60,28 +60,37 @@ def rollout(cfg: Config, client: Any, step: int) -> dict[str, Any]:
     }
 
 
-def handshake(cfg: Config, client: Any) -> str | None:
-    """None when the server honours our contract, else the reason to refuse.
+def handshake(cfg: Config, client: Any, ours_runtime: dict[str, Any]) -> str | None:
+    """None when the server runs our contract with our numerics, else the reason to refuse.
 
-    tonpolicy's server reports the contract fingerprint. Released SGLang reports none; there we
-    check the server args that the contract renders (deterministic mode, attention backend,
-    on-policy target) so at least the launch matches the plan.
+    A tonpolicy server (embedded, or SGLang with the model package) reports the contract it was given
+    and the runtime identity it computed from the kernel set it built; both must equal ours (the
+    runtime fingerprint covers kernel parameters, dtype, torch build, device and BLAS). Stock SGLang
+    reports none; there we check the server args that the contract renders, and the gate decides.
     """
     ours = identity(cfg.contract).to_dict()
     theirs = client.contract()
     if theirs is not None:
+        label = {k: theirs.get(k) for k in ("name", "version", "fingerprint")}
         if theirs.get("fingerprint") != ours["fingerprint"]:
-            return f"contract fingerprint mismatch: server {theirs} vs trainer {ours}"
+            return f"contract fingerprint mismatch: server {label} vs trainer {ours}"
+        runtime = theirs.get("runtime") or {}
+        if runtime.get("fingerprint") != ours_runtime["fingerprint"]:
+            diff = runtime_differences(ours_runtime, runtime)
+            return (f"runtime fingerprint mismatch: server {runtime.get('fingerprint')} vs trainer "
+                    f"{ours_runtime['fingerprint']}; differing parts (trainer, server): {diff}")
         return None
-    if cfg.rollout.backend != "sglang":
+    if cfg.rollout.backend != "sglang" or cfg.contract.sglang.model_package:
         return f"the rollout server reports no tonpolicy contract (expected {ours})"
     info, policy = client.server_info(), cfg.contract.sglang
     expected = {"enable_deterministic_inference": policy.enable_deterministic_inference,
-                "attention_backend": policy.attention_backend, "rl_on_policy_target": policy.rl_on_policy_target}
+                "rl_on_policy_target": policy.rl_on_policy_target}
+    if policy.attention_backend is not None:
+        expected["attention_backend"] = policy.attention_backend
     wrong = {k: info.get(k) for k, v in expected.items() if info.get(k) != v}
     if wrong:
         return f"SGLang server args {wrong} differ from contract {cfg.contract.name}'s {expected}"
-    print(f"tonpolicy: SGLang server args match contract {cfg.contract.name}; parity is proven by the gate",
+    print(f"tonpolicy: stock SGLang's server args match contract {cfg.contract.name}; parity is measured by the gate",
           file=sys.stderr)
     return None
 
@@ -122,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
 
         client = RolloutClient(args.server_url)
         client.wait_healthy(cfg.rollout.health_timeout_s)  # launch.sh starts both at once
-        refusal = handshake(cfg, client)
+        from tonpolicy.contract.render import resolve_device
+
+        ours_runtime = runtime_identity(worker.kernel_set, cfg.contract.dtype, resolve_device(cfg))
+        refusal = handshake(cfg, client, ours_runtime)
         logger = MetricsLogger(cfg, run_dir, group=run_dir.parent.name)
     refusal = broadcast(refusal if rank0 else None)
     if refusal:

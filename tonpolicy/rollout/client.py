@@ -107,8 +107,18 @@ class RolloutClient:
         return self._json("GET", "/get_model_info")
 
     def contract(self) -> dict[str, Any] | None:
-        """The server's numerics contract {name, version, fingerprint}; None if it reports none."""
-        return self.server_info().get("tonpolicy_contract")
+        """`GET /tonpolicy/contract`: the contract the server runs {name, version, fingerprint, runtime}
+        (runtime: the identity it computed from the kernel set it built); None when the server has no
+        such route (stock SGLang)."""
+        try:
+            status, raw = self._request("GET", "/tonpolicy/contract")
+        except (urllib.error.URLError, OSError) as e:
+            raise RolloutError(f"GET {self.base_url}/tonpolicy/contract: {e}") from e
+        if status == 404:
+            return None
+        if status != 200:
+            raise RolloutError(f"GET /tonpolicy/contract -> HTTP {status}: {raw.decode(errors='replace')[:2000]}")
+        return json.loads(raw)
 
     def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"model_path": str(path)}

@@ -7,7 +7,9 @@
 Endpoints (SGLang names and shapes, see tonpolicy.rollout.protocol): `POST|PUT /generate`,
 `GET /health` (and `/health_generate`), `GET /get_server_info`, `GET /get_model_info`,
 `GET /get_weight_version`, `GET|POST /flush_cache`, `POST /update_weights_from_disk`.
-`/get_server_info` also carries `tonpolicy_contract` {name, version, fingerprint}.
+`/get_server_info` also carries `tonpolicy_contract` {name, version, fingerprint} (the contract it was
+given), and `GET /tonpolicy/contract` adds `runtime`: the identity the server computed from the kernel
+set it built (kernel description, dtype, torch build, device), which the trainer compares with its own.
 
 It binds 127.0.0.1 on a free port unless told otherwise, prints
 `tonpolicy rollout server listening on http://HOST:PORT` and writes PORT to `--port-file`, then loads
@@ -36,6 +38,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tonpolicy.config.model import ModelConfig
+from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.rollout.engine_loop import EngineLoop
 from tonpolicy.rollout.protocol import (
     GenerateItem,
@@ -67,6 +70,8 @@ class ServerState:
         self.args = args
         self.loop: EngineLoop | None = None
         self.model_config: ModelConfig | None = None  # set once the model is loaded
+        # Computed from the kernel set the engine built, once it is built (never taken from flags).
+        self.runtime: dict[str, Any] | None = None
         self.model_path: str | None = args.model_path
         self.port: int = args.port
         self._seeds = itertools.count()
@@ -226,6 +231,14 @@ def route_get_server_info(state: ServerState, body: Any) -> Response:
     }
 
 
+def route_tonpolicy_contract(state: ServerState, body: Any) -> Response:
+    if state.runtime is None:
+        return _not_ready()
+    a = state.args
+    return 200, {"name": a.contract_name, "version": a.contract_version, "fingerprint": a.contract_fingerprint,
+                 "runtime": state.runtime}
+
+
 ROUTES = {
     ("GET", "/health"): route_health,
     ("GET", "/health_generate"): route_health,
@@ -234,6 +247,7 @@ ROUTES = {
     ("GET", "/get_server_info"): route_get_server_info,
     ("GET", "/get_model_info"): route_get_model_info,
     ("GET", "/get_weight_version"): route_get_weight_version,
+    ("GET", "/tonpolicy/contract"): route_tonpolicy_contract,
     ("GET", "/flush_cache"): route_flush_cache,
     ("POST", "/flush_cache"): route_flush_cache,
     ("POST", "/update_weights_from_disk"): route_update_weights_from_disk,
@@ -359,6 +373,8 @@ def serve(args: ServerArgs) -> int:
     try:
         try:
             engine, state.model_config = build_engine(args)
+            weight = engine.model.model.embed_tokens.weight
+            state.runtime = runtime_identity(engine.model.kernels, args.dtype, weight.device.type)
         except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
             print(
                 f"tonpolicy rollout server: cannot load the model: {type(e).__name__}: {e}",

@@ -10,3 +10,23 @@ Modules: `model` (GPTModel for a ModelConfig), `layer_spec` (the contract Module
 `weights` (HF <-> Megatron), `grads` (grad norm), `dist` (process groups, spawn), `cpu_compat` (megatron
 on CPU), `parity_check` (trainer-vs-rollout runs shared by tests, benchmark and GPU check).
 """
+
+import sys as _sys
+
+
+def _hide_unloadable_cuda_extensions() -> None:
+    """Without a GPU driver, CUDA-only wheels that SGLang's environment brings (flash_mla) raise
+    OSError at import; megatron-core probes them with `except ImportError`, so the trainer would die
+    importing megatron. A module that cannot be loaded is made to read as absent."""
+    for name in ("flash_mla",):
+        if name in _sys.modules:
+            continue
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+        except OSError:
+            _sys.modules[name] = None  # `import flash_mla` now raises ImportError
+
+
+_hide_unloadable_cuda_extensions()

@@ -46,6 +46,7 @@ class TrainerWorker:
             init_distributed(self.layout, seed=cfg.experiment.seed + 1)
         c = cfg.contract
         kernels = get_kernels(c.kernels, **kernel_params(c))
+        self.kernel_set = kernels  # what the runtime fingerprint is computed from
         if spec is None:
             spec = "contract" if (c.kernels == "contract" or self.layout.cp > 1) else "stock"
         self.spec = spec
