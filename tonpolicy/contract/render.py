@@ -13,7 +13,12 @@ from typing import Any
 from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import padded_seq_len, seq_pad_multiple, world_size
 from tonpolicy.contract.identity import identity, kernel_params
-from tonpolicy.rollout.sglang_env import CPU_MAX_TOTAL_TOKENS, server_environment, sglang_python, trainer_python
+from tonpolicy.rollout.sglang_env import (
+    CPU_MAX_TOTAL_TOKENS,
+    server_environment,
+    sglang_python,
+    trainer_python,
+)
 
 SGLANG_DEFAULT_PORT = 30000
 # Megatron's cp_comm_type names for our CP modes (we implement both inside the contract attention).

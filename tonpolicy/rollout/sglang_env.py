@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
+
 from tonpolicy.config.schema import Config
 
 PYTHON_ENV = "TONPOLICY_SGLANG_PYTHON"
@@ -44,8 +45,16 @@ def contract_env(cfg: Config, fingerprint: str) -> str:
     from tonpolicy.contract.identity import kernel_params
 
     c = cfg.contract
-    return json.dumps({"name": c.name, "version": c.version, "fingerprint": fingerprint, "kernels": c.kernels,
-                       "kernel_params": kernel_params(c)}, sort_keys=True)
+    return json.dumps(
+        {
+            "name": c.name,
+            "version": c.version,
+            "fingerprint": fingerprint,
+            "kernels": c.kernels,
+            "kernel_params": kernel_params(c),
+        },
+        sort_keys=True,
+    )
 
 
 def server_environment(cfg: Config, device: str, fingerprint: str) -> dict[str, str]:
@@ -59,7 +68,9 @@ def server_environment(cfg: Config, device: str, fingerprint: str) -> dict[str, 
         cores = max(1, os.cpu_count() or 1)
         env |= {
             "SGLANG_USE_CPU_ENGINE": "1",
-            "PYTHONPATH": os.pathsep.join([str(CPU_STANDIN_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "PYTHONPATH": os.pathsep.join(
+                [str(CPU_STANDIN_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
             # pynccl would load the CUDA wheel's libnccl and crash on CPU tensors; gloo carries TP.
             "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so",
             # One core set per TP rank (ranks share cores when there are fewer cores than ranks).
@@ -73,4 +84,3 @@ def _cores(rank: int, ranks: int, cores: int) -> str:
         return str(rank % cores)
     per = cores // ranks
     return f"{rank * per}-{rank * per + per - 1}" if per > 1 else str(rank * per)
-

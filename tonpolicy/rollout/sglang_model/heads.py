@@ -37,13 +37,29 @@ class ContractLogitsProcessor(LogitsProcessor):
 
 
 class ContractSampler(Sampler):
-    def forward(self, logits_output, sampling_info, return_logprob, top_logprobs_nums, token_ids_logprobs,  # noqa: ANN001
-                positions, *, logprob_logits=None):
+    def forward(
+        self,
+        logits_output,
+        sampling_info,
+        return_logprob,
+        top_logprobs_nums,
+        token_ids_logprobs,  # noqa: ANN001
+        positions,
+        *,
+        logprob_logits=None,
+    ):
         if return_logprob and logprob_logits is None:
             # A copy: the default path divides the logits by T in place before sampling.
             logprob_logits = logits_output.next_token_logits.clone()
-        return super().forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,
-                               token_ids_logprobs, positions, logprob_logits=logprob_logits)
+        return super().forward(
+            logits_output,
+            sampling_info,
+            return_logprob,
+            top_logprobs_nums,
+            token_ids_logprobs,
+            positions,
+            logprob_logits=logprob_logits,
+        )
 
 
 def register_contract_sampler() -> None:

@@ -53,8 +53,10 @@ class Qwen3ForCausalLM(nn.Module):
         if quant_config is not None:
             raise ValueError("the tonpolicy contract model runs unquantized weights only")
         if not contract_sampler_active():
-            raise RuntimeError("the contract model needs the contract sampler: start SGLang with "
-                               "`python -m tonpolicy.rollout.sglang_server` (it registers it)")
+            raise RuntimeError(
+                "the contract model needs the contract sampler: start SGLang with "
+                "`python -m tonpolicy.rollout.sglang_server` (it registers it)"
+            )
         self.config = config
         self.cfg = cfg = config_from_hf(config.to_dict())
         contract = contract_from_env()
@@ -64,19 +66,27 @@ class Qwen3ForCausalLM(nn.Module):
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_heads = heads // self.tp_size
         self.kv_heads = max(1, kv_heads // self.tp_size)
-        self.kv_first = self.tp_rank * kv_heads // self.tp_size if kv_heads < self.tp_size else self.tp_rank * self.kv_heads
+        self.kv_first = (
+            self.tp_rank * kv_heads // self.tp_size
+            if kv_heads < self.tp_size
+            else self.tp_rank * self.kv_heads
+        )
         self.inter = cfg.intermediate_size // self.tp_size
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, self.kernels.canonical_shards)
         self.embed_tokens = _empty(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(_Layer(cfg.hidden_size, self.q_heads * d, self.kv_heads * d, d, self.inter)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            _Layer(cfg.hidden_size, self.q_heads * d, self.kv_heads * d, d, self.inter)
+            for _ in range(cfg.num_layers)
+        )
         self.norm = _empty(cfg.hidden_size)
         self.lm_head = nn.Module()
         self.lm_head.weight = _empty(self.padded_vocab // self.tp_size, cfg.hidden_size)
         self.logits_processor = ContractLogitsProcessor(config, self._logits)
         dtype = self.embed_tokens.dtype
         device = self.embed_tokens.device.type
-        write_report(contract, runtime_identity(self.kernels, _DTYPE_NAMES[dtype], device), self.tp_rank, self.tp_size)
+        write_report(
+            contract, runtime_identity(self.kernels, _DTYPE_NAMES[dtype], device), self.tp_rank, self.tp_size
+        )
 
     # --- parallel pieces ---------------------------------------------------------------------
     def _gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -96,8 +106,15 @@ class Qwen3ForCausalLM(nn.Module):
 
     # --- forward -----------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, input_embeds=None,  # noqa: ANN001
-                get_embedding: bool = False, pp_proxy_tensors=None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch,
+        input_embeds=None,  # noqa: ANN001
+        get_embedding: bool = False,
+        pp_proxy_tensors=None,
+    ):
         if get_embedding or pp_proxy_tensors is not None:
             raise ValueError("the tonpolicy contract model serves generation without pipeline parallelism")
         cfg, kern = self.cfg, self.kernels
@@ -109,8 +126,12 @@ class Qwen3ForCausalLM(nn.Module):
         for li, layer in enumerate(self.layers):
             x = kern.rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
             q, k, v = kern.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = kern.apply_rope(kern.rms_norm(q.reshape(n, self.q_heads, d), layer.q_norm, cfg.rms_norm_eps), cos, sin)
-            k = kern.apply_rope(kern.rms_norm(k.reshape(n, self.kv_heads, d), layer.k_norm, cfg.rms_norm_eps), cos, sin)
+            q = kern.apply_rope(
+                kern.rms_norm(q.reshape(n, self.q_heads, d), layer.q_norm, cfg.rms_norm_eps), cos, sin
+            )
+            k = kern.apply_rope(
+                kern.rms_norm(k.reshape(n, self.kv_heads, d), layer.k_norm, cfg.rms_norm_eps), cos, sin
+            )
             o = attend(li, q, k, v.reshape(n, self.kv_heads, d))
             h = h + self._row_linear(o.reshape(n, q_size), layer.o_proj)
             x = kern.rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)

@@ -22,8 +22,10 @@ REPORT_DIR_ENV = "TONPOLICY_CONTRACT_REPORT_DIR"
 def contract_from_env() -> dict[str, Any]:
     raw = os.environ.get(CONTRACT_ENV)
     if not raw:
-        raise RuntimeError(f"{CONTRACT_ENV} is not set: start SGLang through tonpolicy's launch plan "
-                           "(python -m tonpolicy rollout=sglang ...), which names the contract to run")
+        raise RuntimeError(
+            f"{CONTRACT_ENV} is not set: start SGLang through tonpolicy's launch plan "
+            "(python -m tonpolicy rollout=sglang ...), which names the contract to run"
+        )
     contract = json.loads(raw)
     missing = {"name", "version", "fingerprint", "kernels", "kernel_params"} - set(contract)
     if missing:
@@ -35,8 +37,14 @@ def write_report(contract: dict[str, Any], runtime: dict[str, Any], tp_rank: int
     directory = os.environ.get(REPORT_DIR_ENV)
     if not directory:
         return
-    report = {"name": contract["name"], "version": contract["version"], "fingerprint": contract["fingerprint"],
-              "runtime": runtime, "tp_rank": tp_rank, "tp_size": tp_size}
+    report = {
+        "name": contract["name"],
+        "version": contract["version"],
+        "fingerprint": contract["fingerprint"],
+        "runtime": runtime,
+        "tp_rank": tp_rank,
+        "tp_size": tp_size,
+    }
     target = Path(directory) / f"rank{tp_rank}.json"
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(json.dumps(report))
@@ -57,4 +65,6 @@ def merged_report(directory: str) -> tuple[int, dict[str, Any]]:
     if len(set(prints.values())) > 1:
         return 500, {"error": {"message": f"TP ranks run different numerics: {prints}"}}
     first = min(reports, key=lambda r: r["tp_rank"])
-    return 200, {k: first[k] for k in ("name", "version", "fingerprint", "runtime")} | {"tp_size": first["tp_size"]}
+    return 200, {k: first[k] for k in ("name", "version", "fingerprint", "runtime")} | {
+        "tp_size": first["tp_size"]
+    }
