@@ -22,3 +22,14 @@ mkdir -p "$dest"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$dest/gpu_check.log"
 timeout 540 python3 -m torch.distributed.run --standalone --nproc-per-node 1 experiments/gpu_check.py \
   --out "$dest/gpu_check.json" 2>&1 | tee -a "$dest/gpu_check.log"
+# The embedded engine follows trainer.device (issue 9): one job end to end on the GPU.
+timeout 240 python3 -m tonpolicy trainer.device=cuda logger=none experiment.steps=2 \
+  hydra.run.dir="$dest/run_embedded_cuda" 2>&1 | tail -5 | tee -a "$dest/gpu_check.log"
+# Real SGLang with tonpolicy's model package on CUDA (issue 9). Only where SGLang is installed: the lent
+# GPU image has none and its wheels exceed the carry limit. On a cluster with SGLang this is the check.
+if python3 -c "import sglang.srt.entrypoints.http_server" >/dev/null 2>&1; then
+  TONPOLICY_SGLANG_PYTHON=python3 timeout 300 python3 -m tonpolicy rollout=sglang trainer.device=cuda parallel=tp1 \
+    logger=none experiment.steps=3 hydra.run.dir="$dest/run_sglang_cuda" 2>&1 | tail -8 | tee -a "$dest/gpu_check.log"
+else
+  echo "rollout=sglang on CUDA: skipped, SGLang is not installed on this machine" | tee -a "$dest/gpu_check.log"
+fi

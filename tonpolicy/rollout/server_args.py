@@ -46,6 +46,7 @@ class ServerArgs:
     weight_version: str = "default"
     num_threads: int | None = None
     log_requests: bool = False
+    device: str = "cpu"  # "cpu" | "cuda": where the engine runs (the run config's trainer.device)
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -88,6 +89,13 @@ def args_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
     for key in ("host", "port", "port_file", "max_running_requests", "chunked_prefill_size", "random_seed"):
         if rollout.get(key) is not None:
             out[key] = rollout[key]
+    device = (cfg.get("trainer") or {}).get("device")
+    if device in ("cpu", "cuda"):
+        out["device"] = device
+    elif device == "auto":  # as the launch plan resolves it: the engine follows the trainer
+        import torch
+
+        out["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     experiment = cfg.get("experiment") or {}
     if "random_seed" not in out and experiment.get("seed") is not None:
         out["random_seed"] = experiment["seed"]
@@ -116,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int)
     p.add_argument("--weight-version")
     p.add_argument("--num-threads", type=int, help="torch intra-op threads")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="where the engine runs (default cpu)")
     p.add_argument("--log-requests", action="store_true", default=None, help="log every HTTP request")
     return p
 

@@ -29,7 +29,7 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
             _check_same_architecture(args.model, cfg, args.model_path)
     else:  # the profile's deterministic random init (same seed as the trainer's)
         cfg, state_dict = args.model or ModelConfig(), None
-    model = Qwen3(cfg, kernels, dtype, state_dict)
+    model = Qwen3(cfg, kernels, dtype, state_dict).to(args.device)
     engine = Engine(
         model, max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size
     )

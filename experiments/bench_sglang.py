@@ -1,0 +1,183 @@
+"""Rollout servers side by side on this machine: stock SGLang, SGLang with tonpolicy's contract model
+package, and tonpolicy's embedded server (contract kernels), on the same checkpoint and workload.
+
+    .venv/bin/python experiments/bench_sglang.py [--models tiny,large] [--dtype float32] [--gen 128]
+
+Each server is started with the command and environment tonpolicy's launch plan renders (all under
+the SGLang environment's Python, so they share one torch build), warmed up, then driven by the same
+HTTP client at 1, 8 and 32 concurrent streams (8-token prompts, `--gen` new tokens, sampling at T=1).
+Prints tokens/s per server and concurrency and the ratios against stock SGLang, measured in one run.
+Needs the SGLang environment (scripts/setup_sglang.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tonpolicy.config.compose import compose_config
+from tonpolicy.config.model import ModelConfig
+from tonpolicy.contract.identity import identity
+from tonpolicy.contract.render import sglang_argv
+from tonpolicy.launch.procs import free_port
+from tonpolicy.model.checkpoint import init_state_dict, save_hf
+from tonpolicy.rollout.client import RolloutClient
+from tonpolicy.rollout.sglang_env import server_environment, sglang_python
+
+MODELS = {
+    "tiny": ModelConfig(),
+    "large": replace(
+        ModelConfig(),
+        name="cpu_1024",
+        num_layers=8,
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=3072,
+        vocab_size=32000,
+    ),
+}
+CONCURRENCY = (1, 8, 32)
+
+
+def server_command(kind: str, ckpt: Path, dtype: str, port: int) -> tuple[list[str], dict[str, str]]:
+    if kind == "embedded":
+        cfg = compose_config([f"contract.dtype={dtype}"])
+        ident = identity(cfg.contract)
+        argv = [
+            sglang_python(compose_config(["rollout=sglang"])),
+            "-m",
+            "tonpolicy.rollout.server",
+            "--model-path",
+            str(ckpt),
+            "--kernels",
+            "contract",
+            "--dtype",
+            dtype,
+            "--port",
+            str(port),
+            "--contract-name",
+            ident.name,
+            "--contract-version",
+            str(ident.version),
+            "--contract-fingerprint",
+            ident.fingerprint,
+            "--max-running-requests",
+            "32",
+        ]
+        return argv, {}
+    contract = "qwen3_dense_v1" if kind == "sglang+contract" else "off_policy"
+    cfg = compose_config(
+        [
+            f"contract={contract}",
+            f"contract.dtype={dtype}",
+            "rollout=sglang",
+            "trainer.device=cpu",
+            "rollout.max_running_requests=32",
+        ]
+    )
+    argv = sglang_argv(cfg, str(ckpt), "cpu")
+    argv[argv.index("--port") + 1] = str(port)
+    return argv, server_environment(cfg, "cpu", identity(cfg.contract).fingerprint)
+
+
+def generate(url: str, prompt: list[int], gen: int, seed: int) -> int:
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {
+            "max_new_tokens": gen,
+            "temperature": 1.0,
+            "sampling_seed": seed,
+            "ignore_eos": True,
+        },
+    }
+    req = urllib.request.Request(
+        f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    out = json.loads(urllib.request.urlopen(req, timeout=600).read())
+    return len(out["output_ids"])
+
+
+def throughput(url: str, vocab: int, streams: int, gen: int, requests_per_stream: int) -> float:
+    rng = random.Random(streams)
+    prompts = [[rng.randrange(vocab) for _ in range(8)] for _ in range(streams * requests_per_stream)]
+
+    def stream(i: int) -> int:
+        return sum(
+            generate(url, prompts[i * requests_per_stream + j], gen, i * 1000 + j)
+            for j in range(requests_per_stream)
+        )
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        tokens = sum(pool.map(stream, range(streams)))
+    return tokens / (time.perf_counter() - t0)
+
+
+def bench_server(
+    kind: str, ckpt: Path, cfg: ModelConfig, dtype: str, gen: int, log: Path
+) -> dict[int, float]:
+    port = free_port()
+    argv, env = server_command(kind, ckpt, dtype, port)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        RolloutClient(url).wait_healthy(600, process=proc)
+        throughput(url, cfg.vocab_size, 2, 8, 1)  # warm-up
+        return {c: throughput(url, cfg.vocab_size, c, gen, 2 if c < 32 else 1) for c in CONCURRENCY}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny,large")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--gen", type=int, default=128)
+    args = ap.parse_args()
+    py = sglang_python(compose_config(["rollout=sglang"]))
+    if subprocess.run([py, "-c", "import sglang"], capture_output=True).returncode != 0:
+        sys.exit(f"no SGLang environment at {py}: run `bash scripts/setup_sglang.sh` first")
+    kinds = ("sglang", "sglang+contract", "embedded")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            cfg = MODELS[name]
+            ckpt = Path(tmp) / name
+            save_hf(init_state_dict(cfg, getattr(torch, args.dtype), 0), cfg, ckpt)
+            results = {
+                k: bench_server(k, ckpt, cfg, args.dtype, args.gen, Path(tmp) / f"{name}_{k}.log")
+                for k in kinds
+            }
+            print(
+                f"\n{name} (hidden {cfg.hidden_size}, {cfg.num_layers} layers), {args.dtype}, "
+                f"8-token prompts, {args.gen} new tokens: tokens/s (ratio to stock SGLang)"
+            )
+            print("| server | " + " | ".join(f"{c} concurrent" for c in CONCURRENCY) + " |")
+            print("|---|" + "---|" * len(CONCURRENCY))
+            for k in kinds:
+                cells = [
+                    f"{results[k][c]:.0f} ({results[k][c] / results['sglang'][c]:.2f}x)" for c in CONCURRENCY
+                ]
+                print(f"| {k} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
