@@ -137,6 +137,8 @@ def summarize(cfg: Config, run_dir: Path, status: str, wall_s: float) -> dict[st
         "contract": cfg.contract.name,
         "contract_identity": identity(cfg.contract).to_dict(),
         "layout": cfg.parallel.name,
+        "rollout": f"{cfg.rollout.backend} tp{cfg.parallel.rollout_tp}",
+        "dtype": cfg.contract.dtype,
         "model": cfg.model.name,
         "steps_completed": len(records),
         "steps_requested": cfg.experiment.steps,

@@ -15,7 +15,11 @@ from tonpolicy.launch.report import markdown_table
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = []
-    for path in sorted(sweep_dir.glob("*/summary.json")):
+    def job_number(path: Path) -> tuple[int, str]:
+        head = path.parent.name.split("_", 1)[0]
+        return (int(head) if head.isdigit() else 1 << 30, path.parent.name)
+
+    for path in sorted(sweep_dir.glob("*/summary.json"), key=job_number):
         data = json.loads(path.read_text())
         data["job_dir"] = path.parent.name
         rows.append(data)
@@ -26,8 +30,10 @@ def write_summary(sweep_dir: Path) -> Path | None:
     rows = collect(sweep_dir)
     if not rows:
         return None
-    headers = ["job", "layout", "contract", "status", "steps", "tokens", "mismatched", "max|Δlogp|", "grad_norm (last)", "wall_s"]
-    table = [[r["job_dir"], r.get("layout", "?"), r.get("contract", "?"), r.get("status", "?"),
+    headers = ["job", "layout", "rollout", "dtype", "contract", "status", "steps", "tokens", "mismatched",
+               "max|Δlogp|", "grad_norm (last)", "wall_s"]
+    table = [[r["job_dir"], r.get("layout", "?"), r.get("rollout", "?"), r.get("dtype", "?"), r.get("contract", "?"),
+              r.get("status", "?"),
               str(r.get("steps_completed", "-")), str(r.get("tokens_scored", "-")),
               str(r.get("mismatched_tokens", "-")), f"{r.get('max_abs_logprob_diff') or 0.0:.3e}",
               f"{r.get('last_grad_norm') or float('nan'):.6g}", f"{r.get('wall_s') or 0.0:.1f}"] for r in rows]
@@ -45,7 +51,9 @@ def _chart(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     contracts = {r.get("contract") for r in rows}
-    labels = [str(r.get("layout")) if len(contracts) == 1 else f"{r.get('layout')}\n{r.get('contract')}" for r in rows]
+    # Label each bar by the layout plus whatever else varies across the sweep.
+    varying = [k for k in ("rollout", "dtype", "contract") if len({r.get(k) for r in rows}) > 1]
+    labels = ["\n".join(str(r.get(k)) for k in ("layout", *varying)) for r in rows]
     mismatched = [r.get("mismatched_tokens", 0) for r in rows]
     grad_norms = [r.get("last_grad_norm") or 0.0 for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(rows)), 4))
