@@ -96,7 +96,12 @@ def _check_sglang(cfg: Config, bad: Any) -> None:
         if pol.rl_on_policy_target is not None:
             bad("contract.sglang.rl_on_policy_target", "must be null with the model package: SGLang would "
                 "round the returned logprobs to bf16")
-    if cfg.trainer.device == "cpu":
+    device = cfg.trainer.device
+    if device == "auto":  # as the launch plan resolves it
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
         if pol.attention_backend not in (None, "torch_native"):
             bad("contract.sglang.attention_backend", "SGLang's CPU engine on a CPU without AMX runs only "
                 "torch_native (or null)")
