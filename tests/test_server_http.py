@@ -16,6 +16,7 @@ import torch
 from server_proc import DTYPE, IDENTITY, ServerProc, local_engine, save_checkpoint
 
 from tonpolicy.config.model import ModelConfig
+from tonpolicy.kernels import get_kernels
 from tonpolicy.rollout.client import RolloutClient, RolloutError
 from tonpolicy.rollout.types import GenRequest
 
@@ -78,7 +79,10 @@ def test_health_info_and_cache_endpoints(client: RolloutClient, server: ServerPr
     assert http(client, "GET", "/health_generate") == (200, None)
     info = client.server_info()
     assert info["tonpolicy_contract"] == {"name": "test_contract", "version": 1, "fingerprint": "f" * 64}
-    assert client.contract() == info["tonpolicy_contract"]
+    reported = client.contract()  # GET /tonpolicy/contract: the label plus what the server built
+    assert {k: reported[k] for k in ("name", "version", "fingerprint")} == info["tonpolicy_contract"]
+    assert reported["runtime"]["kernels"] == get_kernels("contract").describe()
+    assert reported["runtime"]["dtype"] == DTYPE and reported["runtime"]["build"]["device"] == "cpu"
     for key in ("model_path", "dtype", "host", "port", "tp_size", "max_running_requests", "version"):
         assert key in info, key  # SGLang ServerArgs names
     assert info["port"] == server.port and info["host"] == "127.0.0.1" and info["dtype"] == DTYPE
