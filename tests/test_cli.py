@@ -33,7 +33,7 @@ def test_invalid_config_exits_before_anything_starts(tmp_path: Path) -> None:
     proc = tonpolicy("parallel.tp=3", "experiment.temperature=0", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert proc.returncode == 2
     assert "parallel.tp=3: must divide model.num_attention_heads=8" in proc.stderr
-    assert "experiment.temperature=0.0: must be > 0" in proc.stderr
+    assert "experiment.temperature=0.0: must be finite and >= 1e-06" in proc.stderr
     assert not (run_dir / "launch_plan.json").exists()
 
 

@@ -24,7 +24,7 @@ CASES = [
     (["model.family=llama"], ["contract.family='qwen3': contract qwen3_dense_v1 is for family 'qwen3'"]),
     (["contract.supported_cp_types=[ulysses]", "parallel=cp2_ring"], ["contract qwen3_dense_v1 supports CP types ['ulysses']"]),
     (["contract.supported_rollout_backends=[sglang]"], ["rollout.backend='embedded': contract qwen3_dense_v1 supports rollout backends"]),
-    (["experiment.temperature=0"], ["experiment.temperature=0.0: must be > 0"]),
+    (["experiment.temperature=0"], ["experiment.temperature=0.0: must be finite and >= 1e-06"]),
     (["experiment.max_new_tokens=0"], ["experiment.max_new_tokens=0: must be a positive integer"]),
     (["experiment.max_new_tokens=2000"], ["exceeds model.max_position_embeddings=1024"]),
     (["parallel.rollout_tp=2"], ["the embedded rollout engine runs unsharded"]),
@@ -37,6 +37,16 @@ CASES = [
     (["rollout=sglang", "rollout.python=/nonexistent/bin/python"], ["/nonexistent/bin/python is not an executable interpreter"]),
     (["contract.sglang.enable_deterministic_inference=true", "contract.sglang.attention_backend=torch_native"], ["SGLang deterministic inference accepts only"]),
     (["mode=train"], ["mode='train': must be one of ['plan', 'run', 'align']"]),
+    # Ranges of every numeric field a process acts on (each of these used to fail after start).
+    (["experiment.seed=-1"], ["experiment.seed=-1: must be in [0, 4294967295]"]),
+    (["experiment.seed=20000000000000"], ["experiment.seed=20000000000000: must be in [0, 4294967295]"]),
+    (["experiment.temperature=1e-9"], ["experiment.temperature=1e-09: must be finite and >= 1e-06"]),
+    (["experiment.temperature=inf"], ["experiment.temperature=inf: must be finite"]),
+    (["rollout.health_timeout_s=-5"], ["rollout.health_timeout_s=-5.0: must be a positive number of seconds"]),
+    (["rollout.chunked_prefill_size=0"], ["rollout.chunked_prefill_size=0: must be a positive integer (or null)"]),
+    (["trainer.master_port=70000"], ["trainer.master_port=70000: must be in [0, 65535]"]),
+    (["trainer.nnodes=2"], ["trainer.nnodes=2: must divide the world size tp*pp*cp*dp=1", "the launcher starts one node"]),
+    (["model.checkpoint=/nonexistent"], ["model.checkpoint='/nonexistent': must be an HF checkpoint directory with config.json"]),
     (["parallel.pp=2", "parallel.num_microbatches=1"], ["must be >= parallel.pp=2"]),
 ]
 
@@ -85,5 +95,70 @@ def test_hf_config_cross_check(tmp_path) -> None:
 
 
 def test_missing_hf_config_is_reported(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="model.hf_config=.*readable HF config.json"):
+    with pytest.raises(ConfigError, match="model.hf_config=.*readable UTF-8 HF config.json"):
         validate(compose_config([f"model.hf_config={tmp_path / 'nope.json'}"]))
+
+
+def test_zero_counts_do_not_hide_the_other_problems() -> None:
+    cfg = compose_config(["parallel.tp=0", "experiment.temperature=-1", "model.family=llama", "trainer.master_port=-3"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    keys = {i.key for i in info.value.issues}
+    assert {"parallel.tp", "experiment.temperature", "contract.family", "trainer.master_port"} <= keys
+
+
+def test_unknown_key_added_with_plus_is_refused_with_a_suggestion() -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config(["+experiment.temprature=0.5", "+trainer.foo=1"])
+    text = str(info.value)
+    assert "experiment.temprature=0.5: unknown key (not in the schema); did you mean experiment.temperature?" in text
+    assert "trainer.foo=1: unknown key" in text
+
+
+def _hf(tmp_path, body: bytes):
+    path = tmp_path / "config.json"
+    path.write_bytes(body)
+    return compose_config([f"model.hf_config={path}"])
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (b"[1, 2]", "must hold a JSON object (an HF config), not a list"),
+    (b"\xff\xfe{}", "must be a readable UTF-8 HF config.json (UnicodeDecodeError"),
+    (b"{not json", "must be a readable UTF-8 HF config.json (JSONDecodeError"),
+])
+def test_malformed_hf_config_is_a_message_not_a_traceback(tmp_path, body: bytes, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate(_hf(tmp_path, body))
+    assert expected in str(info.value)
+
+
+def test_hf_config_non_numeric_rope_theta_and_dense_moe(tmp_path) -> None:
+    cfg = compose_config()
+    m = cfg.model
+    hf = {"architectures": [m.architecture], "num_hidden_layers": m.num_layers, "hidden_size": m.hidden_size,
+          "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_kv_heads,
+          "head_dim": m.head_dim, "intermediate_size": m.intermediate_size, "vocab_size": m.vocab_size,
+          "max_position_embeddings": m.max_position_embeddings, "rope_theta": "big", "rms_norm_eps": m.rms_norm_eps,
+          "tie_word_embeddings": m.tie_word_embeddings, "num_experts": 128}
+    with pytest.raises(ConfigError) as info:
+        validate(_hf(tmp_path, json.dumps(hf).encode()))
+    text = str(info.value)
+    assert "model.rope_theta=1000000.0: model.hf_config has rope_theta='big'" in text
+    assert "has num_experts=128: a mixture-of-experts model" in text
+    hf |= {"rope_theta": m.rope_theta, "num_experts": 0}
+    validate(_hf(tmp_path, json.dumps(hf).encode()))  # the same file, dense and numeric: accepted
+
+
+def test_checkpoint_must_match_the_profile(tmp_path) -> None:
+    import dataclasses
+
+    import torch
+
+    from tonpolicy.model.checkpoint import init_state_dict, save_hf
+
+    other = dataclasses.replace(compose_config().model, num_layers=2)
+    save_hf(init_state_dict(other, torch.float32, 0), other, tmp_path / "ckpt")
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config([f"model.checkpoint={tmp_path / 'ckpt'}"]))
+    assert "model.num_layers=4: model.checkpoint has num_hidden_layers=2" in str(info.value)
+    validate(compose_config([f"model.checkpoint={tmp_path / 'ckpt'}", "model.num_layers=2"]))

@@ -11,7 +11,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from tonpolicy.config.schema import Config, register_configs
-from tonpolicy.config.validate import ConfigError
+from tonpolicy.config.validate import ConfigError, unknown_keys
 from tonpolicy.launch.records import write_json_atomic
 
 register_configs()
@@ -23,9 +23,10 @@ def main(dcfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    unknown = unknown_keys(dcfg)  # before to_object, which would drop them silently
     cfg: Config = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
     try:
-        code = run(cfg, run_dir)
+        code = run(cfg, run_dir, unknown)
     except ConfigError as exc:
         print(f"tonpolicy: {exc}", file=sys.stderr)
         code = 2

@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from tonpolicy.config.schema import Config
-from tonpolicy.config.validate import validate
+from tonpolicy.config.validate import ConfigIssue, validate
 from tonpolicy.contract.render import launch_plan, launch_script
 
 
@@ -36,9 +36,9 @@ def write_plan(cfg: Config, run_dir: Path) -> dict:
     return plan
 
 
-def run(cfg: Config, run_dir: Path) -> int:
-    """Return the process exit code."""
-    validate(cfg)
+def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) -> int:
+    """Return the process exit code. `unknown`: keys the composed config had that the schema lacks."""
+    validate(cfg, unknown=unknown)
     plan = write_plan(cfg, run_dir)
     if cfg.mode == "plan":
         print(json.dumps(plan, indent=2))

@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tonpolicy.config.schema import Config, register_configs
+from tonpolicy.config.validate import ConfigError, unknown_keys
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -16,6 +17,9 @@ def compose_config(overrides: list[str] | None = None) -> Config:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         dcfg = compose(config_name="config", overrides=overrides or [])
+    unknown = unknown_keys(dcfg)
+    if unknown:
+        raise ConfigError(unknown)
     return OmegaConf.to_object(dcfg)  # type: ignore[return-value]
 
 

@@ -32,28 +32,45 @@ def _rope_theta(hf: dict[str, Any]) -> Any:
     return (hf.get("rope_parameters") or {}).get("rope_theta")
 
 
-def hf_config_mismatches(model: ModelConfig) -> list[tuple[str, Any, str]]:
-    """(dotted key, value, rule) for every field where config.json disagrees with the profile."""
-    path = Path(str(model.hf_config))
+# config.json keys that only a mixture-of-experts model has.
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def hf_config_mismatches(model: ModelConfig, path: str | Path | None = None,
+                         key: str = "model.hf_config") -> list[tuple[str, Any, str]]:
+    """(dotted key, value, rule) for every field where config.json (`path`, default model.hf_config;
+    `key` names the config key it came from) disagrees with the profile."""
+    path = Path(str(path if path is not None else model.hf_config))
     if path.is_dir():
         path = path / "config.json"
     try:
-        hf = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        return [("model.hf_config", str(model.hf_config), f"must be a readable HF config.json ({exc})")]
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return [(key, str(path), f"must be a readable UTF-8 HF config.json ({type(exc).__name__}: {exc})")]
+    if not isinstance(hf, dict):
+        return [(key, str(path), f"must hold a JSON object (an HF config), not a {type(hf).__name__}")]
 
     out: list[tuple[str, Any, str]] = []
     archs = hf.get("architectures") or []
+    moe = [k for k in MOE_KEYS if hf.get(k)]
     if model.architecture not in archs:
-        kind = " (a MoE architecture: use a MoE profile)" if any(m in a for a in archs for m in MOE_MARKERS) else ""
-        out.append(("model.architecture", model.architecture, f"config.json declares {archs}{kind}"))
+        kind = " (a MoE architecture: use a MoE profile)" if any(m in str(a) for a in archs for m in MOE_MARKERS) else ""
+        out.append(("model.architecture", model.architecture, f"{key} declares {archs}{kind}"))
+    elif moe:
+        out.append(("model.architecture", model.architecture, f"{key} has {moe[0]}={hf[moe[0]]!r}: a mixture-of-"
+                    "experts model, which the dense profiles do not describe"))
     for field, hf_key in HF_FIELDS.items():
         theirs = _rope_theta(hf) if field == "rope_theta" else hf.get(hf_key)
         if field == "tie_word_embeddings" and theirs is None:
             theirs = True  # HF's PretrainedConfig default
         ours = getattr(model, field)
-        if theirs is None or (isinstance(ours, float) and float(theirs) != ours) or (
-            not isinstance(ours, float) and theirs != ours
-        ):
-            out.append((f"model.{field}", ours, f"config.json has {hf_key}={theirs!r}"))
+        if isinstance(ours, float) and not isinstance(theirs, bool):
+            try:
+                same = theirs is not None and float(theirs) == ours
+            except (TypeError, ValueError):
+                same = False
+        else:
+            same = theirs is not None and theirs == ours
+        if not same:
+            out.append((f"model.{field}", ours, f"{key} has {hf_key}={theirs!r}"))
     return out

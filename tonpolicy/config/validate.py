@@ -6,12 +6,15 @@ whole command line in one go, before any process starts.
 
 from __future__ import annotations
 
-import os
+import difflib
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tonpolicy.config.hf_check import hf_config_mismatches
 from tonpolicy.config.schema import Config
+from tonpolicy.config.sglang_rules import check_sglang
 
 KNOWN = {
     "mode": ("plan", "run", "align"),
@@ -25,6 +28,8 @@ KNOWN = {
     "logger.mode": ("offline", "online", "disabled"),
     "experiment.task": ("digit_copy",),
 }
+SEED_MAX = 2**32 - 1  # PYTHONHASHSEED's range
+MIN_TEMPERATURE = 1e-6  # below this SGLang and the embedded server sample greedily
 # Backends that released SGLang's --enable-deterministic-inference accepts.
 SGLANG_DETERMINISTIC_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "ascend", "intel_xpu")
 
@@ -76,51 +81,32 @@ def padded_seq_len(cfg: Config) -> int:
     return -(-(e.max_prompt_len + e.max_new_tokens) // m) * m
 
 
-# The model package that carries the contract into released SGLang.
-CONTRACT_SGLANG_PACKAGE = "tonpolicy.rollout.sglang_model"
+def unknown_keys(composed: Any) -> list[ConfigIssue]:
+    """Keys of a composed config (a DictConfig, e.g. after `+experiment.temprature=0.5`) that the
+    schema does not have; converting to the dataclasses would silently drop them."""
+    from omegaconf import OmegaConf
+
+    found: list[ConfigIssue] = []
+
+    def walk(node: dict, ref: dict, prefix: str) -> None:
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            if key not in ref:
+                close = difflib.get_close_matches(str(key), [str(k) for k in ref], n=1)
+                hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+                found.append(ConfigIssue(dotted, value, f"unknown key (not in the schema){hint}"))
+            elif isinstance(value, dict) and isinstance(ref[key], dict):
+                walk(value, ref[key], dotted + ".")
+
+    walk(OmegaConf.to_container(composed, resolve=False),
+         OmegaConf.to_container(OmegaConf.structured(Config), resolve=False), "")
+    return found
 
 
-def _check_sglang(cfg: Config, bad: Any) -> None:
-    """Rules for released SGLang: what the contract needs inside it, what its CPU engine accepts."""
-    c, pol = cfg.contract, cfg.contract.sglang
-    if c.kernels == "contract" and pol.model_package != CONTRACT_SGLANG_PACKAGE:
-        bad("contract.sglang.model_package", f"contract {c.name} runs its kernels inside SGLang only through "
-            f"{CONTRACT_SGLANG_PACKAGE!r}; SGLang's own kernels cannot reproduce its bits")
-    if c.kernels != "contract" and pol.model_package:
-        bad("contract.sglang.model_package", f"kernel set {c.kernels!r} is stock SGLang's: must be null")
-    if pol.model_package:
-        if pol.enable_deterministic_inference:
-            bad("contract.sglang.enable_deterministic_inference", "must be false with the model package: its "
-                "kernels are invariant by construction, and SGLang's deterministic mode swaps the sampler, "
-                "turns the radix cache off and refuses the CPU attention backend")
-        if pol.rl_on_policy_target is not None:
-            bad("contract.sglang.rl_on_policy_target", "must be null with the model package: SGLang would "
-                "round the returned logprobs to bf16")
-    device = cfg.trainer.device
-    if device == "auto":  # as the launch plan resolves it
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        if pol.attention_backend not in (None, "torch_native"):
-            bad("contract.sglang.attention_backend", "SGLang's CPU engine on a CPU without AMX runs only "
-                "torch_native (or null)")
-        if pol.enable_deterministic_inference:
-            bad("contract.sglang.enable_deterministic_inference", "SGLang's deterministic mode needs an accelerator")
-    if cfg.rollout.max_total_tokens is not None and cfg.rollout.max_total_tokens < 1:
-        bad("rollout.max_total_tokens", "must be a positive number of tokens (or null)")
-    if cfg.mode == "run":
-        from tonpolicy.rollout.sglang_env import sglang_python
-
-        py = sglang_python(cfg)
-        if os.sep in py and not os.access(py, os.X_OK):
-            bad("rollout.python", f"{py} is not an executable interpreter; make the SGLang environment with "
-                "`bash scripts/setup_sglang.sh` or point rollout.python at one")
-
-
-def validate(cfg: Config, *, check_hf: bool = True) -> None:
-    """Raise ConfigError listing every violated rule; return None when the config is valid."""
-    issues: list[ConfigIssue] = []
+def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] | None = None) -> None:
+    """Raise ConfigError listing every violated rule; return None when the config is valid.
+    `unknown`: issues found on the composed config before it became `cfg` (see unknown_keys)."""
+    issues: list[ConfigIssue] = list(unknown or [])
 
     def bad(key: str, rule: str) -> None:
         issues.append(ConfigIssue(key, _get(cfg, key), rule))
@@ -129,7 +115,7 @@ def validate(cfg: Config, *, check_hf: bool = True) -> None:
         if _get(cfg, key) not in allowed:
             bad(key, f"must be one of {list(allowed)}")
 
-    m, p, c, e = cfg.model, cfg.parallel, cfg.contract, cfg.experiment
+    m, p = cfg.model, cfg.parallel
     positive = [
         "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_kv_heads",
         "model.head_dim", "model.intermediate_size", "model.vocab_size", "model.max_position_embeddings",
@@ -143,9 +129,24 @@ def validate(cfg: Config, *, check_hf: bool = True) -> None:
     for key in positive:
         if _get(cfg, key) < 1:
             bad(key, "must be a positive integer")
-    if min(m.num_attention_heads, m.num_kv_heads, p.tp, p.pp, p.cp, p.rollout_tp) < 1:
-        raise ConfigError(issues)  # divisibility rules below are meaningless with zeros
+    _check_ranges(cfg, bad)
+    # Divisibility rules are meaningless with zero counts (already reported); the rest still runs.
+    if min(m.num_attention_heads, m.num_kv_heads, p.tp, p.pp, p.cp, p.rollout_tp, cfg.trainer.nnodes) >= 1:
+        _check_layout(cfg, bad)
+    _check_contract(cfg, bad)
+    if cfg.rollout.backend == "sglang":
+        check_sglang(cfg, bad)
+    if cfg.mode in ("run", "align"):
+        _check_checkpoint(cfg, issues)
+    if check_hf and m.hf_config:
+        for key, value, rule in hf_config_mismatches(m):
+            issues.append(ConfigIssue(key, value, rule))
+    if issues:
+        raise ConfigError(issues)
 
+
+def _check_layout(cfg: Config, bad: Any) -> None:
+    m, p, c = cfg.model, cfg.parallel, cfg.contract
     # Model-internal consistency.
     if m.num_attention_heads % m.num_kv_heads:
         bad("model.num_kv_heads", f"must divide model.num_attention_heads={m.num_attention_heads} (GQA)")
@@ -194,15 +195,22 @@ def validate(cfg: Config, *, check_hf: bool = True) -> None:
     ws = world_size(cfg)
     if cfg.trainer.nproc_per_node is not None and cfg.trainer.nproc_per_node * cfg.trainer.nnodes != ws:
         bad("trainer.nproc_per_node", f"nnodes*nproc_per_node must equal tp*pp*cp*dp={ws}")
-
-    # Contract against model, layout and backends.
-    if c.family != m.family:
-        bad("contract.family", f"contract {c.name} is for family {c.family!r} but model {m.name} is {m.family!r}")
+    if ws % cfg.trainer.nnodes:
+        bad("trainer.nnodes", f"must divide the world size tp*pp*cp*dp={ws}")
+    if cfg.trainer.nnodes > 1 and cfg.mode != "plan":
+        bad("trainer.nnodes", "the launcher starts one node: use mode=plan for a multi-node plan")
     if c.kernels == "contract":
         if c.canonical_shards % p.tp:
             bad("parallel.tp", f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}")
         if c.canonical_shards % rtp:
             bad("parallel.rollout_tp", f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}")
+
+
+def _check_contract(cfg: Config, bad: Any) -> None:
+    m, p, c = cfg.model, cfg.parallel, cfg.contract
+    # Contract against model, layout and backends.
+    if c.family != m.family:
+        bad("contract.family", f"contract {c.name} is for family {c.family!r} but model {m.name} is {m.family!r}")
     if p.cp > 1 and p.cp_type not in c.supported_cp_types:
         bad("parallel.cp_type", f"contract {c.name} supports CP types {c.supported_cp_types}")
     if cfg.rollout.backend not in c.supported_rollout_backends:
@@ -213,24 +221,50 @@ def validate(cfg: Config, *, check_hf: bool = True) -> None:
         bad("contract.sglang.attention_backend", f"SGLang deterministic inference accepts only {list(SGLANG_DETERMINISTIC_BACKENDS)}")
     if c.sglang.rl_on_policy_target not in (None, "fsdp"):
         bad("contract.sglang.rl_on_policy_target", "released SGLang accepts only 'fsdp' (or null to omit the flag)")
-    if cfg.rollout.backend == "sglang":
-        _check_sglang(cfg, bad)
 
-    # Sampling and lengths.
-    if not e.temperature > 0:
-        bad("experiment.temperature", "must be > 0 (logprobs are log_softmax(logits / temperature))")
-    if not 0 < e.top_p <= 1:
+
+def _check_ranges(cfg: Config, bad: Any) -> None:
+    """Every numeric field a process acts on has a range."""
+    e, r, t = cfg.experiment, cfg.rollout, cfg.trainer
+    if not 0 <= e.seed <= SEED_MAX:
+        bad("experiment.seed", f"must be in [0, {SEED_MAX}] (it is PYTHONHASHSEED and seeds every generator)")
+    if not (math.isfinite(e.temperature) and e.temperature >= MIN_TEMPERATURE):
+        bad("experiment.temperature", f"must be finite and >= {MIN_TEMPERATURE} (logprobs are log_softmax(logits / "
+            "temperature); both rollout servers treat smaller values as greedy)")
+    if not (math.isfinite(e.top_p) and 0 < e.top_p <= 1):
         bad("experiment.top_p", "must be in (0, 1]")
     if e.top_k != -1 and e.top_k < 1:
         bad("experiment.top_k", "must be -1 (off) or >= 1")
-    if padded_seq_len(cfg) > m.max_position_embeddings:
-        bad("experiment.max_new_tokens", f"max_prompt_len + max_new_tokens (padded to {pad}) = {padded_seq_len(cfg)} exceeds model.max_position_embeddings={m.max_position_embeddings}")
-    if not 0 <= cfg.rollout.port <= 65535:
-        bad("rollout.port", "must be in [0, 65535] (0 picks a free port)")
+    if e.max_prompt_len >= 1 and e.max_new_tokens >= 1 and padded_seq_len(cfg) > cfg.model.max_position_embeddings:
+        bad("experiment.max_new_tokens", f"max_prompt_len + max_new_tokens (padded to {seq_pad_multiple(cfg)}) = "
+            f"{padded_seq_len(cfg)} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    for key, port in (("rollout.port", r.port), ("trainer.master_port", t.master_port)):
+        if not 0 <= port <= 65535:
+            bad(key, "must be in [0, 65535] (0 picks a free port)")
+    for key, seconds in (("rollout.health_timeout_s", r.health_timeout_s), ("trainer.timeout_s", t.timeout_s)):
+        if not (math.isfinite(seconds) and seconds > 0):
+            bad(key, "must be a positive number of seconds")
+    for key, value in (("rollout.chunked_prefill_size", r.chunked_prefill_size),
+                       ("rollout.max_total_tokens", r.max_total_tokens),
+                       ("trainer.nproc_per_node", t.nproc_per_node), ("trainer.seq_pad_multiple", t.seq_pad_multiple)):
+        if value is not None and value < 1:
+            bad(key, "must be a positive integer (or null)")
+    if r.mem_fraction_static is not None and not 0 < r.mem_fraction_static < 1:
+        bad("rollout.mem_fraction_static", "must be in (0, 1) (or null)")
+    if not (math.isfinite(t.lr) and t.lr > 0):
+        bad("trainer.lr", "must be a positive finite number")
 
-    if check_hf and m.hf_config:
-        for key, value, rule in hf_config_mismatches(m):
-            issues.append(ConfigIssue(key, value, rule))
 
-    if issues:
-        raise ConfigError(issues)
+def _check_checkpoint(cfg: Config, issues: list[ConfigIssue]) -> None:
+    """`model.checkpoint` must be an HF checkpoint of the profile's architecture, checked before start."""
+    ckpt = cfg.model.checkpoint
+    if not ckpt:
+        return
+    path = Path(ckpt)
+    if not (path / "config.json").is_file():
+        issues.append(ConfigIssue("model.checkpoint", ckpt, "must be an HF checkpoint directory with config.json"))
+        return
+    if not any(path.glob("*.safetensors")):
+        issues.append(ConfigIssue("model.checkpoint", ckpt, "holds no *.safetensors weights"))
+    for key, value, rule in hf_config_mismatches(cfg.model, path / "config.json", "model.checkpoint"):
+        issues.append(ConfigIssue(key, value, rule))
