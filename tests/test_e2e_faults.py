@@ -12,6 +12,8 @@ from pathlib import Path
 
 from e2e_common import pid_alive, records, run_job, start_job, summary, wait_for
 
+from tonpolicy.launch.watchdog import descendants
+
 
 def _assert_all_gone(run_dir: Path) -> None:
     pids = json.loads((run_dir / "pids.json").read_text())
@@ -19,6 +21,23 @@ def _assert_all_gone(run_dir: Path) -> None:
     while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(pid_alive(p) for p in pids.values()), pids
+
+
+def test_launcher_killed_with_sigkill_leaves_no_orphans(tmp_path: Path) -> None:
+    """`kill -9` of the launcher: its watchdog ends the server, torchrun and every rank within 10 s;
+    the completed steps' records stay."""
+    proc, run_dir = start_job(tmp_path, "parallel=tp2", "experiment.steps=50")
+    wait_for(lambda: len(records(run_dir)) >= 1, 300, "the first step")
+    pids = json.loads((run_dir / "pids.json").read_text())
+    members = descendants(list(pids.values()))
+    assert len(members) > len(pids), "the ranks are below torchrun"
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in members) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in members), [p for p in members if pid_alive(p)]
+    assert len(records(run_dir)) >= 1
 
 
 def test_trainer_rank_dies(tmp_path: Path) -> None:

@@ -161,6 +161,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
     t0 = time.monotonic()
     procs = ProcessGroup()
+    procs.start_watchdog(run_dir / ".children")  # children die with the launcher, even on kill -9
     previous = signal.signal(signal.SIGTERM, _interrupt)
     status, code = "failed", EXIT_CHILD_FAILED
     try:

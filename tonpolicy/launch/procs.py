@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,18 @@ class Child:
 @dataclass
 class ProcessGroup:
     children: list[Child] = field(default_factory=list)
+    # With a registry file, a watchdog process (tonpolicy.launch.watchdog) ends every child's process
+    # group if this process dies without calling stop_all (kill -9).
+    registry: Path | None = None
+    watchdog: subprocess.Popen | None = None
+
+    def start_watchdog(self, registry: Path) -> None:
+        registry.parent.mkdir(parents=True, exist_ok=True)
+        registry.write_text("")
+        self.registry = registry
+        self.watchdog = subprocess.Popen([sys.executable, "-m", "tonpolicy.launch.watchdog", str(registry)],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, start_new_session=True)
 
     def start(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Child:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,6 +55,11 @@ class ProcessGroup:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **(env or {})}, start_new_session=True)
         log.close()
+        if self.registry is not None:
+            with open(self.registry, "a") as f:
+                f.write(f"{proc.pid}\n")
+                f.flush()
+                os.fsync(f.fileno())
         child = Child(name, proc, log_path)
         self.children.append(child)
         return child
@@ -63,6 +81,11 @@ class ProcessGroup:
                 c.proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 pass
+        if self.watchdog is not None and self.watchdog.poll() is None:
+            self.watchdog.terminate()  # nothing left to watch
+            self.watchdog.wait(timeout=5)
+        if self.registry is not None:
+            self.registry.unlink(missing_ok=True)
 
     def first_dead(self) -> Child | None:
         return next((c for c in self.children if not c.alive()), None)
