@@ -62,6 +62,21 @@ def test_server_dies_mid_run(tmp_path: Path) -> None:
     _assert_all_gone(run_dir)
 
 
+def test_server_that_hangs_is_detected(tmp_path: Path) -> None:
+    """A server that stops answering (SIGSTOP) ends the run with exit 4 within seconds, records intact."""
+    proc, run_dir = start_job(tmp_path, "parallel=tp1", "experiment.steps=50", "rollout.liveness_timeout_s=5")
+    wait_for(lambda: len(records(run_dir)) >= 1, 300, "the first step")
+    pids = json.loads((run_dir / "pids.json").read_text())
+    os.kill(pids["rollout"], signal.SIGSTOP)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert time.monotonic() - t0 < 30
+    assert proc.returncode == 4 and "stopped answering /health" in err, err[-3000:]
+    assert "rollout.liveness_timeout_s=5" in err
+    assert summary(run_dir)["steps_completed"] >= 1 and len(records(run_dir)) >= 1
+    _assert_all_gone(run_dir)
+
+
 def test_ctrl_c(tmp_path: Path) -> None:
     proc, run_dir = start_job(tmp_path, "parallel=tp1", "experiment.steps=50")
     wait_for(lambda: len(records(run_dir)) >= 1, 300, "the first step")

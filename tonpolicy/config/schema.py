@@ -75,6 +75,9 @@ class RolloutConfig:
     max_running_requests: int = 8
     chunked_prefill_size: int | None = None
     health_timeout_s: float = 120.0
+    # Once healthy, a server that answers no /health for this long is dead (hung, stopped): the
+    # launcher ends the run with exit 4.
+    liveness_timeout_s: float = 60.0
     mem_fraction_static: float | None = None
     # KV pool size in tokens (SGLang --max-total-tokens). null: SGLang sizes it from free memory on
     # GPUs; on CPU (where it would size it from RAM) tonpolicy renders CPU_MAX_TOTAL_TOKENS.

@@ -241,7 +241,8 @@ def _check_ranges(cfg: Config, bad: Any) -> None:
     for key, port in (("rollout.port", r.port), ("trainer.master_port", t.master_port)):
         if not 0 <= port <= 65535:
             bad(key, "must be in [0, 65535] (0 picks a free port)")
-    for key, seconds in (("rollout.health_timeout_s", r.health_timeout_s), ("trainer.timeout_s", t.timeout_s)):
+    for key, seconds in (("rollout.health_timeout_s", r.health_timeout_s), ("trainer.timeout_s", t.timeout_s),
+                         ("rollout.liveness_timeout_s", r.liveness_timeout_s)):
         if not (math.isfinite(seconds) and seconds > 0):
             bad(key, "must be a positive number of seconds")
     for key, value in (("rollout.chunked_prefill_size", r.chunked_prefill_size),

@@ -46,13 +46,48 @@ def prepare_checkpoint(cfg: Config, run_dir: Path) -> Path:
     return write_init_checkpoint(cfg, run_dir / "checkpoints" / "init")
 
 
-def _health_ok(url: str) -> bool:
+def _health_ok(url: str, timeout_s: float = 2.0) -> bool:
     from tonpolicy.rollout.client import RolloutClient, RolloutError
 
     try:
-        return RolloutClient(url, timeout_s=2.0).health()
+        return RolloutClient(url, timeout_s=timeout_s).health(timeout_s)
     except (RolloutError, OSError):
         return False
+
+
+class _Liveness:
+    """The server must keep answering /health: silent for `timeout_s` means hung or stopped."""
+
+    def __init__(self, url: str, timeout_s: float, every_s: float = 1.0) -> None:
+        self.url, self.timeout_s, self.every_s = url, timeout_s, every_s
+        self.last_ok = self.last_check = time.monotonic()
+
+    def silent_for(self) -> float:
+        now = time.monotonic()
+        if now - self.last_check >= self.every_s:
+            self.last_check = now
+            if _health_ok(self.url, min(2.0, self.timeout_s)):
+                self.last_ok = time.monotonic()
+        return time.monotonic() - self.last_ok
+
+
+class _Tail:
+    """New complete lines of an append-only JSONL file since the last call (no re-reading)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def new_records(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        return [json.loads(line) for line in lines if line.strip()]
 
 
 def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, procs: ProcessGroup) -> tuple[Child, str]:
@@ -106,18 +141,22 @@ def _progress(record: dict[str, Any], steps: int) -> str:
             f"(rollout {record.get('rollout_s', 0.0):.1f}s, step {record.get('step_s', 0.0):.1f}s)")
 
 
-def supervise(cfg: Config, run_dir: Path, server: Child, trainer: Child) -> int:
-    """Wait for the trainer, printing each step as its record lands; a dead server ends the job at once."""
-    shown = 0
+def supervise(cfg: Config, run_dir: Path, server: Child, trainer: Child, url: str) -> int:
+    """Wait for the trainer, printing each step as its record lands; a dead or silent server ends
+    the job at once."""
+    tail = _Tail(run_dir / "metrics.jsonl")
+    liveness = _Liveness(url, cfg.rollout.liveness_timeout_s)
     while True:
-        records = read_jsonl(run_dir / "metrics.jsonl")
-        for record in records[shown:]:
+        for record in tail.new_records():
             print(_progress(record, cfg.experiment.steps), file=sys.stderr, flush=True)
-        shown = len(records)
         if not trainer.alive():
             break
         if not server.alive():
             raise JobFailed(EXIT_CHILD_FAILED, f"rollout server died (exit {server.proc.returncode}); log tail:\n{server.tail()}")
+        silent = liveness.silent_for()
+        if silent > cfg.rollout.liveness_timeout_s:
+            raise JobFailed(EXIT_CHILD_FAILED, f"rollout server stopped answering /health for {silent:.0f}s "
+                            f"(rollout.liveness_timeout_s={cfg.rollout.liveness_timeout_s:g}); log tail:\n{server.tail()}")
         time.sleep(0.2)
     # The trainer's verdict (ok, gate, handshake) is in its status file; torchrun's exit code only
     # says whether some rank failed, and a rank that died wrote no verdict.
@@ -170,7 +209,7 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
         print(f"rollout server ({cfg.rollout.backend}) healthy at {url}", file=sys.stderr)
         trainer = start_trainer(cfg, run_dir, plan, url, ckpt, procs)
         write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
-        code = supervise(cfg, run_dir, server, trainer)
+        code = supervise(cfg, run_dir, server, trainer, url)
         status = "ok"
     except JobFailed as exc:
         code = exc.code

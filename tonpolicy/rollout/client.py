@@ -53,9 +53,9 @@ class RolloutClient:
 
     # --- endpoints --------------------------------------------------------------------------
 
-    def health(self) -> bool:
+    def health(self, timeout_s: float = 10.0) -> bool:
         try:
-            status, _ = self._request("GET", "/health", timeout_s=10.0)
+            status, _ = self._request("GET", "/health", timeout_s=timeout_s)
         except (urllib.error.URLError, OSError):
             return False
         return status == 200
