@@ -109,3 +109,13 @@ def test_port_already_taken(tmp_path: Path) -> None:
         proc, run_dir = run_job(tmp_path, f"rollout.port={port}", timeout=120)
     assert proc.returncode == 5
     assert f"rollout.port={port}: port already in use" in proc.stderr
+
+
+def test_full_disk_shows_the_root_cause(tmp_path: Path) -> None:
+    """A rank that hits ENOSPC: the user sees that exception line (not torchrun's ChildFailedError) and the log."""
+    proc, run_dir = run_job(tmp_path, "parallel=tp1", "experiment.steps=3", env={"TONPOLICY_FAULT": "rank_disk_full:0:1"})
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert "trainer exited with 1: OSError: [Errno 28] No space left on device" in proc.stderr, proc.stderr[-3000:]
+    assert f"full log: {run_dir / 'logs' / 'trainer.log'}" in proc.stderr
+    assert [r["step"] for r in records(run_dir)] == [0]
+    _assert_all_gone(run_dir)

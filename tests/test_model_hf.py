@@ -87,3 +87,19 @@ def test_init_state_dict_deterministic():
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
     assert "lm_head.weight" not in a and "model.layers.3.self_attn.q_norm.weight" in a
+
+
+def test_sharded_index_cannot_point_outside_the_checkpoint(tmp_path) -> None:
+    import json as _json
+
+    import pytest as _pytest
+
+    from tonpolicy.model.checkpoint import load_hf as _load
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(_json.dumps({"num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 1,
+                                                  "intermediate_size": 8, "vocab_size": 8}))
+    (ckpt / "model.safetensors.index.json").write_text(_json.dumps({"weight_map": {"w": "../secret.safetensors"}}))
+    with _pytest.raises(ValueError, match="outside the checkpoint directory"):
+        _load(ckpt)

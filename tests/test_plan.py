@@ -107,3 +107,14 @@ def test_rendered_sglang_flags_exist_in_sglang() -> None:
                           input=json.dumps([["--model-path", "x", "--true-on-policy-contract", "v1"]]),
                           capture_output=True, text=True, timeout=300)
     assert json.loads(proc.stdout.strip().splitlines()[-1]) [0]["ok"] is False
+
+
+def test_names_rendered_into_launch_sh_cannot_inject_commands(tmp_path: Path) -> None:
+    cfg = compose_config()
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, name="tp1\ntouch /tmp/pwned"),
+                              contract=dataclasses.replace(cfg.contract, name="c\nrm -rf ~"))
+    script = launch_script(launch_plan(cfg, RUN_DIR))
+    assert "\ntouch /tmp/pwned" not in script and "\nrm -rf ~" not in script
+    path = tmp_path / "launch.sh"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0

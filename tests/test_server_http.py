@@ -244,3 +244,54 @@ def test_weight_update_from_disk(client: RolloutClient, ckpts: dict[str, Path]) 
         client.update_weights_from_disk(str(ckpts["a"]), weight_version="default")
     restored = client.generate(PROMPTS, params)
     assert [o["output_logprobs"] for o in restored] == [o["output_logprobs"] for o in before]
+
+
+def _raw_request(server: ServerProc, head: str, body: bytes = b"") -> tuple[int, bytes]:
+    """Send bytes the way a hostile client would; return (status, body)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head.encode() + b"\r\n\r\n" + body)
+        data = b""
+        while True:
+            head_end = data.find(b"\r\n\r\n")
+            if head_end >= 0:
+                length = next((int(line.split(b":")[1]) for line in data[:head_end].split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                if len(data) >= head_end + 4 + length:
+                    break
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, data.split(b"\r\n\r\n", 1)[1]
+
+
+@pytest.mark.parametrize(("head", "body", "status", "message"), [
+    ("POST /generate HTTP/1.1\r\nContent-Length: abc", b"", 400, b"Content-Length 'abc'"),
+    ("POST /generate HTTP/1.1\r\nContent-Length: -1", b"", 400, b"Content-Length '-1'"),
+    ("POST /generate HTTP/1.1\r\nContent-Length: 1000000000000", b"", 413, b"exceeds"),
+    ("POST /generate HTTP/1.1\r\nContent-Length: 4", b"\xff\xfe\xfd\xfc", 400, b"not UTF-8"),
+    ("POST /generate HTTP/1.1\r\nContent-Length: 200000", b"[" * 100000 + b"]" * 100000, 400, b"nests too deeply"),
+])  # fmt: skip
+def test_malformed_requests_get_a_4xx(server: ServerProc, head: str, body: bytes, status: int, message: bytes) -> None:
+    got, payload = _raw_request(server, head, body)
+    assert got == status and message in payload, (got, payload[:300])
+
+
+def test_a_bad_seed_is_refused_at_admission_and_fails_no_one_else(client: RolloutClient) -> None:
+    """sampling_seed >= 2**64 used to fail every request batched with it (500 to innocent clients)."""
+    results: dict[str, Any] = {}
+
+    def good() -> None:
+        results["good"] = client.generate([[1, 2, 3]], {"max_new_tokens": MAX_NEW, "sampling_seed": 5})
+
+    t = threading.Thread(target=good)
+    t.start()
+    status, body = http(client, "POST", "/generate", {"input_ids": [[4, 5], [6, 7]], "return_logprob": True,
+                                                      "sampling_params": [{"max_new_tokens": MAX_NEW},
+                                                                          {"max_new_tokens": MAX_NEW, "sampling_seed": 2**64}]})
+    t.join(timeout=120)
+    assert status == 400 and "sampling_seed must be in [0, 2**63)" in body["error"]["message"]
+    assert len(results["good"][0]["output_ids"]) == MAX_NEW

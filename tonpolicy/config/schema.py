@@ -71,6 +71,9 @@ class ParallelConfig:
 class RolloutConfig:
     backend: str = "embedded"  # "embedded" | "sglang"
     host: str = "127.0.0.1"
+    # Binding anything but loopback exposes unauthenticated /generate and /update_weights_from_disk:
+    # it takes this explicit opt-in.
+    allow_remote: bool = False
     port: int = 0  # 0 = pick a free port
     max_running_requests: int = 8
     chunked_prefill_size: int | None = None

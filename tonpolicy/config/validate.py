@@ -28,6 +28,7 @@ KNOWN = {
     "logger.mode": ("offline", "online", "disabled"),
     "experiment.task": ("digit_copy",),
 }
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SEED_MAX = 2**32 - 1  # PYTHONHASHSEED's range
 MIN_TEMPERATURE = 1e-6  # below this SGLang and the embedded server sample greedily
 # Backends that released SGLang's --enable-deterministic-inference accepts.
@@ -250,6 +251,10 @@ def _check_ranges(cfg: Config, bad: Any) -> None:
                        ("trainer.nproc_per_node", t.nproc_per_node), ("trainer.seq_pad_multiple", t.seq_pad_multiple)):
         if value is not None and value < 1:
             bad(key, "must be a positive integer (or null)")
+    if r.host not in LOOPBACK and not r.allow_remote:
+        bad("rollout.host", "binds a non-loopback address, exposing unauthenticated /generate and "
+            "/update_weights_from_disk; set rollout.allow_remote=true to mean it (torchrun's store "
+            "listens on all interfaces either way)")
     if r.mem_fraction_static is not None and not 0 < r.mem_fraction_static < 1:
         bad("rollout.mem_fraction_static", "must be in (0, 1) (or null)")
     if not (math.isfinite(t.lr) and t.lr > 0):

@@ -6,6 +6,7 @@ cluster scripts read the same plan, so what runs is what was validated.
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 from typing import Any
@@ -231,13 +232,13 @@ def launch_script(plan: dict[str, Any]) -> str:
     init_line = f"\n# Initial weights (seeded random init in HF format).\n{_shell(init)}\n" if init else ""
     c = plan["contract"]
     return f"""#!/usr/bin/env bash
-# tonpolicy launch plan: contract {c['name']} v{c['version']} ({c['fingerprint'][:16]}), layout {plan['layout']}
+# tonpolicy launch plan: contract {json.dumps(c['name'])} v{c['version']} ({c['fingerprint'][:16]}), layout {json.dumps(plan['layout'])}
 # Run it from an environment with tonpolicy installed; PYTHON picks the interpreter.
 set -euo pipefail
 PY="${{PYTHON:-python}}"
 {env}
 {init_line}
-# Rollout server ({plan['rollout']['backend']}); the trainer waits for its /health.
+# Rollout server ({json.dumps(plan['rollout']['backend'])}); the trainer waits for its /health.
 {_server_env(plan)}{_shell(plan['rollout']['command'])} &
 ROLLOUT_PID=$!
 trap 'kill $ROLLOUT_PID 2>/dev/null || true' EXIT

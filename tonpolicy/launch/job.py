@@ -8,6 +8,7 @@ already on disk, prints the per-step table and where the logs are, and returns t
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import time
@@ -53,6 +54,19 @@ def _health_ok(url: str, timeout_s: float = 2.0) -> bool:
         return RolloutClient(url, timeout_s=timeout_s).health(timeout_s)
     except (RolloutError, OSError):
         return False
+
+
+# The last exception line a rank printed; torchrun's own ChildFailedError only says that one failed.
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt)(?::.*)?$")
+
+
+def root_cause(log_path: Path) -> str | None:
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    causes = [ln.strip() for ln in lines if _EXCEPTION_LINE.match(ln.strip()) and "ChildFailedError" not in ln]
+    return causes[-1] if causes else None
 
 
 class _Liveness:
@@ -162,7 +176,9 @@ def supervise(cfg: Config, run_dir: Path, server: Child, trainer: Child, url: st
     # says whether some rank failed, and a rank that died wrote no verdict.
     status_path = run_dir / STATUS_FILE
     if not status_path.exists():
-        raise JobFailed(EXIT_CHILD_FAILED, f"trainer exited with {trainer.proc.returncode}; log tail:\n{trainer.tail(40)}")
+        cause = root_cause(trainer.log_path)
+        raise JobFailed(EXIT_CHILD_FAILED, f"trainer exited with {trainer.proc.returncode}"
+                        + (f": {cause}" if cause else "") + f"\nfull log: {trainer.log_path}\nlog tail:\n{trainer.tail(40)}")
     status = json.loads(status_path.read_text())
     if status["code"]:
         raise JobFailed(status["code"], status["message"])

@@ -96,12 +96,16 @@ def handshake(cfg: Config, client: Any, ours_runtime: dict[str, Any]) -> str | N
 
 
 def _injected_fault(step: int) -> None:
-    """Test hook: TONPOLICY_FAULT=rank_exit:<rank>:<step> makes that rank die abruptly."""
+    """Test hooks: TONPOLICY_FAULT=rank_exit:<rank>:<step> makes that rank die abruptly;
+    rank_disk_full:<rank>:<step> makes it raise the OSError a full disk raises."""
     spec = os.environ.get("TONPOLICY_FAULT", "")
-    if spec.startswith("rank_exit:"):
-        _, rank, at = spec.split(":")
+    kind, _, rest = spec.partition(":")
+    if kind in ("rank_exit", "rank_disk_full"):
+        rank, at = rest.split(":")
         if dist.get_rank() == int(rank) and step == int(at):
-            os._exit(17)
+            if kind == "rank_exit":
+                os._exit(17)
+            raise OSError(28, "No space left on device")
 
 
 def broadcast(obj: Any) -> Any:

@@ -115,6 +115,10 @@ def load_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        root = path.resolve()
+        outside = [f for f in files if not (path / f).resolve().is_relative_to(root)]
+        if outside:  # an index must not make the loader read files outside the checkpoint
+            raise ValueError(f"{index.name} names weight files outside the checkpoint directory: {outside}")
     else:
         files = ["model.safetensors"]
     sd: dict[str, torch.Tensor] = {}

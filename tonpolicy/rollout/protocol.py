@@ -34,7 +34,11 @@ _GREEDY_EPS = 1e-6
 
 
 class ProtocolError(ValueError):
-    """A request the server refuses (HTTP 400)."""
+    """A request the server refuses (HTTP 400 unless `status` says otherwise)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -177,6 +181,9 @@ def parse_sampling_params(d: dict[str, Any] | None) -> Sampling:
     stop_ids = tuple(sorted({_int(t, "stop_token_ids[]") for t in stops}))
     seed = d.get("sampling_seed")
     seed = None if seed is None else _int(seed, "sampling_seed")
+    if seed is not None and not 0 <= seed < 2**63:
+        # Checked at admission: a seed the generator refuses must not fail the batch it would join.
+        raise ProtocolError(f"sampling_seed must be in [0, 2**63), got {seed}")
     return Sampling(max_new_tokens, temperature, top_p, top_k, stop_ids, seed)
 
 

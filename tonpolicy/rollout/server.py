@@ -59,6 +59,7 @@ from tonpolicy.rollout.server_model import (
 EXIT_LOAD_FAILED = 1
 EXIT_BIND_FAILED = 3
 SERVER_VERSION = "tonpolicy-embedded-0.1"
+MAX_BODY_BYTES = 64 * 1024 * 1024  # a request body larger than this gets 413, nothing is allocated
 
 Response = tuple[int, Any]  # (status, JSON-able body | str | None)
 
@@ -293,21 +294,32 @@ class RolloutHandler(BaseHTTPRequestHandler):
         try:
             status, body = route(self.server.state, self._read_json())
         except ProtocolError as e:
-            status, body = 400, {"error": {"message": str(e)}}
+            status, body = e.status, {"error": {"message": str(e)}}
         except Exception as e:  # noqa: BLE001 - a failed request must not take the server down
             traceback.print_exc()  # the server log is where an orchestrator looks
             status, body = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
         self._send(status, body)
 
     def _read_json(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
+        header = self.headers.get("Content-Length") or "0"
+        if not header.strip().isdigit():  # also refuses "-1", which would block a read forever
+            self.close_connection = True
+            raise ProtocolError(f"Content-Length {header!r} is not a non-negative integer")
+        length = int(header)
+        if length > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise ProtocolError(f"request body of {length} bytes exceeds {MAX_BODY_BYTES}", status=413)
         raw = self.rfile.read(length) if length else b""
         if not raw.strip():
             return None
         try:
-            return json.loads(raw)
+            return json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ProtocolError(f"request body is not UTF-8: {e}") from e
         except json.JSONDecodeError as e:
             raise ProtocolError(f"request body is not valid JSON: {e}") from e
+        except RecursionError as e:
+            raise ProtocolError("request body nests too deeply") from e
 
     def _send(self, status: int, body: Any) -> None:
         if body is None:
