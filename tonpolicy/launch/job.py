@@ -57,6 +57,7 @@ def _health_ok(url: str, timeout_s: float = 2.0) -> bool:
 
 
 # The last exception line a rank printed; torchrun's own ChildFailedError only says that one failed.
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s*")
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt)(?::.*)?$")
 
 
@@ -65,7 +66,8 @@ def root_cause(log_path: Path) -> str | None:
         lines = log_path.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    causes = [ln.strip() for ln in lines if _EXCEPTION_LINE.match(ln.strip()) and "ChildFailedError" not in ln]
+    stripped = (_RANK_PREFIX.sub("", ln.strip()) for ln in lines)  # torchrun prefixes "[rank0]: "
+    causes = [ln for ln in stripped if _EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln]
     return causes[-1] if causes else None
 
 
