@@ -67,3 +67,20 @@ def test_gate_fails_the_run_when_forced_on_off_policy(tmp_path: Path) -> None:
     # The gate runs before the update: the failing step trained nothing and synced nothing.
     assert records(run_dir)[0]["gate"] == "failed" and "grad_norm" not in records(run_dir)[0]
     assert not (run_dir / "checkpoints" / "step_1").exists()
+
+
+def test_wandb_offline_run_holds_parity_and_grad_norm_per_step(tmp_path: Path) -> None:
+    """The default logger (W&B, offline): one history row per step with the parity and grad_norm keys,
+    equal to the step records."""
+    from wandb_records import history
+
+    proc, run_dir = run_job(tmp_path, "parallel=tp1", "experiment.steps=2", "logger=wandb")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    rows = history(run_file)
+    recs = records(run_dir)
+    assert len(rows) == len(recs) == 2
+    for row, rec in zip(rows, recs, strict=True):
+        for key in ("mismatched_tokens", "max_abs_logprob_diff", "train_rollout_logprob_abs_diff", "grad_norm"):
+            assert row[key] == rec[key], key
+        assert row["mismatched_tokens"] == 0
