@@ -46,6 +46,7 @@ CASES = [
     (["rollout.chunked_prefill_size=0"], ["rollout.chunked_prefill_size=0: must be a positive integer (or null)"]),
     (["trainer.master_port=70000"], ["trainer.master_port=70000: must be in [0, 65535]"]),
     (["trainer.nnodes=2"], ["trainer.nnodes=2: must divide the world size tp*pp*cp*dp=1", "the launcher starts one node"]),
+    (["trainer.lr=nan", "trainer.kl_coef=-1", "model.rms_norm_eps=0"], ["trainer.lr=nan: must be a positive finite number", "trainer.kl_coef=-1.0: must be a finite number >= 0", "model.rms_norm_eps=0.0: must be a positive finite number"]),
     (["rollout.host=0.0.0.0"], ["rollout.host='0.0.0.0': binds a non-loopback address", "rollout.allow_remote=true"]),
     (["model.checkpoint=/nonexistent"], ["model.checkpoint='/nonexistent': must be an HF checkpoint directory with config.json"]),
     (["parallel.pp=2", "parallel.num_microbatches=1"], ["must be >= parallel.pp=2"]),

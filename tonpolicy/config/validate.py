@@ -257,8 +257,16 @@ def _check_ranges(cfg: Config, bad: Any) -> None:
             "listens on all interfaces either way)")
     if r.mem_fraction_static is not None and not 0 < r.mem_fraction_static < 1:
         bad("rollout.mem_fraction_static", "must be in (0, 1) (or null)")
-    if not (math.isfinite(t.lr) and t.lr > 0):
-        bad("trainer.lr", "must be a positive finite number")
+    positive_reals = ("trainer.lr", "trainer.clip_grad", "trainer.clip_eps", "trainer.clip_eps_high",
+                      "model.rope_theta", "model.rms_norm_eps")
+    for key in positive_reals:
+        value = _get(cfg, key)
+        if not (math.isfinite(value) and value > 0):
+            bad(key, "must be a positive finite number")
+    for key in ("trainer.weight_decay", "trainer.kl_coef", "model.init_std"):
+        value = _get(cfg, key)
+        if not (math.isfinite(value) and value >= 0):
+            bad(key, "must be a finite number >= 0")
 
 
 def _check_checkpoint(cfg: Config, issues: list[ConfigIssue]) -> None:
