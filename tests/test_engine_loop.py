@@ -37,3 +37,33 @@ def test_calls_wait_for_in_flight_requests_and_keep_arrival_order() -> None:
     assert isinstance(bad.exception(), ValueError) and not loop.is_alive()
     alone = Engine(engine.model, max_running_requests=1).generate([GenRequest([5, 6], 3, seed=2)])[0]
     assert torch.equal(done.results[0].output_logprobs, alone.output_logprobs)
+
+
+def test_one_failing_request_fails_only_its_own_job(monkeypatch) -> None:  # noqa: ANN001
+    """A request whose sampling raises mid-batch ends its own job with the error; the requests of
+    other jobs batched with it finish normally (they used to get the error too)."""
+    import tonpolicy.rollout.engine as engine_module
+
+    real = engine_module.sample_token
+
+    def sample_token(logits, vocab, temperature, top_p, top_k, gen):  # noqa: ANN001, ANN202
+        if gen.initial_seed() == 666:
+            raise FloatingPointError("poisoned request")
+        return real(logits, vocab, temperature, top_p, top_k, gen)
+
+    monkeypatch.setattr(engine_module, "sample_token", sample_token)
+    with num_threads(1):
+        engine = Engine(Qwen3(ModelConfig(), get_kernels("contract"), torch.bfloat16), max_running_requests=8)
+        loop = EngineLoop(engine, batch_wait_s=0.05)
+        loop.start()
+        innocent = loop.generate([GenRequest([1, 2, 3], 6, seed=1), GenRequest([7, 8], 6, seed=2)])
+        poisoned = loop.generate([GenRequest([4, 5], 6, seed=3), GenRequest([9], 6, seed=666)])
+        bad_seed = loop.generate([GenRequest([4, 5], 6, seed=2**64)])
+        later = loop.generate([GenRequest([6], 4, seed=4)])
+        results = innocent.result(60).results
+        assert later.result(60).results[0].finish_reason == "length"
+        loop.stop()
+    assert [len(r.output_ids) for r in results] == [6, 6] and all(r.finish_reason == "length" for r in results)
+    error = poisoned.exception(60)
+    assert isinstance(error, RuntimeError) and "FloatingPointError: poisoned request" in str(error)
+    assert isinstance(bad_seed.exception(60), ValueError)

@@ -43,6 +43,7 @@ class _Running:
     prefilled: int = 0
     out_ids: list[int] = field(default_factory=list)
     out_lps: list[torch.Tensor] = field(default_factory=list)
+    error: str | None = None  # set when this request alone failed; it finishes with reason "error"
 
 
 @dataclass(order=True)
@@ -88,6 +89,8 @@ class Engine:
             raise ValueError("prompt + max_new_tokens exceeds max_position_embeddings")
         if any(not 0 <= t < cfg.vocab_size for t in req.prompt_ids):
             raise ValueError("prompt token id out of vocab range")
+        if not 0 <= req.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {req.seed}")
 
     def add(self, req: GenRequest) -> int:
         """Queue a request (visible `req.arrival_step` steps from now); returns its handle."""
@@ -167,6 +170,9 @@ class Engine:
             raise
         finally:
             self.steps_run = self.steps_total - start
+        failed = [(i, r.error) for i, r in enumerate(results) if r is not None and r.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"request {failed[0][0]} failed: {failed[0][1]}")
         return results  # type: ignore[return-value]
 
     # --- scheduling internals -------------------------------------------------------------------
@@ -244,10 +250,15 @@ class Engine:
         for j, r in enumerate(samplers):
             q = r.req
             row = logits[j : j + 1]
-            tok = sample_token(row[0], vocab, q.temperature, q.top_p, q.top_k, r.gen)
-            lp = self.model.kernels.logprobs(
-                row, torch.tensor([tok]), vocab, logprob_temperature(q.temperature)
-            )
+            try:  # one request's failure ends that request, not the batch
+                tok = sample_token(row[0], vocab, q.temperature, q.top_p, q.top_k, r.gen)
+                lp = self.model.kernels.logprobs(
+                    row, torch.tensor([tok]), vocab, logprob_temperature(q.temperature)
+                )
+            except Exception as e:  # noqa: BLE001 - reported to that request's caller
+                r.error = f"{type(e).__name__}: {e}"
+                finished.append(r)
+                continue
             r.out_ids.append(tok)
             r.out_lps.append(lp)
             if self._stops(q, tok) or len(r.out_ids) >= q.max_new_tokens:
@@ -258,5 +269,8 @@ class Engine:
         return tok in req.stop_token_ids or (self.eos_token_id is not None and tok == self.eos_token_id)
 
     def _result(self, r: _Running) -> GenResult:
+        if r.error is not None:
+            lps = torch.cat(r.out_lps).float() if r.out_lps else torch.empty(0, dtype=torch.float32)
+            return GenResult(list(r.out_ids), lps, "error", r.error)
         reason = "stop" if self._stops(r.req, r.out_ids[-1]) else "length"
         return GenResult(list(r.out_ids), torch.cat(r.out_lps).float(), reason)

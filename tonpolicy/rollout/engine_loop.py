@@ -163,7 +163,12 @@ class EngineLoop:
             job.results[i] = result
             job.remaining -= 1
             self.requests_run += 1
-            if job.remaining == 0:
+            if job.future.done():
+                continue  # the job already failed through another of its requests
+            if result.finish_reason == "error":
+                # Only this request's job fails; its other requests finish and are dropped.
+                job.future.set_exception(RuntimeError(f"request {i} of the batch failed: {result.error}"))
+            elif job.remaining == 0:
                 job.future.set_result(BatchResult(job.results, job.tag))
 
     def _fail_inflight(self, error: BaseException) -> None:

@@ -23,7 +23,8 @@ class GenRequest:
 class GenResult:
     output_ids: list[int]  # includes the stop token when one ended the request
     output_logprobs: torch.Tensor  # fp32 [len(output_ids)], from the step that sampled each token
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length", or "error" (this request alone failed; see `error`)
+    error: str | None = None
 
 
 def logprob_temperature(temperature: float) -> float:
