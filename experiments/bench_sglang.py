@@ -90,8 +90,7 @@ def server_command(kind: str, ckpt: Path, dtype: str, port: int) -> tuple[list[s
             "rollout.max_running_requests=32",
         ]
     )
-    argv = sglang_argv(cfg, str(ckpt), "cpu")
-    argv[argv.index("--port") + 1] = str(port)
+    argv = sglang_argv(cfg, str(ckpt), "cpu", port)
     return argv, server_environment(cfg, "cpu", identity(cfg.contract).fingerprint)
 
 

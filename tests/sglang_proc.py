@@ -29,7 +29,9 @@ def sglang_env_python() -> str:
     TONPOLICY_SKIP_SGLANG=1 says to skip them, and the skip is then reported as such."""
     py = sglang_python(compose_config(["rollout=sglang"]))
     # .venv carries SGLang's argument parser only (--no-deps); the SGLang environment is another one.
-    probe = subprocess.run([py, "-c", "import sys, sglang; print(sys.prefix)"], capture_output=True, text=True)
+    probe = subprocess.run(
+        [py, "-c", "import sys, sglang; print(sys.prefix)"], capture_output=True, text=True
+    )
     if probe.returncode != 0 or probe.stdout.strip() == sys.prefix:
         message = f"no SGLang environment at {py}: run `bash scripts/setup_sglang.sh`"
         if os.environ.get("TONPOLICY_SKIP_SGLANG") == "1":
@@ -51,8 +53,7 @@ class SGLangServer:
     def __init__(self, tmp: Path, name: str, ckpt: Path, overrides: list[str]) -> None:
         self.cfg = compose_config(["rollout=sglang", "trainer.device=cpu", *overrides])
         self.port = free_port()
-        argv = sglang_argv(self.cfg, str(ckpt), "cpu")
-        argv[argv.index("--port") + 1] = str(self.port)
+        argv = sglang_argv(self.cfg, str(ckpt), "cpu", self.port)
         env = server_environment(self.cfg, "cpu", identity(self.cfg.contract).fingerprint)
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()

@@ -34,9 +34,10 @@ def resolve_device(cfg: Config) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def sglang_argv(cfg: Config, model_path: str, device: str | None = None) -> list[str]:
-    """Released SGLang's server command. With a model package (the contract inside SGLang) it is
-    `python -m tonpolicy.rollout.sglang_server`, which takes exactly SGLang's flags."""
+def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: int | None = None) -> list[str]:
+    """Released SGLang's server command (on `port`, default the plan's). With a model package (the
+    contract inside SGLang) it is `python -m tonpolicy.rollout.sglang_server`, which takes exactly
+    SGLang's flags."""
     c, r, p = cfg.contract, cfg.rollout, cfg.parallel
     device = device or resolve_device(cfg)
     entry = "tonpolicy.rollout.sglang_server" if c.sglang.model_package else "sglang.launch_server"
@@ -44,7 +45,7 @@ def sglang_argv(cfg: Config, model_path: str, device: str | None = None) -> list
         sglang_python(cfg), "-m", entry,
         "--model-path", model_path,
         "--host", r.host,
-        "--port", str(rollout_port(cfg)),
+        "--port", str(port or rollout_port(cfg)),
         "--tp-size", str(p.rollout_tp),
         "--dp-size", str(p.rollout_dp),
         "--dtype", c.dtype,

@@ -48,23 +48,12 @@ def descendants(roots: list[int]) -> set[int]:
     return found
 
 
-def _kill(pids: set[int], sig: int) -> bool:
+def _send(ids: set[int] | list[int], sig: int, kill=os.kill) -> bool:  # noqa: ANN001 - os.kill or os.killpg
+    """Send `sig` to every pid (or process group, with kill=os.killpg); True if any still existed."""
     alive = False
-    for pid in pids:
+    for target in ids:
         try:
-            os.kill(pid, sig)
-            alive = True
-        except (ProcessLookupError, PermissionError):
-            pass
-    return alive
-
-
-def _signal_all(groups: list[int], sig: int) -> bool:
-    """Send `sig` to every group; True if any still existed."""
-    alive = False
-    for pgid in groups:
-        try:
-            os.killpg(pgid, sig)
+            kill(target, sig)
             alive = True
         except (ProcessLookupError, PermissionError):
             pass
@@ -79,12 +68,12 @@ def main(argv: list[str]) -> int:
         time.sleep(POLL_S)
     groups = _groups(registry)
     tree = descendants(groups)
-    if _signal_all(groups, signal.SIGTERM) or tree:
+    if _send(groups, signal.SIGTERM, os.killpg) or tree:
         deadline = time.monotonic() + GRACE_S
-        while time.monotonic() < deadline and (_signal_all(groups, 0) or _kill(tree, 0)):
+        while time.monotonic() < deadline and (_send(groups, 0, os.killpg) or _send(tree, 0)):
             time.sleep(0.1)
-        _signal_all(groups, signal.SIGKILL)
-        _kill(tree, signal.SIGKILL)
+        _send(groups, signal.SIGKILL, os.killpg)
+        _send(tree, signal.SIGKILL)
     registry.unlink(missing_ok=True)
     return 0
 
