@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from tonpolicy.config.sglang_rules import check_sglang
 
 KNOWN = {
     "mode": ("plan", "run", "align"),
-    "contract.kernels": ("contract", "default"),
+    "contract.kernels": ("contract", "triton", "default"),
     "contract.dtype": ("bfloat16", "float32"),
     "parallel.cp_type": ("none", "ulysses", "ring"),
     "rollout.backend": ("embedded", "sglang"),
@@ -200,11 +201,36 @@ def _check_layout(cfg: Config, bad: Any) -> None:
         bad("trainer.nnodes", f"must divide the world size tp*pp*cp*dp={ws}")
     if cfg.trainer.nnodes > 1 and cfg.mode != "plan":
         bad("trainer.nnodes", "the launcher starts one node: use mode=plan for a multi-node plan")
-    if c.kernels == "contract":
+    if c.kernels == "triton":
+        _check_triton(cfg, bad)
+    if c.kernels in ("contract", "triton"):
         if c.canonical_shards % p.tp:
             bad("parallel.tp", f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}")
         if c.canonical_shards % rtp:
             bad("parallel.rollout_tp", f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}")
+
+
+def _check_triton(cfg: Config, bad: Any) -> None:
+    """The triton kernel set: CUDA GPUs (the CPU runs it only in Triton's interpreter, for tests)."""
+    from tonpolicy.kernels import TRITON_ATTENTION_TILE
+
+    c = cfg.contract
+    if c.attention_tile != TRITON_ATTENTION_TILE:
+        bad("contract.attention_tile", f"the triton kernel set uses {TRITON_ATTENTION_TILE}-key tiles")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if cfg.trainer.device == "cpu" and not interpreted:
+        bad("trainer.device", f"contract {c.name} runs Triton kernels on CUDA GPUs: set trainer.device=cuda "
+            "(on a CPU only under TRITON_INTERPRET=1, which is for tests)")
+    if cfg.trainer.device == "auto" and not interpreted and not _cuda_available():
+        bad("trainer.device", f"contract {c.name} runs Triton kernels on CUDA GPUs and this machine has none")
+    if cfg.rollout.backend == "sglang" and cfg.trainer.device != "cuda":
+        bad("rollout.backend", f"contract {c.name} in SGLang needs CUDA: set trainer.device=cuda")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _check_contract(cfg: Config, bad: Any) -> None:

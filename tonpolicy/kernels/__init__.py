@@ -1,10 +1,15 @@
-"""Kernel sets: `contract` (bitwise-invariant numerics) and `default` (plain torch, the negative control)."""
+"""Kernel sets: `contract` (bitwise-invariant numerics, CPU and any torch device), `triton` (the same
+invariances on GPU tensor cores, its own numerics) and `default` (plain torch, the negative control)."""
 
 from __future__ import annotations
 
 from tonpolicy.kernels.base import AttnPartial, KernelSet
 
-__all__ = ["AttnPartial", "KernelSet", "get_kernels", "padded_vocab_size"]
+__all__ = ["AttnPartial", "KernelSet", "TRITON_ATTENTION_TILE", "get_kernels", "padded_vocab_size"]
+
+# The triton set's key tile (tonpolicy.kernels.triton_attention.TILE; here so config validation need
+# not import Triton).
+TRITON_ATTENTION_TILE = 64
 
 
 def padded_vocab_size(vocab_size: int, canonical_shards: int) -> int:
@@ -25,7 +30,7 @@ def get_kernels(
     attention_row_tile: int = 8,
     prefill_row_tile: int = 128,
 ) -> KernelSet:
-    """Build a kernel set by name ("contract" or "default").
+    """Build a kernel set by name ("contract", "triton" or "default").
 
     attention_tile: keys per split-KV tile; canonical_shards: K-shards of every linear (TP must divide
     it); row_tile: rows per linear GEMM; prefill_row_tile: rows per linear GEMM for long inputs (same
@@ -37,8 +42,15 @@ def get_kernels(
             attention_tile=attention_tile, canonical_shards=canonical_shards, row_tile=row_tile,
             attention_row_tile=attention_row_tile, prefill_row_tile=prefill_row_tile,
         )
+    if name == "triton":
+        # Fixed tiles of its own (64-key attention tiles); only the canonical shard count is a choice.
+        from tonpolicy.kernels.triton_set import TritonKernels
+
+        if attention_tile != TRITON_ATTENTION_TILE:
+            raise ValueError(f"the triton kernel set uses {TRITON_ATTENTION_TILE}-key tiles, got attention_tile={attention_tile}")
+        return TritonKernels(canonical_shards=canonical_shards)
     if name == "default":
         from tonpolicy.kernels.default import DefaultKernels
 
         return DefaultKernels(attention_tile=attention_tile, canonical_shards=canonical_shards)
-    raise ValueError(f"unknown kernel set {name!r} (expected 'contract' or 'default')")
+    raise ValueError(f"unknown kernel set {name!r} (expected 'contract', 'triton' or 'default')")

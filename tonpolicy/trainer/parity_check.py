@@ -20,7 +20,10 @@ from tonpolicy.trainer.dist import Layout
 CONTRACTS = {
     "contract": dict(name="qwen3_dense_v1", kernels="contract", exact_zero=True),
     "off_policy": dict(name="off_policy", kernels="default", exact_zero=False),
+    # GPU (or Triton's interpreter in tests); not part of the default job lists.
+    "triton": dict(name="qwen3_dense_triton_v1", kernels="triton", exact_zero=True, attention_tile=64),
 }
+CPU_CONTRACTS = ("contract", "off_policy")
 
 
 def make_config(layout: Layout, dtype: str, contract: str, temperature: float) -> Config:
@@ -33,7 +36,7 @@ def make_config(layout: Layout, dtype: str, contract: str, temperature: float) -
 
 
 def rollout(checkpoint: str | Path, kernels: str, n: int, prompt_len: int, max_new_tokens: int,
-            temperature: float, seed: int = 0) -> dict[str, Any]:
+            temperature: float, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
     """Sample `n` responses (varied prompt lengths) with the embedded engine; decode logprobs."""
     from tonpolicy.kernels import get_kernels
     from tonpolicy.model.checkpoint import load_hf
@@ -42,7 +45,9 @@ def rollout(checkpoint: str | Path, kernels: str, n: int, prompt_len: int, max_n
 
     cfg, sd = load_hf(checkpoint)
     dtype = next(iter(sd.values())).dtype
-    engine = Engine(Qwen3(cfg, get_kernels(kernels), dtype, sd), max_running_requests=max(2, n // 2))
+    params = {"attention_tile": CONTRACTS["triton"]["attention_tile"]} if kernels == "triton" else {}
+    model = Qwen3(cfg, get_kernels(kernels, **params), dtype, sd).to(device)
+    engine = Engine(model, max_running_requests=max(2, n // 2))
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, cfg.vocab_size, (prompt_len - 3 * i,), generator=g).tolist() for i in range(n)]
     reqs = [GenRequest(p, max_new_tokens, temperature=temperature, seed=seed * 100 + i) for i, p in enumerate(prompts)]
@@ -94,11 +99,11 @@ def _export_round_trips(worker: Any, checkpoint: str | Path) -> bool | None:
 
 
 def layout_jobs(layouts: list[Layout], checkpoints: dict[str, str], rollouts: dict[tuple[str, str], Any],
-                temperature: float) -> list[dict[str, Any]]:
+                temperature: float, contracts: tuple[str, ...] = CPU_CONTRACTS) -> list[dict[str, Any]]:
     """Every layout x dtype x contract (rollouts keyed by (dtype, contract))."""
     return [dict(layout=lay, dtype=dt, contract=c, checkpoint=checkpoints[dt], rollout=rollouts[(dt, c)],
                  temperature=temperature)
-            for lay in layouts for dt in checkpoints for c in CONTRACTS]
+            for lay in layouts for dt in checkpoints for c in contracts]
 
 
 def replace_layout(layout: Layout, **kw: Any) -> Layout:

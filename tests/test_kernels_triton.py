@@ -1,0 +1,181 @@
+"""The `triton` kernel set's structure, in Triton's interpreter on this CPU (fp32 and fp16 operands:
+the interpreter's bf16 `tl.dot` is wrong). Proven here: row/M, N-shard and TP-shard invariance of the
+GEMM (fused and split routes), attention through one kernel for prefill, chunked prefill, paged decode
+and ring-CP tiles, per-row invariance of the row-local ops, closeness to the reference formulas, and
+the reference gradients under autograd. Negative controls: an M-dependent split-K GEMM and a
+misaligned key tiling fail the same checks. On a GPU, experiments/gpu_triton_check.py proves the bits
+of the compiled kernels (bf16 included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tonpolicy.kernels import contract_pointwise as ref
+from tonpolicy.kernels import get_kernels
+from tonpolicy.kernels import triton_attention as ta
+from tonpolicy.kernels import triton_linear as tlin
+from tonpolicy.kernels.contract_linear import tree_sum
+
+# Triton 3.6's interpreter converts 1-element arrays to Python ints the way NumPy deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+DTYPES = [torch.float32, torch.float16]
+K, N = 256, 160  # 4 canonical shards of 64 (one BLOCK_K each); N spans two column tiles
+
+
+def _data(m: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, K, generator=g).to(dtype), (torch.randn(N, K, generator=g) / 16).to(dtype)
+
+
+def _row_invariant(linear, x: torch.Tensor, w: torch.Tensor) -> bool:  # noqa: ANN001
+    """Rows computed in calls of M = 1, 3, 130 and 520 (split and fused routes) equal one another."""
+    full = linear(x, w)
+    return all(torch.equal(linear(x[lo:hi], w), full[lo:hi]) for lo, hi in ((0, 1), (5, 8), (390, 520), (0, 130)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_invariant_to_m_and_route(dtype: torch.dtype) -> None:
+    x, w = _data(520, dtype)
+    assert tlin.triton.cdiv(520, tlin.BLOCK_M) >= tlin.SPLIT_BELOW_ROW_TILES  # the fused route is taken
+    assert _row_invariant(lambda a, b: tlin.linear(a, b, 4, torch.float32), x, w)
+
+
+def test_negative_control_m_dependent_split_breaks_row_invariance() -> None:
+    """cuBLAS-style: split K and reduce by a tree for short inputs only. The same check catches it."""
+    x, w = _data(520, torch.float32)
+
+    def m_dependent(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if a.shape[0] <= 16:
+            return tree_sum(tlin.partials(a, b, 4))
+        return tlin.linear(a, b, 4, torch.float32)
+
+    assert not _row_invariant(m_dependent, x, w)
+    assert (m_dependent(x[:1], w) != tlin.linear(x, w, 4, torch.float32)[:1]).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_column_shards_and_tp_shards(dtype: torch.dtype) -> None:
+    x, w = _data(70, dtype, 1)
+    full = tlin.linear(x, w, 4, dtype)
+    for lo, hi in ((0, 64), (64, 160), (32, 97)):  # N-shards, aligned to the tile or not
+        assert torch.equal(tlin.linear(x, w[lo:hi], 4, dtype), full[:, lo:hi])
+    for tp in (1, 2, 4):  # each rank: its K columns, its share of the canonical shards; rank order
+        ks = K // tp
+        stack = torch.cat([tlin.partials(x[:, r * ks:(r + 1) * ks], w[:, r * ks:(r + 1) * ks], 4 // tp)
+                           for r in range(tp)])
+        assert torch.equal(tlin.fold(stack, dtype), full), tp
+    assert torch.allclose(full.float(), x.float() @ w.float().T, atol=2e-2 if dtype == torch.float16 else 1e-4)
+
+
+def _attn_data(n: int, dtype: torch.dtype, hq: int = 4, hkv: int = 2, d: int = 32):
+    g = torch.Generator().manual_seed(n)
+    return tuple(torch.randn(n, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+
+
+def _reference_attention(q, k, v, scale):  # noqa: ANN001, ANN202
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(g, 1)) * scale
+    n = q.shape[0]
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v.float().repeat_interleave(g, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_prefill_chunked_decode_one_structure(dtype: torch.dtype) -> None:
+    kern = get_kernels("triton", attention_tile=64)
+    n, scale = 150, 0.2
+    q, k, v = _attn_data(n, dtype)
+    pos = torch.arange(n)
+    full = kern.attention(q, k, v, pos, pos, scale)
+    assert torch.allclose(full.float(), _reference_attention(q, k, v, scale), atol=2e-3 if dtype == torch.float16 else 1e-5)
+    # Chunked prefill: queries [100, 150) over every key.
+    assert torch.equal(kern.attention(q[100:], k, v, pos[100:], pos, scale), full[100:])
+    # Paged decode from a 2-slot pool (slot 1 holds this sequence; stale NaN rows past its end), batched
+    # with another sequence of a different length.
+    cap = 256
+    kp = torch.full((2, cap, 2, 32), float("nan")).to(dtype)
+    vp = kp.clone()
+    kp[1, :n], vp[1, :n] = k, v
+    kp[0, :40], vp[0, :40] = k[:40] * 2, v[:40]
+    for i in (0, 63, 64, 127, 149):
+        q2 = torch.stack([q[39], q[i]])[:, None]
+        out = kern.attention_pooled(q2, torch.tensor([[39], [i]]), kp, vp, torch.tensor([0, 1]), max(i + 1, 40), scale)
+        assert torch.equal(out[1, 0], full[i]), i
+    # Batched sequences: the same rows whatever the batch holds.
+    qb, kb, vb = (torch.stack([t, t.flip(0)]) for t in (q, k, v))
+    out = kern.attention_batched(qb, kb, vb, torch.stack([pos, pos]), torch.stack([pos, pos]), scale)
+    assert torch.equal(out[0], full)
+
+
+def test_attention_ring_tiles_merge_to_the_single_device_result() -> None:
+    kern = get_kernels("triton", attention_tile=64)
+    n, scale = 192, 0.3
+    q, k, v = _attn_data(n, torch.float32)
+    pos = torch.arange(n)
+    full = kern.attention(q, k, v, pos, pos, scale)
+    parts = [kern.attention_tile(q, k[t:t + 64], v[t:t + 64], pos, pos[t:t + 64], scale) for t in range(0, n, 64)]
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = kern.merge(acc, p)
+    assert torch.equal(kern.finalize(acc, q.dtype), full)
+
+
+def test_negative_control_misaligned_key_tiles_change_bits() -> None:
+    """Keys folded in 48-key pieces (tiles not aligned to the contract's 64) give other bits."""
+    n, scale = 192, 0.3
+    q, k, v = _attn_data(n, torch.float32)
+    pos = torch.arange(n)
+    aligned = ta.attention_indexed(q[None], pos[None], k, v, pos[None], pos[None], torch.tensor([n]), scale)[0]
+    acc = None
+    for t in range(0, n, 48):
+        idx = torch.arange(48)[None]
+        p = ta.attention_indexed(q[None], pos[None], k[t:t + 48], v[t:t + 48], idx, pos[None, t:t + 48],
+                                 torch.tensor([48]), scale, partial=True)
+        acc = p if acc is None else ta.merge(acc, p)
+    misaligned = ta.finalize(acc[1], acc[2], torch.float32)[0]
+    assert torch.allclose(misaligned, aligned, atol=1e-5)
+    assert not torch.equal(misaligned, aligned)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_local_ops_match_reference_and_are_row_invariant(dtype: torch.dtype) -> None:
+    kern = get_kernels("triton", attention_tile=64)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 96, generator=g).to(dtype)
+    w = (1 + torch.randn(96, generator=g) / 10).to(dtype)
+    y = kern.rms_norm(x, w, 1e-6)
+    assert torch.equal(kern.rms_norm(x[5:6], w, 1e-6), y[5:6])
+    assert torch.allclose(y.float(), ref.rms_norm(x, w, 1e-6).float(), atol=1e-2 if dtype == torch.float16 else 1e-6)
+    inter = torch.randn(9, 2 * 96, generator=g).to(dtype)
+    gate, up = inter.chunk(2, dim=-1)
+    s = kern.swiglu(gate, up)
+    assert torch.equal(kern.swiglu(gate[2:3], up[2:3]), s[2:3])
+    assert torch.allclose(s.float(), ref.swiglu(gate, up).float(), atol=1e-2 if dtype == torch.float16 else 1e-6)
+    qk = torch.randn(12, 6, 32, generator=g).to(dtype)
+    cos, sin = kern.rope_cos_sin(torch.arange(12), 32, 1e6)
+    r = kern.apply_rope(qk, cos, sin)
+    assert torch.equal(kern.apply_rope(qk[4:5], cos[4:5], sin[4:5]), r[4:5])
+    assert torch.equal(r, ref.apply_rope(qk, cos, sin))  # IEEE * and + in both (no FMA), one rounding
+    logits = torch.randn(7, 3000, generator=g) * 3
+    tok = torch.randint(0, 2003, (7,), generator=g)
+    for t in (1.0, 0.7):
+        lp = kern.logprobs(logits, tok, 2003, t)
+        assert torch.equal(kern.logprobs(logits[3:4], tok[3:4], 2003, t), lp[3:4])
+        assert torch.allclose(lp, ref.logprobs(logits, tok, 2003, t), atol=1e-5)
+
+
+def test_row_local_ops_backward_is_the_reference_gradient() -> None:
+    kern = get_kernels("triton", attention_tile=64)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 64, generator=g, requires_grad=True)
+    w = (1 + torch.randn(64, generator=g) / 10).requires_grad_()
+    cot = torch.randn(5, 64, generator=g)
+    got = torch.autograd.grad(kern.rms_norm(x, w, 1e-6), (x, w), cot)
+    want = torch.autograd.grad(ref.rms_norm(x, w, 1e-6), (x, w), cot)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    logits = torch.randn(3, 600, generator=g, requires_grad=True)
+    tok = torch.tensor([1, 5, 300])
+    got = torch.autograd.grad(kern.logprobs(logits, tok, 500, 0.9).sum(), logits)[0]
+    want = torch.autograd.grad(ref.logprobs(logits, tok, 500, 0.9).sum(), logits)[0]
+    assert torch.equal(got, want)

@@ -1,0 +1,157 @@
+"""The `triton` kernel set: the contract's invariances at tensor-core speed on GPUs.
+
+A kernel set of its own (its own fingerprint), not a CUDA build of `contract`: bf16 operands multiply
+on tensor cores (fp32 accumulation) instead of being upcast, K-shards fold left to right, exp/log are
+Triton's. Its bits therefore differ from `contract`'s on the CPU; what it guarantees is the same list
+of invariances (batch, row, chunking, prefill/decode, TP 1/2/4, CP), between every caller of these
+kernels on the same GPU model and Triton version (both are in the runtime fingerprint). Both engines
+call it: the embedded engine and the SGLang model package through `KernelSet`, the Megatron layer
+spec through the same functions.
+
+Only the forward is under the contract. With autograd on, each row-local op runs the kernel forward
+and the gradient of its textbook fp32 formula (`contract_pointwise`), like the linears and attention
+of `trainer.fast_backward`. Runs on CPU only under TRITON_INTERPRET=1 (tests; slow).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+from tonpolicy.kernels import contract_pointwise as ref
+from tonpolicy.kernels import triton_attention as ta
+from tonpolicy.kernels import triton_linear as tlin
+from tonpolicy.kernels import triton_rowwise as trow
+from tonpolicy.kernels.base import AttnPartial
+
+
+class _KernelForward(torch.autograd.Function):
+    """Forward by the kernel, backward by differentiating the reference formula (recomputed)."""
+
+    @staticmethod
+    def forward(ctx: Any, kernel: Callable, reference: Callable, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.reference = reference
+        ctx.save_for_backward(*inputs)
+        return kernel(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        inputs = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, ctx.needs_input_grad[2:], strict=True)]
+            out = ctx.reference(*leaves)
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (None, None, *[next(grads) if t.requires_grad else None for t in leaves])
+
+
+def _run(kernel: Callable, reference: Callable, *inputs: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _KernelForward.apply(kernel, reference, *inputs)
+    return kernel(*inputs)
+
+
+class TritonKernels:
+    name = "triton"
+
+    def __init__(self, *, canonical_shards: int = 4) -> None:
+        self.tile_size = ta.TILE
+        self.canonical_shards = canonical_shards
+
+    def describe(self) -> dict[str, Any]:
+        """Everything that affects numerics, for the contract fingerprint."""
+        return {
+            "kernel_set": self.name,
+            "triton": triton.__version__,
+            "canonical_shards": self.canonical_shards,
+            "linear": f"tl.dot tiles {tlin.BLOCK_M}x{tlin.BLOCK_N}x{tlin.BLOCK_K} ({tlin.NUM_WARPS} warps, "
+            f"{tlin.NUM_STAGES} stages), fp32 accumulation, K walked in order, canonical K-shards folded "
+            "left to right",
+            "attention": f"split-KV {ta.BLOCK_M} rows (queries x GQA heads) x {ta.TILE}-key tiles from "
+            "position 0, per-tile (m,l,acc) merged in key order, p rounded to the KV dtype",
+            "rms_norm": "fp32 div_rn(sum(x^2), K), div_rn(x, sqrt_rn(var+eps))*w, one rounding",
+            "swiglu": "fp32 div_rn(g, 1+exp(-g))*u, one rounding",
+            "rope": "fp32 x*cos + rotate_half(x)*sin, cos/sin tables of the contract set (CPU-built)",
+            "logits": "fp32",
+            "logprobs": f"fp32 log_softmax(div_rn(logits[:vocab], T)) in {trow.LOGPROB_BLOCK}-wide lanes",
+            "fp_fusion": False,
+        }
+
+    # --- linear -------------------------------------------------------------------------------
+    def linear_partials(self, x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:
+        return tlin.partials(x, weight.detach(), num_shards)
+
+    def combine_partials(self, partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return tlin.fold(partials, out_dtype)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return tlin.linear(x, weight.detach(), self.canonical_shards, x.dtype)
+
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return tlin.linear(x, weight.detach(), self.canonical_shards, torch.float32)
+
+    # --- norms / activations / rotary ----------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return _run(lambda a, w: trow.rms_norm(a, w, eps), lambda a, w: ref.rms_norm(a, w, eps), x, weight)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return _run(trow.swiglu, ref.swiglu, gate, up)
+
+    def rope_cos_sin(self, positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.rope_cos_sin(positions, head_dim, theta)
+
+    def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return _run(lambda a: trow.apply_rope(a, cos, sin), lambda a: ref.apply_rope(a, cos, sin), x)
+
+    # --- attention ------------------------------------------------------------------------------
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                  k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+        nk = k.shape[0]
+        index = torch.arange(nk, device=q.device)[None]
+        return ta.attention_indexed(q[None], q_pos[None], k, v, index, k_pos[None],
+                                    torch.full((1,), nk, device=q.device), scale)[0]
+
+    def attention_batched(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                          k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+        b, nk = k.shape[:2]
+        index = (torch.arange(b, device=q.device) * nk)[:, None] + torch.arange(nk, device=q.device)
+        return ta.attention_indexed(q, q_pos, k.reshape(b * nk, *k.shape[2:]), v.reshape(b * nk, *v.shape[2:]),
+                                    index, k_pos, torch.full((b,), nk, device=q.device), scale)
+
+    def attention_pooled(self, q: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         slots: torch.Tensor, num_keys: int, scale: float) -> torch.Tensor:
+        """q [B, Nq, Hq, D] over a KV pool [slots, cap, Hkv, D] (key j at position j of its slot)."""
+        s, cap = k_pool.shape[:2]
+        keys = torch.arange(num_keys, device=q.device)
+        b = q.shape[0]
+        index = slots.to(q.device)[:, None] * cap + keys
+        return ta.attention_indexed(q, q_pos, k_pool.view(s * cap, *k_pool.shape[2:]),
+                                    v_pool.view(s * cap, *v_pool.shape[2:]), index, keys.expand(b, -1),
+                                    torch.full((b,), num_keys, device=q.device), scale)
+
+    def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The kernel reads keys/values in the model dtype (tensor-core operands)."""
+        return dtype
+
+    def attention_tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                       k_pos: torch.Tensor, scale: float) -> AttnPartial:
+        if k.shape[0] != self.tile_size:
+            raise ValueError(f"attention_tile takes exactly {self.tile_size} keys, got {k.shape[0]}")
+        index = torch.arange(self.tile_size, device=q.device)[None]
+        m, l, acc = ta.attention_indexed(q[None], q_pos[None], k, v, index, k_pos[None],  # noqa: E741
+                                         torch.full((1,), self.tile_size, device=q.device), scale, partial=True)
+        return AttnPartial(m[0], l[0], acc[0])
+
+    def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:
+        return AttnPartial(*ta.merge(tuple(a), tuple(b)))
+
+    def finalize(self, p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
+        return ta.finalize(p.l, p.acc, dtype)
+
+    # --- logprobs -------------------------------------------------------------------------------
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+        return _run(lambda x: trow.logprobs(x, tokens, vocab_size, temperature),
+                    lambda x: ref.logprobs(x, tokens, vocab_size, temperature), logits)
