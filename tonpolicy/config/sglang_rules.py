@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from tonpolicy.config.schema import Config
+from tonpolicy.kernels import INVARIANT_KERNEL_SETS
 
 # The model package that carries the contract into released SGLang.
 CONTRACT_SGLANG_PACKAGE = "tonpolicy.rollout.sglang_model"
@@ -15,10 +16,10 @@ CONTRACT_SGLANG_PACKAGE = "tonpolicy.rollout.sglang_model"
 def check_sglang(cfg: Config, bad: Any) -> None:
     """Rules for released SGLang: what the contract needs inside it, what its CPU engine accepts."""
     c, pol = cfg.contract, cfg.contract.sglang
-    if c.kernels == "contract" and pol.model_package != CONTRACT_SGLANG_PACKAGE:
+    if c.kernels in INVARIANT_KERNEL_SETS and pol.model_package != CONTRACT_SGLANG_PACKAGE:
         bad("contract.sglang.model_package", f"contract {c.name} runs its kernels inside SGLang only through "
             f"{CONTRACT_SGLANG_PACKAGE!r}; SGLang's own kernels cannot reproduce its bits")
-    if c.kernels != "contract" and pol.model_package:
+    if c.kernels not in INVARIANT_KERNEL_SETS and pol.model_package:
         bad("contract.sglang.model_package", f"kernel set {c.kernels!r} is stock SGLang's: must be null")
     if pol.model_package:
         if pol.enable_deterministic_inference:

@@ -16,6 +16,7 @@ from typing import Any
 from tonpolicy.config.hf_check import hf_config_mismatches
 from tonpolicy.config.schema import Config
 from tonpolicy.config.sglang_rules import check_sglang
+from tonpolicy.kernels import INVARIANT_KERNEL_SETS
 
 KNOWN = {
     "mode": ("plan", "run", "align"),
@@ -203,7 +204,7 @@ def _check_layout(cfg: Config, bad: Any) -> None:
         bad("trainer.nnodes", "the launcher starts one node: use mode=plan for a multi-node plan")
     if c.kernels == "triton":
         _check_triton(cfg, bad)
-    if c.kernels in ("contract", "triton"):
+    if c.kernels in INVARIANT_KERNEL_SETS:
         if c.canonical_shards % p.tp:
             bad("parallel.tp", f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}")
         if c.canonical_shards % rtp:

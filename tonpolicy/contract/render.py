@@ -14,6 +14,7 @@ from typing import Any
 from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import padded_seq_len, seq_pad_multiple, world_size
 from tonpolicy.contract.identity import identity, kernel_params
+from tonpolicy.kernels import INVARIANT_KERNEL_SETS
 from tonpolicy.rollout.sglang_env import (
     CPU_MAX_TOTAL_TOKENS,
     server_environment,
@@ -125,7 +126,7 @@ def megatron_config(cfg: Config) -> dict[str, Any]:
             "position_embedding_type": "rope",
             "rotary_base": m.rope_theta,
             "share_embeddings_and_output_weights": m.tie_word_embeddings,
-            "layer_spec": "tonpolicy_contract" if c.kernels == "contract" else "megatron_local",
+            "layer_spec": "tonpolicy_contract" if c.kernels in INVARIANT_KERNEL_SETS else "megatron_local",
             "transformer_engine": False,
         },
         "parallel_state": {

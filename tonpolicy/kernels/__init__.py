@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from tonpolicy.kernels.base import AttnPartial, KernelSet
 
-__all__ = ["AttnPartial", "KernelSet", "TRITON_ATTENTION_TILE", "get_kernels", "padded_vocab_size"]
+__all__ = ["AttnPartial", "INVARIANT_KERNEL_SETS", "KernelSet", "TRITON_ATTENTION_TILE", "get_kernels", "padded_vocab_size"]
+
+# Kernel sets that keep the contract's invariances (the others are negative controls).
+INVARIANT_KERNEL_SETS = ("contract", "triton")
 
 # The triton set's key tile (tonpolicy.kernels.triton_attention.TILE; here so config validation need
 # not import Triton).

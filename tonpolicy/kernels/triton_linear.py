@@ -29,17 +29,37 @@ SPLIT_BELOW_ROW_TILES = 4
 
 
 @triton.jit
-def _shard_acc(x_ptr, w_ptr, rm, rn, M, N, k_lo, k_shard, stride_xm, stride_wn,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _shard_acc(
+    x_ptr,
+    w_ptr,
+    rm,
+    rn,
+    M,
+    N,
+    k_lo,
+    k_shard,
+    stride_xm,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """fp32 [BLOCK_M, BLOCK_N] = x[rm, k_lo:k_lo+k_shard] @ w[rn, same].T, K walked in BLOCK_K steps."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_shard, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < k_shard
-        a = tl.load(x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :],
-                    mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
-        b = tl.load(w_ptr + rn[None, :] * stride_wn + (k_lo + rk)[:, None],
-                    mask=(rn[None, :] < N) & kmask[:, None], other=0.0)
+        a = tl.load(
+            x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :],
+            mask=(rm[:, None] < M) & kmask[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + rn[None, :] * stride_wn + (k_lo + rk)[:, None],
+            mask=(rn[None, :] < N) & kmask[:, None],
+            other=0.0,
+        )
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -48,31 +68,95 @@ def _shard_acc(x_ptr, w_ptr, rm, rn, M, N, k_lo, k_shard, stride_xm, stride_wn,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _partials_kernel(x_ptr, w_ptr, out_ptr, M, N, k_shard, stride_xm, stride_wn, stride_os, stride_om,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _partials_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    k_shard,
+    stride_xm,
+    stride_wn,
+    stride_os,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """One program per (row tile, column tile, shard): out[s] = fp32 partial of shard s."""
     pm, pn, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _shard_acc(x_ptr, w_ptr, rm, rn, M, N, s * k_shard, k_shard, stride_xm, stride_wn,
-                     BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-    tl.store(out_ptr + s * stride_os + rm[:, None] * stride_om + rn[None, :], acc,
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    acc = _shard_acc(
+        x_ptr,
+        w_ptr,
+        rm,
+        rn,
+        M,
+        N,
+        s * k_shard,
+        k_shard,
+        stride_xm,
+        stride_wn,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        IEEE,
+    )
+    tl.store(
+        out_ptr + s * stride_os + rm[:, None] * stride_om + rn[None, :],
+        acc,
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fused_kernel(x_ptr, w_ptr, out_ptr, M, N, k_shard, stride_xm, stride_wn, stride_om, shards,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _fused_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    k_shard,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    shards,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """All partials of one output tile, folded left to right in shard order in registers."""
     pm, pn = tl.program_id(0), tl.program_id(1)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = _shard_acc(x_ptr, w_ptr, rm, rn, M, N, 0, k_shard, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    y = _shard_acc(
+        x_ptr, w_ptr, rm, rn, M, N, 0, k_shard, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE
+    )
     for s in range(1, shards):
-        y = y + _shard_acc(x_ptr, w_ptr, rm, rn, M, N, s * k_shard, k_shard, stride_xm, stride_wn,
-                           BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+        y = y + _shard_acc(
+            x_ptr,
+            w_ptr,
+            rm,
+            rn,
+            M,
+            N,
+            s * k_shard,
+            k_shard,
+            stride_xm,
+            stride_wn,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            IEEE,
+        )
+    tl.store(
+        out_ptr + rm[:, None] * stride_om + rn[None, :],
+        y.to(out_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
 
 
 @triton.jit
@@ -91,7 +175,9 @@ def _launch_opts() -> dict:
     return {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "enable_fp_fusion": False}
 
 
-def _prepare(x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _prepare(
+    x: torch.Tensor, weight: torch.Tensor, num_shards: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     k = x.shape[-1]
     if weight.shape[1] != k or k % num_shards:
         raise ValueError(f"K={k} must match weight {tuple(weight.shape)} and divide into {num_shards} shards")
@@ -107,9 +193,23 @@ def partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Te
     out = torch.empty(num_shards, m, n, dtype=torch.float32, device=x.device)
     if m:
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), num_shards)
-        _partials_kernel[grid](x2, w, out, m, n, ks, x2.stride(0), w.stride(0), out.stride(0), out.stride(1),
-                               BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                               IEEE=x2.dtype == torch.float32, **_launch_opts())
+        _partials_kernel[grid](
+            x2,
+            w,
+            out,
+            m,
+            n,
+            ks,
+            x2.stride(0),
+            w.stride(0),
+            out.stride(0),
+            out.stride(1),
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            IEEE=x2.dtype == torch.float32,
+            **_launch_opts(),
+        )
     return out.view(num_shards, *x.shape[:-1], n)
 
 
@@ -121,8 +221,9 @@ def fold(stack: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     numel = out.numel()
     if numel:
         block = 1024
-        _fold_kernel[(triton.cdiv(numel, block),)](stack, out, numel, stack.stride(0), c, BLOCK=block,
-                                                   enable_fp_fusion=False)
+        _fold_kernel[(triton.cdiv(numel, block),)](
+            stack, out, numel, stack.stride(0), c, BLOCK=block, enable_fp_fusion=False
+        )
     return out
 
 
@@ -134,7 +235,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, num_shards: int, out_dtype: to
         return fold(partials(x2, w, num_shards), out_dtype).view(*x.shape[:-1], n)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _fused_kernel[grid](x2, w, out, m, n, ks, x2.stride(0), w.stride(0), out.stride(0), num_shards,
-                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=x2.dtype == torch.float32,
-                        **_launch_opts())
+    _fused_kernel[grid](
+        x2,
+        w,
+        out,
+        m,
+        n,
+        ks,
+        x2.stride(0),
+        w.stride(0),
+        out.stride(0),
+        num_shards,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        IEEE=x2.dtype == torch.float32,
+        **_launch_opts(),
+    )
     return out.view(*x.shape[:-1], n)

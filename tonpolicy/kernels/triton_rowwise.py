@@ -40,8 +40,20 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, stride_o, BLOCK
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, s_xn, s_xh, s_cn, s_on, s_oh,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    heads,
+    s_xn,
+    s_xh,
+    s_cn,
+    s_on,
+    s_oh,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     n, hb = tl.program_id(0), tl.program_id(1)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hok = (h < heads)[:, None]
@@ -89,8 +101,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         k = x2.shape[1]
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), out, k, x2.stride(0), out.stride(0), float(eps),
-                                         BLOCK=triton.next_power_of_2(k), enable_fp_fusion=False)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2,
+            weight.contiguous(),
+            out,
+            k,
+            x2.stride(0),
+            out.stride(0),
+            float(eps),
+            BLOCK=triton.next_power_of_2(k),
+            enable_fp_fusion=False,
+        )
     return out.view(x.shape)
 
 
@@ -100,7 +121,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, n = g2.shape
     if rows:
         _swiglu_kernel[(rows, triton.cdiv(n, POINTWISE_BLOCK))](
-            g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0), BLOCK=POINTWISE_BLOCK, enable_fp_fusion=False)
+            g2,
+            u2,
+            out,
+            n,
+            g2.stride(0),
+            u2.stride(0),
+            out.stride(0),
+            BLOCK=POINTWISE_BLOCK,
+            enable_fp_fusion=False,
+        )
     return out.view(gate.shape)
 
 
@@ -113,9 +143,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     out = torch.empty(n, h, d, dtype=x.dtype, device=x.device)
     if n * h:
         block_h = min(16, triton.next_power_of_2(h))
-        _rope_kernel[(n, triton.cdiv(h, block_h))](x, cos, sin, out, h, x.stride(0), x.stride(1), cos.stride(0),
-                                                   out.stride(0), out.stride(1), HALF=d // 2, BLOCK_H=block_h,
-                                                   enable_fp_fusion=False)
+        _rope_kernel[(n, triton.cdiv(h, block_h))](
+            x,
+            cos,
+            sin,
+            out,
+            h,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            out.stride(0),
+            out.stride(1),
+            HALF=d // 2,
+            BLOCK_H=block_h,
+            enable_fp_fusion=False,
+        )
     return out
 
 
@@ -125,6 +167,14 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temper
     t = tokens.reshape(-1).to(device=logits.device, dtype=torch.int64).contiguous()
     out = torch.empty(t.shape[0], dtype=torch.float32, device=logits.device)
     if t.numel():
-        _logprob_kernel[(t.shape[0],)](x2, t, out, vocab_size, x2.stride(0), float(temperature), BLOCK=LOGPROB_BLOCK,
-                                       enable_fp_fusion=False)
+        _logprob_kernel[(t.shape[0],)](
+            x2,
+            t,
+            out,
+            vocab_size,
+            x2.stride(0),
+            float(temperature),
+            BLOCK=LOGPROB_BLOCK,
+            enable_fp_fusion=False,
+        )
     return out.view(tokens.shape)

@@ -41,7 +41,10 @@ class _KernelForward(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         inputs = ctx.saved_tensors
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, ctx.needs_input_grad[2:], strict=True)]
+            leaves = [
+                t.detach().requires_grad_(need)
+                for t, need in zip(inputs, ctx.needs_input_grad[2:], strict=True)
+            ]
             out = ctx.reference(*leaves)
             wanted = [t for t in leaves if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad))
@@ -100,50 +103,106 @@ class TritonKernels:
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return _run(trow.swiglu, ref.swiglu, gate, up)
 
-    def rope_cos_sin(self, positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_cos_sin(
+        self, positions: torch.Tensor, head_dim: int, theta: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return ref.rope_cos_sin(positions, head_dim, theta)
 
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return _run(lambda a: trow.apply_rope(a, cos, sin), lambda a: ref.apply_rope(a, cos, sin), x)
 
     # --- attention ------------------------------------------------------------------------------
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                  k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         nk = k.shape[0]
         index = torch.arange(nk, device=q.device)[None]
-        return ta.attention_indexed(q[None], q_pos[None], k, v, index, k_pos[None],
-                                    torch.full((1,), nk, device=q.device), scale)[0]
+        return ta.attention_indexed(
+            q[None], q_pos[None], k, v, index, k_pos[None], torch.full((1,), nk, device=q.device), scale
+        )[0]
 
-    def attention_batched(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                          k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    def attention_batched(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         b, nk = k.shape[:2]
         index = (torch.arange(b, device=q.device) * nk)[:, None] + torch.arange(nk, device=q.device)
-        return ta.attention_indexed(q, q_pos, k.reshape(b * nk, *k.shape[2:]), v.reshape(b * nk, *v.shape[2:]),
-                                    index, k_pos, torch.full((b,), nk, device=q.device), scale)
+        return ta.attention_indexed(
+            q,
+            q_pos,
+            k.reshape(b * nk, *k.shape[2:]),
+            v.reshape(b * nk, *v.shape[2:]),
+            index,
+            k_pos,
+            torch.full((b,), nk, device=q.device),
+            scale,
+        )
 
-    def attention_pooled(self, q: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                         slots: torch.Tensor, num_keys: int, scale: float) -> torch.Tensor:
+    def attention_pooled(
+        self,
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+        num_keys: int,
+        scale: float,
+    ) -> torch.Tensor:
         """q [B, Nq, Hq, D] over a KV pool [slots, cap, Hkv, D] (key j at position j of its slot)."""
         s, cap = k_pool.shape[:2]
         keys = torch.arange(num_keys, device=q.device)
         b = q.shape[0]
         index = slots.to(q.device)[:, None] * cap + keys
-        return ta.attention_indexed(q, q_pos, k_pool.view(s * cap, *k_pool.shape[2:]),
-                                    v_pool.view(s * cap, *v_pool.shape[2:]), index, keys.expand(b, -1),
-                                    torch.full((b,), num_keys, device=q.device), scale)
+        return ta.attention_indexed(
+            q,
+            q_pos,
+            k_pool.view(s * cap, *k_pool.shape[2:]),
+            v_pool.view(s * cap, *v_pool.shape[2:]),
+            index,
+            keys.expand(b, -1),
+            torch.full((b,), num_keys, device=q.device),
+            scale,
+        )
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The kernel reads keys/values in the model dtype (tensor-core operands)."""
         return dtype
 
-    def attention_tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                       k_pos: torch.Tensor, scale: float) -> AttnPartial:
+    def attention_tile(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        scale: float,
+    ) -> AttnPartial:
         if k.shape[0] != self.tile_size:
             raise ValueError(f"attention_tile takes exactly {self.tile_size} keys, got {k.shape[0]}")
         index = torch.arange(self.tile_size, device=q.device)[None]
-        m, l, acc = ta.attention_indexed(q[None], q_pos[None], k, v, index, k_pos[None],  # noqa: E741
-                                         torch.full((1,), self.tile_size, device=q.device), scale, partial=True)
-        return AttnPartial(m[0], l[0], acc[0])
+        m, den, acc = ta.attention_indexed(
+            q[None],
+            q_pos[None],
+            k,
+            v,
+            index,
+            k_pos[None],  # noqa: E741
+            torch.full((1,), self.tile_size, device=q.device),
+            scale,
+            partial=True,
+        )
+        return AttnPartial(m[0], den[0], acc[0])
 
     def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:
         return AttnPartial(*ta.merge(tuple(a), tuple(b)))
@@ -152,6 +211,11 @@ class TritonKernels:
         return ta.finalize(p.l, p.acc, dtype)
 
     # --- logprobs -------------------------------------------------------------------------------
-    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
-        return _run(lambda x: trow.logprobs(x, tokens, vocab_size, temperature),
-                    lambda x: ref.logprobs(x, tokens, vocab_size, temperature), logits)
+    def logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float
+    ) -> torch.Tensor:
+        return _run(
+            lambda x: trow.logprobs(x, tokens, vocab_size, temperature),
+            lambda x: ref.logprobs(x, tokens, vocab_size, temperature),
+            logits,
+        )

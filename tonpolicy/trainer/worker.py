@@ -15,7 +15,7 @@ from megatron.core import parallel_state as ps
 
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import kernel_params
-from tonpolicy.kernels import get_kernels
+from tonpolicy.kernels import INVARIANT_KERNEL_SETS, get_kernels
 from tonpolicy.rollout.types import logprob_temperature
 from tonpolicy.trainer import forward as fw
 from tonpolicy.trainer.dist import Layout, init_distributed
@@ -48,7 +48,7 @@ class TrainerWorker:
         kernels = get_kernels(c.kernels, **kernel_params(c))
         self.kernel_set = kernels  # what the runtime fingerprint is computed from
         if spec is None:
-            spec = "contract" if (c.kernels == "contract" or self.layout.cp > 1) else "stock"
+            spec = "contract" if (c.kernels in INVARIANT_KERNEL_SETS or self.layout.cp > 1) else "stock"
         self.spec = spec
         # The logprob recipe runs the kernel set's `logprobs` (stock spec: plain torch, same formula).
         self.kernels = kernels if spec == "contract" else None
