@@ -8,7 +8,9 @@
 #     --platform manylinux2014_x86_64 -d .whl megatron-core==0.16.1 hydra-core==1.3.2 omegaconf==2.3.0 \
 #     antlr4-python3-runtime==4.9.3 PyYAML
 # (if megatron-core has no cp312 manylinux wheel for that platform tag, add the --platform tags that
-# ../.library/device/README.md lists). Results: $OUT/gpu_check.json and $OUT/gpu_check.log.
+# ../.library/device/README.md lists); antlr4-python3-runtime 4.9.3 has no wheel: build one with
+# `.venv/bin/pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3`. Results: $OUT/gpu_check.json,
+# $OUT/gpu_triton.json and their logs; experiments/results/ keeps the ones recorded so far.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -22,7 +24,14 @@ mkdir -p "$dest"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$dest/gpu_check.log"
 timeout 540 python3 -m torch.distributed.run --standalone --nproc-per-node 1 experiments/gpu_check.py \
   --out "$dest/gpu_check.json" 2>&1 | tee -a "$dest/gpu_check.log"
-# The embedded engine follows trainer.device (issue 9): one job end to end on the GPU.
+# The triton kernel set (issue 14): invariances of the compiled kernels, both engines bit for bit, timings.
+timeout 420 python3 -m torch.distributed.run --standalone --nproc-per-node 1 experiments/gpu_triton_check.py \
+  --out "$dest/gpu_triton.json" 2>&1 | grep -v "Unknown MLP\|warn" | tee "$dest/gpu_triton.log"
+# One job end to end on the triton contract: the gate must pass (exit 0).
+timeout 240 python3 -m tonpolicy contract=qwen3_dense_triton_v1 trainer.device=cuda logger=none experiment.steps=3 \
+  hydra.run.dir="$dest/run_triton_cuda" 2>&1 | tail -6 | tee -a "$dest/gpu_check.log"
+# The embedded engine follows trainer.device (issue 9): one job end to end on the GPU (the CPU-designed
+# `contract` set through cuBLAS: measured on an H200 to miss the gate, which is why `triton` exists).
 timeout 240 python3 -m tonpolicy trainer.device=cuda logger=none experiment.steps=2 \
   hydra.run.dir="$dest/run_embedded_cuda" 2>&1 | tail -5 | tee -a "$dest/gpu_check.log"
 # Real SGLang with tonpolicy's model package on CUDA (issue 9). Only where SGLang is installed: the lent
