@@ -23,7 +23,7 @@ from tonpolicy.kernels import TRITON_ATTENTION_TILE as TILE
 
 BLOCK_M = 64
 NUM_WARPS, NUM_STAGES = 4, 2
-QUERY_PAD_POS = -1
+QUERY_PAD_POS = tl.constexpr(-1)
 
 
 @triton.jit
