@@ -57,8 +57,8 @@ def _compile_only(target: GPUTarget):  # noqa: ANN202
 def exercise() -> None:
     from tonpolicy.config.model import ModelConfig
     from tonpolicy.kernels import get_kernels
-    from tonpolicy.model.qwen3 import Qwen3, Segment
     from tonpolicy.model.kv_cache import KVPool  # noqa: F401 - the engine's pool type
+    from tonpolicy.model.qwen3 import Qwen3, Segment
 
     kern = get_kernels("triton", attention_tile=64)
     cfg = ModelConfig(num_layers=1)
