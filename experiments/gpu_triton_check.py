@@ -251,11 +251,79 @@ def timing() -> dict:
     return out
 
 
+class _Patched:
+    """Temporarily replace a module's tile constants (the tuning sweep only; the contract's are fixed)."""
+
+    def __init__(self, module: Any, **values: Any) -> None:
+        self.module, self.values, self.saved = module, values, {}
+
+    def __enter__(self) -> None:
+        self.saved = {k: getattr(self.module, k) for k in self.values}
+        for k, v in self.values.items():
+            setattr(self.module, k, v)
+
+    def __exit__(self, *exc: Any) -> None:
+        for k, v in self.saved.items():
+            setattr(self.module, k, v)
+
+
+@stage
+def tune() -> dict:
+    """Other fixed configurations: time, and whether their bits equal the contract's configuration."""
+    from tonpolicy.kernels import triton_attention as ta
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    out: dict[str, Any] = {}
+    k, n = 2560, 19456
+    xs = {m: torch.randn(m, k, device=DEV, generator=g).bfloat16() for m in (4096, 1, 32)}
+    w = (torch.randn(n, k, device=DEV, generator=g) / 50).bfloat16()
+    base = {m: tlin.linear(x, w, 4, torch.bfloat16) for m, x in xs.items()}
+    plain = {m: bench(F.linear, x, w) for m, x in xs.items()}
+    for bm, bn, bk, nw, ns in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+                               (128, 128, 128, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4)):
+        name = f"linear_{bm}x{bn}x{bk}_w{nw}_s{ns}"
+        try:
+            with _Patched(tlin, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_WARPS=nw, NUM_STAGES=ns):
+                same = all(torch.equal(tlin.linear(x, w, 4, torch.bfloat16), base[m]) for m, x in xs.items())
+                out[name] = {"bits_equal_contract": same, **{
+                    f"m{m}_ratio": bench(tlin.linear, x, w, 4, torch.bfloat16) / plain[m] for m, x in xs.items()}}
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    hq, hkv, d = 32, 8, 128
+    scale = d ** -0.5
+    q, kk, v = (torch.randn(4096, h, d, device=DEV, generator=g).bfloat16() for h in (hq, hkv, hkv))
+    pos = torch.arange(4096, device=DEV)
+    sq, sk, sv = (t.transpose(0, 1)[None] for t in (q, kk, v))
+    t_plain = bench(F.scaled_dot_product_attention, sq, sk, sv, is_causal=True, scale=scale, enable_gqa=True)
+    kern = get_kernels("triton", attention_tile=64)
+    base_a = kern.attention(q, kk, v, pos, pos, scale)
+    kp = kk.view(1, 4096, hkv, d).expand(32, -1, -1, -1).contiguous()
+    vp = v.view(1, 4096, hkv, d).expand(32, -1, -1, -1).contiguous()
+    qd = torch.randn(32, 1, hq, d, device=DEV, generator=g).bfloat16()
+    qpos = torch.full((32, 1), 4095, device=DEV)
+    slots = torch.arange(32, device=DEV)
+    t_plain_dec = bench(F.scaled_dot_product_attention, qd.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                        scale=scale, enable_gqa=True)
+    for bm, tile, nw, ns in ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3),
+                             (128, 128, 8, 3), (64, 32, 4, 3)):
+        name = f"attention_{bm}x{tile}_w{nw}_s{ns}"
+        try:
+            with _Patched(ta, BLOCK_M=bm, TILE=tile, NUM_WARPS=nw, NUM_STAGES=ns):
+                same = torch.equal(kern.attention(q, kk, v, pos, pos, scale), base_a)
+                out[name] = {"bits_equal_contract": same,
+                             "prefill_ratio": bench(kern.attention, q, kk, v, pos, pos, scale) / t_plain,
+                             "decode_b32_ctx4096_ratio": bench(kern.attention_pooled, qd, qpos, kp, vp, slots, 4096,
+                                                               scale) / t_plain_dec}
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return out
+
+
 def main() -> None:
     global OUT, SMOKE, S, DEV
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_triton.json")
-    ap.add_argument("--stages", default="linear,attention,timing,model")
+    ap.add_argument("--stages", default="linear,attention,timing,model,tune")
     ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny shapes (script check)")
     a = ap.parse_args()
     OUT, SMOKE = Path(a.out), a.smoke
@@ -272,7 +340,7 @@ def main() -> None:
     stages = a.stages.split(",")
     root = Path(tempfile.mkdtemp())
     for name in stages:  # timing before model: a timeout then costs the slower stage
-        {"linear": linear, "attention": attention, "model": lambda: model(root), "timing": timing}[name]()
+        {"linear": linear, "attention": attention, "model": lambda: model(root), "timing": timing, "tune": tune}[name]()
     print("gpu_triton_check:", {k: v.get("ok") for k, v in REPORT.items() if k != "env"}, flush=True)
     dist.destroy_process_group()
 

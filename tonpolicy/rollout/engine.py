@@ -246,15 +246,17 @@ class Engine:
         )
         finished = []
         vocab = self.model.cfg.vocab_size
-        logits = logits.cpu()  # sampling and logprobs run on the CPU with per-request CPU generators
+        # Sampling runs on the CPU (per-request CPU generators); the logprob runs where the logits are,
+        # as in the trainer: a kernel set's logprob on a GPU is not its logprob on the CPU.
+        sample_rows = logits.cpu()
         for j, r in enumerate(samplers):
             q = r.req
-            row = logits[j : j + 1]
             try:  # one request's failure ends that request, not the batch
-                tok = sample_token(row[0], vocab, q.temperature, q.top_p, q.top_k, r.gen)
+                tok = sample_token(sample_rows[j], vocab, q.temperature, q.top_p, q.top_k, r.gen)
                 lp = self.model.kernels.logprobs(
-                    row, torch.tensor([tok]), vocab, logprob_temperature(q.temperature)
-                )
+                    logits[j : j + 1], torch.tensor([tok], device=logits.device), vocab,
+                    logprob_temperature(q.temperature),
+                ).cpu()
             except Exception as e:  # noqa: BLE001 - reported to that request's caller
                 r.error = f"{type(e).__name__}: {e}"
                 finished.append(r)

@@ -16,9 +16,8 @@ def score_logprobs(
     if not prompt_ids:
         raise ValueError("prompt must be non-empty")
     ids = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)
-    logits = model(ids).cpu()
+    logits = model(ids)
     p = len(prompt_ids)
     rows = logits[p - 1 : p - 1 + len(response_ids)]
-    return model.kernels.logprobs(
-        rows, torch.tensor(response_ids, dtype=torch.long), model.cfg.vocab_size, logprob_temperature(temperature)
-    )
+    tokens = torch.tensor(response_ids, dtype=torch.long, device=logits.device)
+    return model.kernels.logprobs(rows, tokens, model.cfg.vocab_size, logprob_temperature(temperature)).cpu()
