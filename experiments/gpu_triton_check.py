@@ -279,11 +279,12 @@ def tune() -> dict:
     w = (torch.randn(n, k, device=DEV, generator=g) / 50).bfloat16()
     base = {m: tlin.linear(x, w, 4, torch.bfloat16) for m, x in xs.items()}
     plain = {m: bench(F.linear, x, w) for m, x in xs.items()}
-    for bm, bn, bk, nw, ns in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
-                               (128, 128, 128, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4)):
-        name = f"linear_{bm}x{bn}x{bk}_w{nw}_s{ns}"
+    for bm, bn, bk, nw, ns, split in ((128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 4, 0), (128, 128, 64, 8, 4, 1),
+                                      (64, 128, 64, 4, 4, 4), (128, 128, 128, 8, 4, 4)):
+        name = f"linear_{bm}x{bn}x{bk}_w{nw}_s{ns}_split{split}"
         try:
-            with _Patched(tlin, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_WARPS=nw, NUM_STAGES=ns):
+            with _Patched(tlin, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_WARPS=nw, NUM_STAGES=ns,
+                          SPLIT_BELOW_ROW_TILES=split):
                 same = all(torch.equal(tlin.linear(x, w, 4, torch.bfloat16), base[m]) for m, x in xs.items())
                 out[name] = {"bits_equal_contract": same, **{
                     f"m{m}_ratio": bench(tlin.linear, x, w, 4, torch.bfloat16) / plain[m] for m, x in xs.items()}}
@@ -304,8 +305,7 @@ def tune() -> dict:
     slots = torch.arange(32, device=DEV)
     t_plain_dec = bench(F.scaled_dot_product_attention, qd.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
                         scale=scale, enable_gqa=True)
-    for bm, tile, nw, ns in ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3),
-                             (128, 128, 8, 3), (64, 32, 4, 3)):
+    for bm, tile, nw, ns in ((64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 3)):
         name = f"attention_{bm}x{tile}_w{nw}_s{ns}"
         try:
             with _Patched(ta, BLOCK_M=bm, TILE=tile, NUM_WARPS=nw, NUM_STAGES=ns):
