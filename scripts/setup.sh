@@ -8,6 +8,10 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test,slurm]"
+# The `triton` kernel set's tests run in Triton's interpreter here (no GPU). Triton 3.6.0 is the
+# version the lent H200 image has (torch 2.11); its interpreter needs NumPy < 2.4 (it converts
+# 1-element arrays to ints, which NumPy 2.4 refuses).
+.venv/bin/python -m pip install -q "triton==3.6.0" "numpy<2.4"
 # Released SGLang's argument parser, for the test that checks every rendered flag. --no-deps: its
 # dependencies pin a CUDA torch; these light ones are all `sglang.srt.server_args` needs.
 .venv/bin/python -m pip install -q --no-deps --no-warn-conflicts "sglang==0.5.23"
