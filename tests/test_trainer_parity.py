@@ -38,8 +38,9 @@ def _check(results: list[dict]) -> None:
         assert r["export_equal"] is True, label  # Megatron -> HF export reproduces the checkpoint
         if r["contract"] == "contract":
             assert r["equal"] == 1.0 and r["max_abs_diff"] == 0.0, label
-        else:
-            assert r["equal"] == 0.0 and r["mismatched"] > 0, label
+        else:  # rounding noise, not a bug: a broken stock path would not pass this
+            eps = 0.05 if r["dtype"] == "bfloat16" else 1e-4
+            assert r["equal"] == 0.0 and r["mismatched"] > 0 and 0 < r["max_abs_diff"] < eps, label
 
 
 def test_parity_two_ranks(rollouts: tuple[dict, dict]) -> None:

@@ -39,6 +39,8 @@ def _on_policy(r: dict) -> None:
     assert r["train_rollout_logprob_abs_diff"] == 0.0 and r["train_rollout_k3_kl"] == 0.0
     assert r["token_mult_prob_error"] == 1.0 and r["clipfrac"] == 0.0
     assert r["ratio_min"] == r["ratio_max"] == 1.0
+    # Three-way: rollout == recompute (above) == the first training forward (autograd on), bit for bit.
+    assert r["first_forward_mismatched"] == 0 and r["first_forward_max_abs_diff"] == 0.0
     assert r["update_successful"] == 1.0 and r["grad_norm"] > 0
 
 
@@ -46,9 +48,11 @@ def test_ppo_step_two_ranks(batch: tuple) -> None:
     ck, ro, ro_off, ck16, ro16 = batch
     layouts = [Layout(tp=1), Layout(tp=2), Layout(pp=2), Layout(cp=2, cp_mode="ulysses"), Layout(cp=2, cp_mode="ring")]
     res = spawn(pc.ppo_worker, 2, _jobs(ck, ro, layouts) + _jobs(ck16, ro16, [Layout(tp=2)], dtype="bfloat16")
-                + _jobs(ck, ro_off, [Layout(tp=1)], "off_policy"))
-    bf16, off = res[-2], res[-1]
-    res = res[:-2]
+                + _jobs(ck, ro_off, [Layout(tp=1)], "off_policy")
+                + [dict(_jobs(ck, ro_off, [Layout(tp=1)], "off_policy")[0], old_from_rollout=True,
+                        exact_first_forward=True)])
+    bf16, off, refused = res[-3], res[-2], res[-1]
+    res = res[:-3]
     ref = res[0]
     for r in res + [bf16]:
         _on_policy(r)  # bf16 too: the bf16 optimizer path, ratio exactly 1 before the update
@@ -70,7 +74,12 @@ def test_ppo_step_two_ranks(batch: tuple) -> None:
     assert not all(torch.equal(a, b) for a, b in zip(ref["new_logprobs"], ro["logprobs"], strict=True))
     # Negative control: plain kernels on both sides, so the trainer does not reproduce the rollout.
     assert off["spec"] == "stock" and off["old_vs_rollout"]["equal"] == 0.0
+    assert 0 < off["old_vs_rollout"]["max_abs_diff"] < 1e-4  # fp32 rounding noise, not a bug
     assert off["train_rollout_logprob_abs_diff"] > 0 and off["token_mult_prob_error"] > 1.0
+    # Control for the first-forward check: "old" logprobs that are not the recompute (the plain engine's)
+    # are caught, by a rounding-sized difference, and the update is refused.
+    assert refused["first_forward_mismatched"] > 0 and 0 < refused["first_forward_max_abs_diff"] < 1e-4
+    assert refused["update_successful"] == 0.0
 
 
 def test_ppo_step_four_ranks(batch: tuple) -> None:

@@ -54,5 +54,5 @@ def test_trainer_matches_engine_bitwise(setup: tuple[dict, dict]) -> None:
         assert r["tokens"] == 18, label
         if r["contract"] == "triton":
             assert r["equal"] == 1.0 and r["max_abs_diff"] == 0.0, label
-        else:
-            assert r["equal"] == 0.0 and r["mismatched"] > 0, label
+        else:  # fp32 rounding noise
+            assert r["equal"] == 0.0 and r["mismatched"] > 0 and 0 < r["max_abs_diff"] < 1e-4, label

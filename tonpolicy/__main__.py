@@ -10,6 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config, register_configs
 from tonpolicy.config.validate import ConfigError, unknown_keys
 from tonpolicy.launch.records import write_json_atomic
@@ -31,7 +32,7 @@ def main(dcfg: DictConfig) -> None:
         print(f"tonpolicy: {exc}", file=sys.stderr)
         code = 2
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(run_dir / "summary.json", {"status": "invalid_config", "layout": cfg.parallel.name,
+        write_json_atomic(run_dir / "summary.json", {"status": "invalid_config", "layout": layout_label(cfg.parallel),
                                                      "contract": cfg.contract.name, "error": str(exc)})
     if code and hc.mode == RunMode.MULTIRUN:
         # One failed job must not stop the sweep; the sweep summary reports it and sets the exit code.

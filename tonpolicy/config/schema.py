@@ -186,6 +186,9 @@ GROUPS: dict[str, type] = {
 
 
 def register_configs() -> None:
+    from tonpolicy.config.names import register_resolvers
+
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, node in GROUPS.items():

@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import padded_seq_len, seq_pad_multiple, world_size
 from tonpolicy.contract.identity import identity, kernel_params
@@ -189,7 +190,7 @@ def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     plan: dict[str, Any] = {
         "contract": ident.to_dict(),
         "model": cfg.model.name,
-        "layout": cfg.parallel.name,
+        "layout": layout_label(cfg.parallel),
         "device": device,
         "dist_backend": "nccl" if device == "cuda" else "gloo",
         "environment": environment(cfg, device),

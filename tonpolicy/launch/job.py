@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import world_size
 from tonpolicy.contract.identity import identity
@@ -193,7 +194,7 @@ def summarize(cfg: Config, run_dir: Path, status: str, wall_s: float) -> dict[st
         "status": status,
         "contract": cfg.contract.name,
         "contract_identity": identity(cfg.contract).to_dict(),
-        "layout": cfg.parallel.name,
+        "layout": layout_label(cfg.parallel),
         "rollout": f"{cfg.rollout.backend} tp{cfg.parallel.rollout_tp}",
         "dtype": cfg.contract.dtype,
         "model": cfg.model.name,

@@ -159,16 +159,23 @@ def main(argv: list[str] | None = None) -> int:
         t_rollout = time.monotonic() - t0
         trainer_logprobs = worker.logprobs(batch["prompts"], batch["responses"])
         parity = compare(batch["rollout_logprobs"], trainer_logprobs) if rank0 else None
-        # The gate runs before the update: a step that breaks the contract trains nothing.
+        # The gate runs before the update: a step that breaks the contract trains nothing. Two checks:
+        # rollout == recompute (here), recompute == first training forward (inside ppo_step).
         gate_failed = broadcast(bool(rank0 and fail_on_mismatch and not parity.exact))
+        failed_check = "rollout_vs_recompute" if gate_failed else None
         metrics: dict[str, Any] = {}
         if not gate_failed:
             metrics = worker.ppo_step(batch["prompts"], batch["responses"], old_logprobs=trainer_logprobs,
-                                      rollout_logprobs=batch["rollout_logprobs"], advantages=batch["advantages"])
-            ckpt = run_dir / "checkpoints" / f"step_{step + 1}"
-            worker.save_hf(ckpt)
+                                      rollout_logprobs=batch["rollout_logprobs"], advantages=batch["advantages"],
+                                      exact_first_forward=fail_on_mismatch)
+            if fail_on_mismatch and metrics["first_forward_mismatched"]:  # identical on every rank
+                gate_failed, failed_check = True, "recompute_vs_first_training_forward"
+            else:
+                ckpt = run_dir / "checkpoints" / f"step_{step + 1}"
+                worker.save_hf(ckpt)
         if rank0:
             record = {"step": step, **parity.to_dict(), **metrics, "gate": "failed" if gate_failed else "passed",
+                      "gate_check": failed_check,
                       "reward_mean": sum(batch["rewards"]) / len(batch["rewards"]),
                       "rollout_s": round(t_rollout, 3), "step_s": round(time.monotonic() - t0, 3)}
             append_jsonl(run_dir / "metrics.jsonl", record)
@@ -182,9 +189,15 @@ def main(argv: list[str] | None = None) -> int:
         if gate_failed:
             code = EXIT_GATE_FAILED
             if rank0:
-                message = (f"parity gate failed at step {step}: {parity.mismatched_tokens} of {parity.tokens_scored} "
-                           f"tokens differ (max |Δlogprob| {parity.max_abs_logprob_diff:.3e}); contract "
-                           f"{cfg.contract.name}, gate.fail_on_mismatch={fail_on_mismatch}; no update was made")
+                if failed_check == "rollout_vs_recompute":
+                    what = (f"{parity.mismatched_tokens} of {parity.tokens_scored} tokens differ between rollout "
+                            f"and trainer recompute (max |Δlogprob| {parity.max_abs_logprob_diff:.3e})")
+                else:
+                    what = (f"{metrics['first_forward_mismatched']} tokens differ between the trainer's recompute "
+                            f"and its first training forward (max |Δlogprob| "
+                            f"{metrics['first_forward_max_abs_diff']:.3e})")
+                message = (f"parity gate failed at step {step}: {what}; contract {cfg.contract.name}, "
+                           f"gate.fail_on_mismatch={fail_on_mismatch}; no update was made")
             break
     if rank0:
         logger.finish(code)

@@ -6,6 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import identity
 
@@ -23,9 +24,9 @@ class MetricsLogger:
             project=cfg.logger.project,
             entity=cfg.logger.entity,
             group=cfg.logger.group or group,
-            name=f"{cfg.contract.name}-{cfg.parallel.name}-{run_dir.name}",
+            name=f"{cfg.contract.name}-{layout_label(cfg.parallel)}-{run_dir.name}",
             job_type=cfg.mode,
-            tags=[cfg.contract.name, cfg.parallel.name, cfg.model.name, *cfg.logger.tags],
+            tags=[cfg.contract.name, layout_label(cfg.parallel), cfg.model.name, *cfg.logger.tags],
             mode=cfg.logger.mode,
             dir=str(run_dir),
             config=config,

@@ -1,6 +1,7 @@
 """The exact-zero gate: compare rollout and trainer fp32 logprobs token by token.
 
-Parity is `torch.equal` on fp32 values; the counts and max |Δ| say how far off a failing step is.
+Parity is equality of fp32 bit patterns (so -0.0 differs from +0.0 and NaN from NaN payloads); the
+counts and max |Δ| say how far off a failing step is.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def compare(rollout: list[torch.Tensor], trainer: list[torch.Tensor]) -> ParityR
         r, t = r.to(torch.float32).flatten(), t.to(torch.float32).flatten()
         if r.shape != t.shape:
             raise ValueError(f"logprob count differs: rollout {tuple(r.shape)} vs trainer {tuple(t.shape)}")
-        same = r == t  # bitwise for finite fp32 (no NaN logprobs arise from log_softmax)
+        same = r.view(torch.int32) == t.view(torch.int32)
         tokens += r.numel()
         mismatched += int((~same).sum())
         if r.numel():

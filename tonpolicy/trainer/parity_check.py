@@ -57,10 +57,12 @@ def rollout(checkpoint: str | Path, kernels: str, n: int, prompt_len: int, max_n
 
 
 def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, float]:
-    equal = all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    diffs = torch.cat([(x - y).abs() for x, y in zip(a, b, strict=True)])
-    return {"equal": float(equal), "mismatched": float((diffs != 0).sum()), "tokens": float(diffs.numel()),
-            "max_abs_diff": float(diffs.max())}
+    """Bitwise comparison of fp32 logprob lists (the gate's rule) with the size of any difference."""
+    from tonpolicy.parity.gate import compare as gate_compare
+
+    rep = gate_compare([torch.as_tensor(x) for x in a], [torch.as_tensor(y) for y in b])
+    return {"equal": float(rep.exact), "mismatched": float(rep.mismatched_tokens), "tokens": float(rep.tokens_scored),
+            "max_abs_diff": rep.max_abs_logprob_diff}
 
 
 def layouts_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -123,8 +125,11 @@ def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ro = job["rollout"]
         t0 = time.perf_counter()
         old = worker.logprobs(ro["prompts"], ro["responses"])
+        if job.get("old_from_rollout"):  # control for the first-forward check: "old" that is not the recompute
+            old = [torch.as_tensor(x, dtype=torch.float32) for x in ro["logprobs"]]
         t1 = time.perf_counter()
-        m = worker.ppo_step(ro["prompts"], ro["responses"], old, ro["logprobs"], job["advantages"])
+        m = worker.ppo_step(ro["prompts"], ro["responses"], old, ro["logprobs"], job["advantages"],
+                            exact_first_forward=job.get("exact_first_forward", False))
         t2 = time.perf_counter()
         new = worker.logprobs(ro["prompts"], ro["responses"])
         out.append({"layout": job["layout"], "dtype": job["dtype"], "contract": job["contract"], "spec": worker.spec,

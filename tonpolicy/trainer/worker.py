@@ -16,6 +16,7 @@ from megatron.core import parallel_state as ps
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, get_kernels
+from tonpolicy.parity.gate import compare as gate_compare
 from tonpolicy.rollout.types import logprob_temperature
 from tonpolicy.trainer import forward as fw
 from tonpolicy.trainer.dist import Layout, init_distributed
@@ -102,9 +103,13 @@ class TrainerWorker:
 
     def ppo_step(self, prompts: list[list[int]], responses: list[list[int]], old_logprobs: list[torch.Tensor],
                  rollout_logprobs: list[torch.Tensor], advantages: list[float],
-                 loss_masks: list[torch.Tensor] | None = None) -> dict[str, float]:
+                 loss_masks: list[torch.Tensor] | None = None, exact_first_forward: bool = False) -> dict[str, float]:
         """One clipped policy-gradient step over the whole batch (token-mean loss); returns metrics
-        including grad_norm (before clipping), computed identically on every rank."""
+        including grad_norm (before clipping), computed identically on every rank.
+
+        The training forward's logprobs (with autograd, before the update) are compared bit for bit with
+        `old_logprobs` (the recompute): `first_forward_mismatched`. With `exact_first_forward` a
+        mismatch skips the update (`update_successful` 0): the first PPO ratio must be exactly 1."""
         if self.optimizer is None:
             self._setup_optimizer()
         self.model.train()
@@ -126,12 +131,19 @@ class TrainerWorker:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outs = fw.run(self.model, mbs, seq_len, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
         new_lp = fw.assemble(outs, mbs)
+        first = gate_compare([e["old"] for e in extras], new_lp)
+        if exact_first_forward and not first.exact:
+            self.optimizer.zero_grad()
+            ok, grad_norm = False, float("nan")
+        else:
+            ok, grad_norm, _ = self.optimizer.step()
         out = metrics(new_lp, [e["old"] for e in extras], [torch.as_tensor(r, dtype=torch.float32)
                                                            for r in rollout_logprobs],
                       advs, masks, self.ppo)
-        out.update(grad_norm=float(grad_norm), update_successful=float(ok), lr=self.cfg.trainer.lr)
+        out.update(grad_norm=float(grad_norm), update_successful=float(ok), lr=self.cfg.trainer.lr,
+                   first_forward_mismatched=first.mismatched_tokens,
+                   first_forward_max_abs_diff=first.max_abs_logprob_diff)
         return out
 
     # --- weights ------------------------------------------------------------------------------------
