@@ -35,3 +35,19 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def pipeline_stage_layers(num_layers: int, pp: int, pp_layers: list[int] | tuple[int, ...] | None = None) -> list[int]:
+    """Layers per pipeline stage: `pp_layers` as declared, else an even split. One function for the
+    model build, the weight conversion both ways and validation. Megatron places uneven stages by
+    first/last stage sizes, so stages between the first and the last must be equal."""
+    if pp_layers:
+        layers = [int(n) for n in pp_layers]
+        if len(layers) != pp or sum(layers) != num_layers or min(layers) < 1:
+            raise ValueError(f"pp_layers={layers} must give each of {pp} stages >= 1 layer, {num_layers} in all")
+        if len(set(layers[1:-1])) > 1:
+            raise ValueError(f"pp_layers={layers}: the stages between the first and the last must be equal")
+        return layers
+    if num_layers % pp:
+        raise ValueError(f"{num_layers} layers do not split evenly into {pp} pipeline stages")
+    return [num_layers // pp] * pp

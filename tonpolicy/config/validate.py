@@ -176,6 +176,9 @@ def _check_layout(cfg: Config, bad: Any) -> None:
             bad("parallel.pp_layers", f"must list one layer count per stage (parallel.pp={p.pp})")
         if sum(p.pp_layers) != m.num_layers or min(p.pp_layers, default=0) < 1:
             bad("parallel.pp_layers", f"stages must each hold >= 1 layer and sum to model.num_layers={m.num_layers}")
+        if len(set(p.pp_layers[1:-1])) > 1:
+            bad("parallel.pp_layers", "Megatron sizes uneven stages by the first and the last: the stages between "
+                "them must hold equal layer counts")
     elif m.num_layers % p.pp:
         bad("parallel.pp", f"must divide model.num_layers={m.num_layers} (or declare parallel.pp_layers)")
     if p.pp > 1 and p.num_microbatches < p.pp:

@@ -26,6 +26,7 @@ class Layout:
     pp: int = 1
     cp: int = 1
     cp_mode: str = "ulysses"
+    pp_layers: tuple[int, ...] | None = None  # layers per pipeline stage; None: an even split
 
     @property
     def world_size(self) -> int:
@@ -33,7 +34,8 @@ class Layout:
 
     def __str__(self) -> str:
         cp = f"cp{self.cp}_{self.cp_mode}" if self.cp > 1 else ""
-        return "_".join(s for s in (f"tp{self.tp}", f"pp{self.pp}", cp) if s)
+        pp = f"pp{self.pp}" + ("_" + "-".join(map(str, self.pp_layers)) if self.pp_layers else "")
+        return "_".join(s for s in (f"tp{self.tp}", pp, cp) if s)
 
 
 def device() -> torch.device:

@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
-from tonpolicy.config.model import ModelConfig
+from tonpolicy.config.model import ModelConfig, pipeline_stage_layers
 from tonpolicy.kernels import get_kernels, padded_vocab_size
 
 # Canonical K-shard count of the contract's row-parallel reduction; any TP dividing it is exact.
@@ -23,11 +23,16 @@ def padded_vocab(cfg: ModelConfig, canonical_shards: int = CANONICAL_SHARDS) -> 
     return padded_vocab_size(cfg.vocab_size, canonical_shards)
 
 
-def transformer_config(cfg: ModelConfig, dtype: torch.dtype) -> TransformerConfig:
+def transformer_config(cfg: ModelConfig, dtype: torch.dtype, pp_layers: tuple[int, ...] | None = None) -> TransformerConfig:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
+    stages = pipeline_stage_layers(cfg.num_layers, pp, pp_layers)
+    uneven = pp > 1 and len(set(stages)) > 1
     return TransformerConfig(
+        # Uneven stages the Megatron way: first and last stage sizes, the rest split evenly.
+        num_layers_in_first_pipeline_stage=stages[0] if uneven else None,
+        num_layers_in_last_pipeline_stage=stages[-1] if uneven else None,
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -63,10 +68,11 @@ def transformer_config(cfg: ModelConfig, dtype: torch.dtype) -> TransformerConfi
 
 
 def build_gpt(cfg: ModelConfig, dtype: torch.dtype, spec: str = "contract", cp_mode: str = "ulysses",
-              kernels: Any = None, canonical_shards: int = CANONICAL_SHARDS) -> GPTModel:
+              kernels: Any = None, canonical_shards: int = CANONICAL_SHARDS,
+              pp_layers: tuple[int, ...] | None = None) -> GPTModel:
     """`spec`: 'contract' (layer spec on a tonpolicy kernel set, by default `contract`) or 'stock'
     (megatron's local spec: the off-policy negative control)."""
-    config = transformer_config(cfg, dtype)
+    config = transformer_config(cfg, dtype, pp_layers)
     pre = parallel_state.is_pipeline_first_stage()
     post = parallel_state.is_pipeline_last_stage()
     common = dict(

@@ -30,7 +30,8 @@ def make_config(layout: Layout, dtype: str, contract: str, temperature: float) -
     cp_type = layout.cp_mode if layout.cp > 1 else "none"
     return Config(
         contract=ContractConfig(dtype=dtype, **CONTRACTS[contract]),
-        parallel=ParallelConfig(name=str(layout), tp=layout.tp, pp=layout.pp, cp=layout.cp, cp_type=cp_type),
+        parallel=ParallelConfig(name=str(layout), tp=layout.tp, pp=layout.pp, cp=layout.cp, cp_type=cp_type,
+                                pp_layers=list(layout.pp_layers) if layout.pp_layers else None),
         experiment=ExperimentConfig(temperature=temperature),
     )
 
@@ -82,7 +83,7 @@ def layouts_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         t2 = time.perf_counter()
         res = {**{k: v for k, v in job.items() if k not in ("rollout", "checkpoint")}, **compare(lps, ro["logprobs"]),
                "spec": worker.spec, "build_s": t1 - t0, "logprobs_s": t2 - t1,
-               "export_equal": _export_round_trips(worker, job["checkpoint"])}
+               "export_equal": _export_round_trips(worker, job["checkpoint"]), "stage_layers": worker.stage_layers()}
         out.append(res)
         worker.close()
         reset_model_parallel()

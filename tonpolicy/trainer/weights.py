@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from tonpolicy.config.model import ModelConfig
+from tonpolicy.config.model import ModelConfig, pipeline_stage_layers
 
 Shards = dict[tuple[int, int], dict[str, torch.Tensor]]  # (tp_rank, pp_rank) -> megatron state dict
 
 
-def _layer_range(cfg: ModelConfig, pp_rank: int, pp: int) -> range:
-    if cfg.num_layers % pp:
-        raise ValueError(f"{cfg.num_layers} layers do not split into {pp} pipeline stages")
-    n = cfg.num_layers // pp
-    return range(pp_rank * n, (pp_rank + 1) * n)
+def _layer_range(cfg: ModelConfig, pp_rank: int, pp: int, pp_layers: tuple[int, ...] | None = None) -> range:
+    stages = pipeline_stage_layers(cfg.num_layers, pp, pp_layers)
+    start = sum(stages[:pp_rank])
+    return range(start, start + stages[pp_rank])
 
 
 def _fuse_qkv(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -44,7 +43,8 @@ def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def hf_to_megatron(
-    hf: dict[str, torch.Tensor], cfg: ModelConfig, tp_rank: int, tp: int, pp_rank: int, pp: int, padded_vocab: int
+    hf: dict[str, torch.Tensor], cfg: ModelConfig, tp_rank: int, tp: int, pp_rank: int, pp: int, padded_vocab: int,
+    pp_layers: tuple[int, ...] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The GPTModel state dict (megatron names, local layer numbering) of one (tp_rank, pp_rank)."""
     if cfg.num_kv_heads % tp or cfg.intermediate_size % tp or padded_vocab % tp:
@@ -66,7 +66,7 @@ def hf_to_megatron(
             out["output_layer.weight"] = col(_pad_rows(hf["lm_head.weight"], padded_vocab))
         elif pp > 1:  # the last stage holds its own copy of the tied embedding
             out["output_layer.weight"] = col(embed)
-    layers = _layer_range(cfg, pp_rank, pp)
+    layers = _layer_range(cfg, pp_rank, pp, pp_layers)
     for local, i in enumerate(layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
         a = h + "self_attn."
@@ -85,7 +85,8 @@ def hf_to_megatron(
     return out
 
 
-def megatron_to_hf(shards: Shards, cfg: ModelConfig, tp: int, pp: int) -> dict[str, torch.Tensor]:
+def megatron_to_hf(shards: Shards, cfg: ModelConfig, tp: int, pp: int,
+                   pp_layers: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron`: merge every rank's state dict into HF names (vocab unpadded)."""
     v = cfg.vocab_size
 
@@ -100,7 +101,7 @@ def megatron_to_hf(shards: Shards, cfg: ModelConfig, tp: int, pp: int) -> dict[s
     if not cfg.tie_word_embeddings:
         hf["lm_head.weight"] = cat0("output_layer.weight", pp - 1)[:v]
     for pp_rank in range(pp):
-        for local, i in enumerate(_layer_range(cfg, pp_rank, pp)):
+        for local, i in enumerate(_layer_range(cfg, pp_rank, pp, pp_layers)):
             h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
             q, k, vv = _split_qkv(cfg, cat0(m + "self_attention.linear_qkv.weight", pp_rank))
             fc1 = [shards[(t, pp_rank)][m + "mlp.linear_fc1.weight"].chunk(2) for t in range(tp)]
@@ -121,13 +122,14 @@ def megatron_to_hf(shards: Shards, cfg: ModelConfig, tp: int, pp: int) -> dict[s
     return hf
 
 
-def load_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], cfg: ModelConfig, padded_vocab: int) -> None:
+def load_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], cfg: ModelConfig, padded_vocab: int,
+              pp_layers: tuple[int, ...] | None = None) -> None:
     """Load an HF state dict into this rank's GPTModel (strict: every parameter must be covered)."""
     from megatron.core import parallel_state as ps
 
     sd = hf_to_megatron(hf, cfg, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                         ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
-                        padded_vocab)
+                        padded_vocab, pp_layers)
     own = model.state_dict()
     sd = {k: t.to(own[k].dtype) for k, t in sd.items()}
     extra = {k: own[k] for k in own if k.endswith("_extra_state")}

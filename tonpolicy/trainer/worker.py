@@ -29,7 +29,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def layout_of(cfg: Config) -> Layout:
     p = cfg.parallel
-    return Layout(tp=p.tp, pp=p.pp, cp=p.cp, cp_mode=p.cp_type if p.cp_type in ("ulysses", "ring") else "ulysses")
+    return Layout(tp=p.tp, pp=p.pp, cp=p.cp, cp_mode=p.cp_type if p.cp_type in ("ulysses", "ring") else "ulysses",
+                  pp_layers=tuple(p.pp_layers) if p.pp_layers and p.pp > 1 else None)
 
 
 class TrainerWorker:
@@ -61,8 +62,8 @@ class TrainerWorker:
             self.model_cfg, hf = cfg.model, init_state_dict(cfg.model, self.dtype, cfg.model.init_seed)
         self.vocab_padded = padded_vocab(self.model_cfg, c.canonical_shards)
         self.module = build_gpt(self.model_cfg, self.dtype, spec, self.layout.cp_mode, kernels,
-                                canonical_shards=c.canonical_shards)
-        load_into(self.module, hf, self.model_cfg, self.vocab_padded)
+                                canonical_shards=c.canonical_shards, pp_layers=self.layout.pp_layers)
+        load_into(self.module, hf, self.model_cfg, self.vocab_padded, self.layout.pp_layers)
         self.tile = kernels.tile_size
         # The rollout reports greedy (temperature <= 0) logprobs at temperature 1; so do we.
         self.temperature = logprob_temperature(cfg.experiment.temperature)
@@ -157,7 +158,13 @@ class TrainerWorker:
         if dist.get_rank() != 0:
             return None
         shards = dict(x for x in gathered if x is not None)
-        return megatron_to_hf(shards, self.model_cfg, self.layout.tp, self.layout.pp)
+        return megatron_to_hf(shards, self.model_cfg, self.layout.tp, self.layout.pp, self.layout.pp_layers)
+
+    def stage_layers(self) -> list[int]:
+        """Transformer layers actually built on each pipeline stage (from the modules, not the config)."""
+        built: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(built, len(self.module.decoder.layers), group=ps.get_pipeline_model_parallel_group())
+        return built
 
     def save_hf(self, path: str | Path) -> None:
         from tonpolicy.model.checkpoint import save_hf
