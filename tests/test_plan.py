@@ -74,7 +74,7 @@ def test_plan_contents() -> None:
     tc = plan["megatron"]["transformer_config"]
     assert (tc["tensor_model_parallel_size"], tc["pipeline_model_parallel_size"]) == (2, 2)
     assert not tc["sequence_parallel"] and not tc["apply_rope_fusion"] and not tc["bias_activation_fusion"]
-    assert plan["megatron"]["gpt_model"]["transformer_engine"] is False
+    assert plan["megatron"]["layer_spec"]["transformer_engine"] is False
     env = plan["environment"]
     assert env["NCCL_ALGO"] == "Ring" and env["NCCL_PROTO"] == "Simple"
     assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"

@@ -15,7 +15,7 @@ from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import padded_seq_len, seq_pad_multiple, world_size
 from tonpolicy.contract.identity import identity, kernel_params
-from tonpolicy.kernels import INVARIANT_KERNEL_SETS
+from tonpolicy.contract.megatron_args import gpt_model_kwargs, layer_spec, transformer_kwargs
 from tonpolicy.rollout.sglang_env import (
     CPU_MAX_TOTAL_TOKENS,
     server_environment,
@@ -25,7 +25,7 @@ from tonpolicy.rollout.sglang_env import (
 
 SGLANG_DEFAULT_PORT = 30000
 # Megatron's cp_comm_type names for our CP modes (we implement both inside the contract attention).
-CP_COMM_TYPE = {"none": None, "ulysses": "a2a", "ring": "p2p"}
+
 
 
 def resolve_device(cfg: Config) -> str:
@@ -81,53 +81,18 @@ def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: i
 
 
 def megatron_config(cfg: Config) -> dict[str, Any]:
+    """What the trainer builds (tonpolicy.contract.megatron_args, the one source both use)."""
     m, p, c = cfg.model, cfg.parallel, cfg.contract
-    from tonpolicy.kernels import padded_vocab_size
-
-    transformer = {
-        "num_layers": m.num_layers,
-        "hidden_size": m.hidden_size,
-        "num_attention_heads": m.num_attention_heads,
-        "num_query_groups": m.num_kv_heads,
-        "kv_channels": m.head_dim,
-        "ffn_hidden_size": m.intermediate_size,
-        "normalization": "RMSNorm",
-        "layernorm_epsilon": m.rms_norm_eps,
-        "qk_layernorm": True,
-        "add_bias_linear": False,
-        "add_qkv_bias": False,
-        "gated_linear_unit": True,
-        "activation_func": "silu",
-        "bf16": c.dtype == "bfloat16",
-        "params_dtype": c.dtype,
-        "attention_dropout": 0.0,
-        "hidden_dropout": 0.0,
-        # Fusions reorder floating-point work; the contract computes these ops in its own kernels.
-        "sequence_parallel": False,
-        "bias_activation_fusion": False,
-        "apply_rope_fusion": False,
-        "masked_softmax_fusion": False,
-        "persist_layer_norm": False,
-        "gradient_accumulation_fusion": False,
-        "cross_entropy_loss_fusion": False,
-        "deterministic_mode": c.exact_zero,
-        "tensor_model_parallel_size": p.tp,
-        "pipeline_model_parallel_size": p.pp,
-        "context_parallel_size": p.cp,
-        "cp_comm_type": CP_COMM_TYPE[p.cp_type],
-        "num_layers_in_first_pipeline_stage": p.pp_layers[0] if p.pp_layers else None,
-        "num_layers_in_last_pipeline_stage": p.pp_layers[-1] if p.pp_layers else None,
-    }
+    transformer = transformer_kwargs(m, c.dtype, p.tp, p.pp, p.cp, p.pp_layers, c.exact_zero)
+    spec = layer_spec(c.kernels)
     return {
         "transformer_config": transformer,
-        "gpt_model": {
-            "vocab_size": m.vocab_size,
-            "padded_vocab_size": padded_vocab_size(m.vocab_size, c.canonical_shards),
-            "max_sequence_length": m.max_position_embeddings,
-            "position_embedding_type": "rope",
-            "rotary_base": m.rope_theta,
-            "share_embeddings_and_output_weights": m.tie_word_embeddings,
-            "layer_spec": "tonpolicy_contract" if c.kernels in INVARIANT_KERNEL_SETS else "megatron_local",
+        "gpt_model": gpt_model_kwargs(m, c.canonical_shards, spec),
+        "layer_spec": {
+            "name": spec,  # contract: tonpolicy.trainer.layer_spec on the kernel set; stock: megatron's local spec
+            "rope": {"theta": m.rope_theta, "applied_by": "core attention" if spec == "contract" else "GPTModel"},
+            "context_parallel": p.cp_type if p.cp > 1 else None,  # inside the core attention, not TE
+            "real_vocab_size": m.vocab_size,
             "transformer_engine": False,
         },
         "parallel_state": {

@@ -107,6 +107,19 @@ class _Tail:
         return [json.loads(line) for line in lines if line.strip()]
 
 
+def with_flags(command: list[str], values: dict[str, Any], python: str | None = None) -> list[str]:
+    """A rendered command with the values of existing flags replaced (and its interpreter, if given).
+    A flag the command lacks is an error: the launcher never runs something the plan does not show."""
+    argv = list(command)
+    if python is not None:
+        argv[0] = python
+    for flag, value in values.items():
+        if flag not in argv:
+            raise ValueError(f"rendered command has no {flag}: {' '.join(command)}")
+        argv[argv.index(flag) + 1] = str(value)
+    return argv
+
+
 def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, procs: ProcessGroup) -> tuple[Child, str]:
     host, port = cfg.rollout.host, cfg.rollout.port
     if port and not port_is_free(host, port):
@@ -114,14 +127,13 @@ def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, 
     port_file = run_dir / "rollout.port"
     port_file.unlink(missing_ok=True)
     (run_dir / STATUS_FILE).unlink(missing_ok=True)  # a verdict from an earlier run in this folder
+    # The plan's command, with only what is decided at launch filled in (interpreter, port, weights).
     if cfg.rollout.backend == "embedded":
-        argv = [sys.executable, "-m", "tonpolicy.rollout.server", "--config", str(run_dir / "resolved_config.yaml"),
-                "--model-path", str(ckpt), "--host", host, "--port", str(port), "--port-file", str(port_file)]
+        argv = with_flags(plan["rollout"]["command"], {"--port": port, "--model-path": ckpt}, python=sys.executable)
+        argv += ["--port-file", str(port_file)]  # the server reports the free port it bound
     else:
-        argv = list(plan["rollout"]["command"])
         port = port or free_port(host)
-        argv[argv.index("--port") + 1] = str(port)
-        argv[argv.index("--model-path") + 1] = str(ckpt)
+        argv = with_flags(plan["rollout"]["command"], {"--port": port, "--model-path": ckpt})
         port_file.write_text(str(port))
     env = {**plan["environment"], **plan["rollout"].get("environment", {})}
     server = procs.start("rollout", argv, run_dir / "logs" / "rollout.log", env=env)
@@ -137,11 +149,8 @@ def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, 
 def start_trainer(cfg: Config, run_dir: Path, plan: dict[str, Any], url: str, ckpt: Path, procs: ProcessGroup) -> Child:
     nproc = cfg.trainer.nproc_per_node or world_size(cfg) // cfg.trainer.nnodes
     master_port = cfg.trainer.master_port or free_port()
-    argv = [trainer_python(cfg), "-m", "torch.distributed.run", "--nnodes", str(cfg.trainer.nnodes),
-            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(master_port),
-            "--max-restarts", "0", "-m", "tonpolicy.launch.trainer_main",
-            "--config", str(run_dir / "resolved_config.yaml"), "--run-dir", str(run_dir),
-            "--server-url", url, "--checkpoint", str(ckpt)]
+    argv = with_flags(plan["trainer_command"], {"--master-port": master_port, "--server-url": url, "--checkpoint": ckpt},
+                      python=trainer_python(cfg))
     env = dict(plan["environment"])
     if plan["device"] == "cpu":
         import os

@@ -109,6 +109,20 @@ def layout_jobs(layouts: list[Layout], checkpoints: dict[str, str], rollouts: di
             for lay in layouts for dt in checkpoints for c in contracts]
 
 
+def built_config_worker(configs: list[Config]) -> list[dict[str, Any]]:
+    """Build the trainer for each config in turn; return what was built (TrainerWorker.built_config)."""
+    from tonpolicy.trainer.dist import reset_model_parallel
+    from tonpolicy.trainer.worker import TrainerWorker
+
+    out = []
+    for cfg in configs:
+        worker = TrainerWorker(cfg)
+        out.append(worker.built_config())
+        worker.close()
+        reset_model_parallel()
+    return out
+
+
 def replace_layout(layout: Layout, **kw: Any) -> Layout:
     return dataclasses.replace(layout, **kw)
 

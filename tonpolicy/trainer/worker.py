@@ -15,6 +15,7 @@ from megatron.core import parallel_state as ps
 
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import kernel_params
+from tonpolicy.contract.megatron_args import transformer_kwargs
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, get_kernels
 from tonpolicy.parity.gate import compare as gate_compare
 from tonpolicy.rollout.types import logprob_temperature
@@ -62,7 +63,8 @@ class TrainerWorker:
             self.model_cfg, hf = cfg.model, init_state_dict(cfg.model, self.dtype, cfg.model.init_seed)
         self.vocab_padded = padded_vocab(self.model_cfg, c.canonical_shards)
         self.module = build_gpt(self.model_cfg, self.dtype, spec, self.layout.cp_mode, kernels,
-                                canonical_shards=c.canonical_shards, pp_layers=self.layout.pp_layers)
+                                canonical_shards=c.canonical_shards, pp_layers=self.layout.pp_layers,
+                                exact_zero=c.exact_zero)
         load_into(self.module, hf, self.model_cfg, self.vocab_padded, self.layout.pp_layers)
         self.tile = kernels.tile_size
         # The rollout reports greedy (temperature <= 0) logprobs at temperature 1; so do we.
@@ -159,6 +161,22 @@ class TrainerWorker:
             return None
         shards = dict(x for x in gathered if x is not None)
         return megatron_to_hf(shards, self.model_cfg, self.layout.tp, self.layout.pp, self.layout.pp_layers)
+
+    def built_config(self) -> dict[str, Any]:
+        """The built model's TransformerConfig and GPTModel settings in the plan's terms (the test that
+        the plan describes what runs compares the two)."""
+        from tonpolicy.trainer.model import DTYPE_NAMES
+
+        c, m = self.module.config, self.module
+        names = {"activation_func": c.activation_func.__name__, "params_dtype": DTYPE_NAMES[c.params_dtype],
+                 "pipeline_dtype": DTYPE_NAMES[c.pipeline_dtype]}
+        keys = transformer_kwargs(self.model_cfg, self.cfg.contract.dtype, 1, 1, 1, None, True)
+        gpt = {k: getattr(m, k) for k in ("vocab_size", "max_sequence_length", "position_embedding_type",
+                                          "share_embeddings_and_output_weights", "parallel_output")}
+        if m.position_embedding_type == "rope":
+            gpt["rotary_base"] = m.rotary_base
+        return {"transformer_config": {k: names.get(k, getattr(c, k)) for k in keys}, "gpt_model": gpt,
+                "stage_layers": self.stage_layers()}
 
     def stage_layers(self) -> list[int]:
         """Transformer layers actually built on each pipeline stage (from the modules, not the config)."""

@@ -1,0 +1,77 @@
+"""The Megatron configuration a run implies, built once: the launch plan renders it, the trainer
+builds its TransformerConfig and GPTModel from it (tests/test_megatron_args.py compares the built
+model with the plan). Plain data (JSON-able): the trainer maps names to objects (`silu` -> F.silu,
+dtype names -> torch dtypes) and adds build-only settings that change no numerics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tonpolicy.config.model import ModelConfig, pipeline_stage_layers
+from tonpolicy.kernels import INVARIANT_KERNEL_SETS, padded_vocab_size
+
+
+def transformer_kwargs(model: ModelConfig, dtype: str, tp: int, pp: int, cp: int,
+                       pp_layers: list[int] | tuple[int, ...] | None, exact_zero: bool) -> dict[str, Any]:
+    """TransformerConfig arguments (numerics and layout)."""
+    stages = pipeline_stage_layers(model.num_layers, pp, pp_layers)
+    uneven = pp > 1 and len(set(stages)) > 1
+    return {
+        "num_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_query_groups": model.num_kv_heads,
+        "kv_channels": model.head_dim,
+        "ffn_hidden_size": model.intermediate_size,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": model.rms_norm_eps,
+        "qk_layernorm": True,
+        "add_bias_linear": False,
+        "add_qkv_bias": False,
+        "gated_linear_unit": True,
+        "activation_func": "silu",
+        "bf16": dtype == "bfloat16",
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "attention_dropout": 0.0,
+        "hidden_dropout": 0.0,
+        # Fusions reorder floating-point work; the contract computes these ops in its own kernels.
+        "sequence_parallel": False,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "apply_rope_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "gradient_accumulation_fusion": False,
+        "cross_entropy_loss_fusion": False,
+        # Deterministic embedding backward (index, not F.embedding); forward values are the same.
+        "deterministic_mode": exact_zero,
+        "init_method_std": model.init_std,
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "context_parallel_size": cp,
+        # Uneven stages the Megatron way: first and last stage sizes, the rest split evenly.
+        "num_layers_in_first_pipeline_stage": stages[0] if uneven else None,
+        "num_layers_in_last_pipeline_stage": stages[-1] if uneven else None,
+    }
+
+
+def gpt_model_kwargs(model: ModelConfig, canonical_shards: int, spec: str) -> dict[str, Any]:
+    """GPTModel arguments. The contract spec applies RoPE inside its core attention (from absolute
+    positions, CP-aware), so Megatron's own rotary embedding is off there."""
+    contract = spec == "contract"
+    out: dict[str, Any] = {
+        "vocab_size": padded_vocab_size(model.vocab_size, canonical_shards),
+        "max_sequence_length": model.max_position_embeddings,
+        "position_embedding_type": "none" if contract else "rope",
+        "share_embeddings_and_output_weights": model.tie_word_embeddings,
+        "parallel_output": True,
+    }
+    if not contract:
+        out["rotary_base"] = int(model.rope_theta)
+    return out
+
+
+def layer_spec(kernels: str) -> str:
+    """'contract' (tonpolicy's layer spec on the kernel set) or 'stock' (megatron's local spec)."""
+    return "contract" if kernels in INVARIANT_KERNEL_SETS else "stock"
