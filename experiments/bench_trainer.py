@@ -44,7 +44,7 @@ def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int)
     fw.token_logprobs = timed
     out: dict[str, Any] = {"layout": str(layout), "dtype": dtype}
     for spec in ("contract", "stock"):
-        cfg = pc.make_config(layout, dtype, "contract", 1.0)
+        cfg = pc.make_config(layout, dtype, "contract", 1.0, checkpoint)
         w = TrainerWorker(cfg, checkpoint, spec=spec)
         p, r = batch["prompts"], batch["responses"]
         old = w.logprobs(p, r)

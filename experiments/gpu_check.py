@@ -63,7 +63,7 @@ def env() -> dict:
 def _worker(dtype: str, spec: str, ck: str) -> Any:
     from tonpolicy.trainer.worker import TrainerWorker
 
-    cfg = pc.make_config(Layout(), dtype, "contract", 0.8)
+    cfg = pc.make_config(Layout(), dtype, "contract", 0.8, ck)
     return TrainerWorker(cfg, ck, spec=spec)
 
 

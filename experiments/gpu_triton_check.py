@@ -194,7 +194,7 @@ def model(root: Path) -> dict:
         out[f"{dtype_name}_prefill_vs_decode"] = pc.compare(pre, [torch.tensor(x) for x in ro["logprobs"]])
         adv = [(-1.0) ** i * (0.5 + 0.1 * i) for i in range(len(ro["prompts"]))]
         for spec in ("contract", "stock"):
-            w = TrainerWorker(pc.make_config(Layout(), dtype_name, "triton", 0.8), ck, spec=spec)
+            w = TrainerWorker(pc.make_config(Layout(), dtype_name, "triton", 0.8, ck), ck, spec=spec)
             lps = w.logprobs(ro["prompts"], ro["responses"])
             out[f"{dtype_name}_trainer_{spec}_vs_engine"] = pc.compare(lps, ro["logprobs"])
             old = lps

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass
@@ -51,3 +51,17 @@ def pipeline_stage_layers(num_layers: int, pp: int, pp_layers: list[int] | tuple
     if num_layers % pp:
         raise ValueError(f"{num_layers} layers do not split evenly into {pp} pipeline stages")
     return [num_layers // pp] * pp
+
+
+# ModelConfig fields that are labels or provenance, not architecture: a checkpoint may differ in them.
+_NOT_ARCHITECTURE = {"name", "family", "hf_config", "checkpoint", "init_seed", "init_std"}
+
+
+def check_same_architecture(expected: ModelConfig, loaded: ModelConfig, path: str) -> None:
+    """Refuse a checkpoint whose architecture is not the expected one, naming every differing field.
+    Both engines call this on what they load, so a wrong path can never serve or train another model."""
+    diff = {f.name: (getattr(expected, f.name), getattr(loaded, f.name)) for f in fields(expected)
+            if f.name not in _NOT_ARCHITECTURE and getattr(expected, f.name) != getattr(loaded, f.name)}
+    if diff:
+        raise ValueError(f"checkpoint {path} has another architecture than model {expected.name} "
+                         f"(field: (profile, checkpoint)): {diff}")

@@ -108,10 +108,15 @@ def config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConfig:
     )
 
 
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of an HF checkpoint directory (its config.json only)."""
+    cfg = config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+    return replace(cfg, checkpoint=str(path))
+
+
 def load_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     path = Path(path)
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
-    cfg = replace(cfg, checkpoint=str(path))
+    cfg = read_config(path)
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

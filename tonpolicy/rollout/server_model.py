@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-from typing import Any
-
 import torch
 
-from tonpolicy.config.model import ModelConfig
+from tonpolicy.config.model import ModelConfig, check_same_architecture
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model.checkpoint import load_hf, param_shapes
 from tonpolicy.model.qwen3 import Qwen3
@@ -16,9 +13,6 @@ from tonpolicy.rollout.protocol import GenerateItem
 from tonpolicy.rollout.server_args import ServerArgs
 from tonpolicy.rollout.types import GenRequest, GenResult
 
-# ModelConfig fields that are labels or provenance, not architecture: a reload may change them.
-_NOT_ARCHITECTURE = {"name", "family", "hf_config", "checkpoint", "init_seed", "init_std"}
-
 
 def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
     kernels = get_kernels(args.kernels, **args.kernel_params)
@@ -26,7 +20,7 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
     if args.model_path:
         cfg, state_dict = load_hf(args.model_path)
         if args.model is not None:  # a wrong --model-path must not serve another model silently
-            _check_same_architecture(args.model, cfg, args.model_path)
+            check_same_architecture(args.model, cfg, args.model_path)
     else:  # the profile's deterministic random init (same seed as the trainer's)
         cfg, state_dict = args.model or ModelConfig(), None
     model = Qwen3(cfg, kernels, dtype, state_dict).to(args.device)
@@ -36,22 +30,11 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
     return engine, cfg
 
 
-def _architecture(cfg: ModelConfig) -> dict[str, Any]:
-    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _NOT_ARCHITECTURE}
-
-
-def _check_same_architecture(ours: ModelConfig, checkpoint: ModelConfig, path: str) -> None:
-    a, b = _architecture(ours), _architecture(checkpoint)
-    diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
-    if diff:
-        raise ValueError(f"checkpoint {path} has another architecture (expected, checkpoint): {diff}")
-
-
 def reload_weights(engine: Engine, path: str, current: ModelConfig) -> None:
     """Load an HF checkpoint into the running model. Everything is checked before the first tensor
     is copied, so a refused checkpoint leaves the served weights untouched."""
     cfg, state_dict = load_hf(path)
-    _check_same_architecture(current, cfg, path)
+    check_same_architecture(current, cfg, path)
     shapes = param_shapes(current)
     bad = {k: tuple(v.shape) for k, v in state_dict.items() if k in shapes and tuple(v.shape) != shapes[k]}
     if bad:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tonpolicy.config.model import ModelConfig
 from tonpolicy.config.schema import Config, ContractConfig, ExperimentConfig, ParallelConfig
 from tonpolicy.trainer.dist import Layout
 
@@ -26,9 +27,15 @@ CONTRACTS = {
 CPU_CONTRACTS = ("contract", "off_policy")
 
 
-def make_config(layout: Layout, dtype: str, contract: str, temperature: float) -> Config:
+def make_config(layout: Layout, dtype: str, contract: str, temperature: float,
+                checkpoint: str | Path | None = None) -> Config:
+    """A run config for a layout; the model profile is the checkpoint's own (the trainer refuses a
+    checkpoint whose architecture is not the profile's)."""
+    from tonpolicy.model.checkpoint import read_config
+
     cp_type = layout.cp_mode if layout.cp > 1 else "none"
     return Config(
+        model=read_config(checkpoint) if checkpoint is not None else ModelConfig(),
         contract=ContractConfig(dtype=dtype, **CONTRACTS[contract]),
         parallel=ParallelConfig(name=str(layout), tp=layout.tp, pp=layout.pp, cp=layout.cp, cp_type=cp_type,
                                 pp_layers=list(layout.pp_layers) if layout.pp_layers else None),
@@ -74,7 +81,7 @@ def layouts_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for job in jobs:
-        cfg = make_config(job["layout"], job["dtype"], job["contract"], job["temperature"])
+        cfg = make_config(job["layout"], job["dtype"], job["contract"], job["temperature"], job["checkpoint"])
         t0 = time.perf_counter()
         worker = TrainerWorker(cfg, job["checkpoint"])
         t1 = time.perf_counter()
@@ -135,7 +142,7 @@ def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for job in jobs:
-        cfg = make_config(job["layout"], job["dtype"], job["contract"], job["temperature"])
+        cfg = make_config(job["layout"], job["dtype"], job["contract"], job["temperature"], job["checkpoint"])
         worker = TrainerWorker(cfg, job["checkpoint"], spec=job.get("spec"))
         ro = job["rollout"]
         t0 = time.perf_counter()

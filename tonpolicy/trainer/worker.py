@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from tonpolicy.config.model import check_same_architecture
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
@@ -59,6 +60,7 @@ class TrainerWorker:
             self.model_cfg, hf = cfg.model, state_dict
         elif checkpoint is not None:
             self.model_cfg, hf = load_hf(checkpoint)
+            check_same_architecture(cfg.model, self.model_cfg, str(checkpoint))
         else:
             self.model_cfg, hf = cfg.model, init_state_dict(cfg.model, self.dtype, cfg.model.init_seed)
         self.vocab_padded = padded_vocab(self.model_cfg, c.canonical_shards)
