@@ -181,6 +181,10 @@ def _check_layout(cfg: Config, bad: Any) -> None:
                 "them must hold equal layer counts")
     elif m.num_layers % p.pp:
         bad("parallel.pp", f"must divide model.num_layers={m.num_layers} (or declare parallel.pp_layers)")
+    batch = cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
+    if batch % p.dp:
+        bad("parallel.dp", f"must divide the batch (experiment.prompts_per_step*samples_per_prompt={batch}): each "
+            "data-parallel replica scores and trains on an equal share")
     if p.pp > 1 and p.num_microbatches < p.pp:
         bad("parallel.num_microbatches", f"must be >= parallel.pp={p.pp} to fill the pipeline")
 

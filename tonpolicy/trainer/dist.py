@@ -27,15 +27,16 @@ class Layout:
     cp: int = 1
     cp_mode: str = "ulysses"
     pp_layers: tuple[int, ...] | None = None  # layers per pipeline stage; None: an even split
+    dp: int = 1  # data-parallel replicas (megatron derives DP from the world size)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.cp
+        return self.tp * self.pp * self.cp * self.dp
 
     def __str__(self) -> str:
         cp = f"cp{self.cp}_{self.cp_mode}" if self.cp > 1 else ""
         pp = f"pp{self.pp}" + ("_" + "-".join(map(str, self.pp_layers)) if self.pp_layers else "")
-        return "_".join(s for s in (f"tp{self.tp}", pp, cp) if s)
+        return "_".join(s for s in (f"tp{self.tp}", pp, cp, f"dp{self.dp}" if self.dp > 1 else "") if s)
 
 
 def device() -> torch.device:

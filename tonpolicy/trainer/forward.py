@@ -1,6 +1,9 @@
 """Run (prompt, response) samples through GPTModel with megatron's own forward/backward schedule
 (1F1B across pipeline stages), one sample per microbatch, and collect per-response-token results.
 
+Data parallelism: each DP replica scores and trains on its own share of the batch (`dp_share`,
+round-robin), and `assemble` gathers every replica's results so all ranks hold the whole batch.
+
 Every microbatch is padded to the same length (megatron's p2p shapes are static); padding sits after
 the real tokens, which causal attention never lets back in. Under CP each rank holds its positions
 (contiguous for Ulysses, zigzag for ring) and `cp.slice_responses` picks its response rows.
@@ -35,16 +38,23 @@ class Microbatch:
     extras: dict[str, torch.Tensor]  # per-response-token training inputs, full length R
 
 
+def dp_share(num_samples: int) -> list[int]:
+    """Indices of the samples this data-parallel replica scores and trains on."""
+    return list(range(ps.get_data_parallel_rank(), num_samples, ps.get_data_parallel_world_size()))
+
+
 def make_microbatches(prompts: list[list[int]], responses: list[list[int]], cp_mode: str, tile: int,
                       extras: list[dict[str, torch.Tensor]] | None = None) -> tuple[list[Microbatch], int]:
-    """Microbatches for this rank plus the common padded (full) sequence length."""
+    """This rank's microbatches (its DP share; `index` is the sample's place in the whole batch) plus
+    the common padded (full) sequence length, the same on every replica."""
     cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     longest = max(len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True))
     seq_len = cp_layout.padded_len(longest, cp, cp_mode, tile)
     local = cp_layout.local_positions(seq_len, cp, rank, cp_mode)
     extras = extras if extras is not None else [{} for _ in prompts]
     mbs = []
-    for i, (p, r, ex) in enumerate(zip(prompts, responses, extras, strict=True)):
+    for i in dp_share(len(prompts)):
+        p, r, ex = prompts[i], responses[i], extras[i]
         ids = torch.tensor(list(p) + list(r)[:-1], dtype=torch.long)  # the last token predicts nothing
         ids = torch.cat([ids, ids.new_zeros(seq_len - ids.numel())])
         mbs.append(Microbatch(i, ids[local][None], local[None], cp_layout.response_slice(local, len(p), len(r)),
@@ -81,26 +91,26 @@ def run(model: Any, mbs: list[Microbatch], seq_len: int, loss_fn: LossFn, forwar
               seq_length=seq_len, micro_batch_size=1, forward_only=forward_only)
 
 
-def _result_src() -> int:
-    """Global rank that holds finished per-sample results: last PP stage, TP/CP/DP rank 0."""
-    mine = int(ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-               and ps.get_context_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
+def assemble(outputs: list[dict], mbs: list[Microbatch], lengths: list[int], key: str = "lp") -> list[torch.Tensor]:
+    """Full per-sample response vectors (`lengths` per sample of the whole batch) on every rank: each
+    CP rank scatters its tokens into zeros, a CP all-reduce fills them in (disjoint, so exact), the
+    last stage broadcasts to its pipeline, and the DP replicas exchange their shares (each sample is
+    taken from the replica that owns it: a copy, never a sum)."""
     dev = device()  # NCCL collectives need device tensors
-    flags = [torch.zeros(1, dtype=torch.long, device=dev) for _ in range(dist.get_world_size())]
-    dist.all_gather(flags, torch.tensor([mine], device=dev))
-    return int(torch.cat(flags).nonzero()[0])
-
-
-def assemble(outputs: list[dict], mbs: list[Microbatch], key: str = "lp") -> list[torch.Tensor]:
-    """Full per-sample response vectors on every rank: each CP rank scatters its tokens into zeros,
-    a CP all-reduce fills them in (disjoint, so exact), then the last stage broadcasts to the world."""
-    lengths = [int(mb.targets.numel()) for mb in mbs]
-    flat = torch.zeros(sum(lengths), dtype=torch.float32, device=device())
+    flat = torch.zeros(sum(lengths), dtype=torch.float32, device=dev)
+    offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
     if ps.is_pipeline_last_stage():
-        offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
         for out, mb in zip(outputs, mbs, strict=True):
             flat[offsets[mb.index] + out["resp"]] = out[key].detach().float()
         if ps.get_context_parallel_world_size() > 1:
             dist.all_reduce(flat, group=ps.get_context_parallel_group())
-    dist.broadcast(flat, src=_result_src())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+    dp = ps.get_data_parallel_world_size()
+    if dp > 1:
+        shares = [torch.empty_like(flat) for _ in range(dp)]
+        dist.all_gather(shares, flat, group=ps.get_data_parallel_group())
+        owner = torch.cat([torch.full((n,), i % dp, dtype=torch.long) for i, n in enumerate(lengths)]).to(dev)
+        flat = torch.stack(shares).gather(0, owner[None])[0]
     return list(flat.cpu().split(lengths))

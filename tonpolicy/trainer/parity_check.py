@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.config.schema import Config, ContractConfig, ExperimentConfig, ParallelConfig
@@ -37,7 +38,7 @@ def make_config(layout: Layout, dtype: str, contract: str, temperature: float,
     return Config(
         model=read_config(checkpoint) if checkpoint is not None else ModelConfig(),
         contract=ContractConfig(dtype=dtype, **CONTRACTS[contract]),
-        parallel=ParallelConfig(name=str(layout), tp=layout.tp, pp=layout.pp, cp=layout.cp, cp_type=cp_type,
+        parallel=ParallelConfig(name=str(layout), tp=layout.tp, pp=layout.pp, cp=layout.cp, cp_type=cp_type, dp=layout.dp,
                                 pp_layers=list(layout.pp_layers) if layout.pp_layers else None),
         experiment=ExperimentConfig(temperature=temperature),
     )
@@ -88,9 +89,12 @@ def layouts_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ro = job["rollout"]
         lps = worker.logprobs(ro["prompts"], ro["responses"])
         t2 = time.perf_counter()
+        verdicts: list[Any] = [None] * dist.get_world_size()  # every rank's own comparison
+        dist.all_gather_object(verdicts, compare(lps, ro["logprobs"])["equal"])
         res = {**{k: v for k, v in job.items() if k not in ("rollout", "checkpoint")}, **compare(lps, ro["logprobs"]),
                "spec": worker.spec, "build_s": t1 - t0, "logprobs_s": t2 - t1,
-               "export_equal": _export_round_trips(worker, job["checkpoint"]), "stage_layers": worker.stage_layers()}
+               "export_equal": _export_round_trips(worker, job["checkpoint"]), "stage_layers": worker.stage_layers(),
+               "ranks_equal": verdicts}
         out.append(res)
         worker.close()
         reset_model_parallel()
@@ -154,9 +158,11 @@ def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                             exact_first_forward=job.get("exact_first_forward", False))
         t2 = time.perf_counter()
         new = worker.logprobs(ro["prompts"], ro["responses"])
+        shares: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, worker.last_share)
         out.append({"layout": job["layout"], "dtype": job["dtype"], "contract": job["contract"], "spec": worker.spec,
                     **m, "old_vs_rollout": compare(old, ro["logprobs"]), "new_logprobs": new,
-                    "logprobs_s": t1 - t0, "step_s": t2 - t1})
+                    "logprobs_s": t1 - t0, "step_s": t2 - t1, "shares": shares})
         worker.close()
         reset_model_parallel()
     return out

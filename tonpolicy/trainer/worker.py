@@ -32,7 +32,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def layout_of(cfg: Config) -> Layout:
     p = cfg.parallel
     return Layout(tp=p.tp, pp=p.pp, cp=p.cp, cp_mode=p.cp_type if p.cp_type in ("ulysses", "ring") else "ulysses",
-                  pp_layers=tuple(p.pp_layers) if p.pp_layers and p.pp > 1 else None)
+                  pp_layers=tuple(p.pp_layers) if p.pp_layers and p.pp > 1 else None, dp=p.dp)
 
 
 class TrainerWorker:
@@ -74,6 +74,7 @@ class TrainerWorker:
         self.ppo = PPOConfig(cfg.trainer.clip_eps, cfg.trainer.clip_eps_high, cfg.trainer.kl_coef)
         self.model: Any = self.module
         self.optimizer: Any = None
+        self.last_share: list[int] = []
 
     # --- logprobs -----------------------------------------------------------------------------------
     def _lp_loss(self, mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -86,7 +87,7 @@ class TrainerWorker:
         self.model.eval()
         mbs, seq_len = fw.make_microbatches(prompts, responses, self.layout.cp_mode, self.tile)
         outs = fw.run(self.model, mbs, seq_len, self._lp_loss, forward_only=True)
-        return fw.assemble(outs, mbs)
+        return fw.assemble(outs, mbs, [len(r) for r in responses])
 
     # --- training -----------------------------------------------------------------------------------
     def _setup_optimizer(self) -> None:
@@ -123,20 +124,21 @@ class TrainerWorker:
         extras = [{"old": torch.as_tensor(o, dtype=torch.float32), "adv": a, "mask": m.float()}
                   for o, a, m in zip(old_logprobs, advs, masks, strict=True)]
         mbs, seq_len = fw.make_microbatches(prompts, responses, self.layout.cp_mode, self.tile, extras)
-        total = max(float(sum(m.sum() for m in masks)), 1.0)
-        n_mb = len(mbs)
+        total = max(float(sum(m.sum() for m in masks)), 1.0)  # the whole batch's tokens, on every replica
+        n_mb, dp = len(mbs), ps.get_data_parallel_world_size()
+        self.last_share = [mb.index for mb in mbs]  # the samples this replica trained on
 
         def loss_fn(mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
             lp, ex = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
             local = (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum() / total
             # megatron's schedule multiplies this by CP and divides it by the microbatch count, and DDP
-            # averages gradients over DP x CP: the update is the gradient of the batch token mean.
-            return local * n_mb, {"lp": lp.detach(), "resp": mb.slice.resp}
+            # averages gradients over DP x CP: the update is the gradient of the whole batch's token mean.
+            return local * n_mb * dp, {"lp": lp.detach(), "resp": mb.slice.resp}
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outs = fw.run(self.model, mbs, seq_len, loss_fn, forward_only=False)
-        new_lp = fw.assemble(outs, mbs)
+        new_lp = fw.assemble(outs, mbs, [len(r) for r in responses])
         first = gate_compare([e["old"] for e in extras], new_lp)
         if exact_first_forward and not first.exact:
             self.optimizer.zero_grad()
