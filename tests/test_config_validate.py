@@ -15,7 +15,7 @@ CASES = [
     (["parallel=tp4", "model.num_kv_heads=2"], ["parallel.tp=4: must divide model.num_kv_heads=2"]),
     (["model=qwen3_4b", "parallel.tp=8"], ["canonical_shards=4"]),
     (["parallel.pp=3"], ["parallel.pp=3: must divide model.num_layers=4"]),
-    (["parallel.pp=2", "parallel.num_microbatches=2", "parallel.pp_layers=[1,2]"], ["parallel.pp_layers=[1, 2]: stages must each hold"]),
+    (["parallel.pp=2", "parallel.pp_layers=[1,2]"], ["parallel.pp_layers=[1, 2]: stages must each hold"]),
     (["parallel.cp=2"], ["parallel.cp_type='none': parallel.cp=2 needs a CP type"]),
     (["parallel=cp2_ring", "parallel.cp_type=striped"], ["parallel.cp_type='striped': must be one of"]),
     (["parallel=cp2_ring", "trainer.seq_pad_multiple=32"], ["2*cp*attention_tile=128"]),
@@ -49,7 +49,11 @@ CASES = [
     (["trainer.lr=nan", "trainer.kl_coef=-1", "model.rms_norm_eps=0"], ["trainer.lr=nan: must be a positive finite number", "trainer.kl_coef=-1.0: must be a finite number >= 0", "model.rms_norm_eps=0.0: must be a positive finite number"]),
     (["rollout.host=0.0.0.0"], ["rollout.host='0.0.0.0': binds a non-loopback address", "rollout.allow_remote=true"]),
     (["model.checkpoint=/nonexistent"], ["model.checkpoint='/nonexistent': must be an HF checkpoint directory with config.json"]),
-    (["parallel.pp=2", "parallel.num_microbatches=1"], ["must be >= parallel.pp=2"]),
+    (["parallel.pp=2", "parallel.num_microbatches=1"], ["parallel.num_microbatches=1: is batch/(dp*micro_batch_size)=8"]),
+    (["parallel.pp=2", "trainer.micro_batch_size=8"], ["leaves 1 microbatches per replica, fewer than parallel.pp=2"]),
+    (["trainer.micro_batch_size=3"], ["trainer.micro_batch_size=3: parallel.dp*micro_batch_size=3 must divide the batch"]),
+    (["parallel=cp2_ring", "trainer.pack_sequences=true"], ["trainer.pack_sequences=True: packed rows are not split"]),
+    (["parallel.dp=3"], ["parallel.dp*micro_batch_size=3 must divide the batch"]),
 ]
 
 

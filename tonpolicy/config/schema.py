@@ -64,7 +64,8 @@ class ParallelConfig:
     rollout_dp: int = 1
     # Declared uneven pipeline split: layers per stage (len == pp, sum == num_layers).
     pp_layers: list[int] | None = None
-    num_microbatches: int = 1
+    # Microbatches per replica per step; null: derived, batch / (dp * trainer.micro_batch_size).
+    num_microbatches: int | None = None
 
 
 @dataclass
@@ -102,7 +103,10 @@ class TrainerConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     clip_grad: float = 1.0
-    micro_batch_size: int = 1
+    micro_batch_size: int = 1  # samples per microbatch (padded rows, or packed into one row)
+    # Pack each microbatch's samples into one row (positions restart at 0 per sample; the contract
+    # attention splits the row there), instead of padding each to the longest. Not with CP.
+    pack_sequences: bool = False
     clip_eps: float = 0.2
     clip_eps_high: float = 0.28
     kl_coef: float = 0.0

@@ -61,6 +61,12 @@ def _get(cfg: Config, dotted: str) -> Any:
     return obj
 
 
+def microbatches_per_replica(cfg: Config) -> int:
+    """Megatron's num_microbatches: batch / (dp * micro_batch_size)."""
+    batch = cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
+    return batch // (cfg.parallel.dp * cfg.trainer.micro_batch_size)
+
+
 def world_size(cfg: Config) -> int:
     p = cfg.parallel
     return p.tp * p.pp * p.cp * p.dp
@@ -123,12 +129,14 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
         "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_kv_heads",
         "model.head_dim", "model.intermediate_size", "model.vocab_size", "model.max_position_embeddings",
         "parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp", "parallel.rollout_tp",
-        "parallel.rollout_dp", "parallel.num_microbatches", "contract.attention_tile",
+        "parallel.rollout_dp", "contract.attention_tile",
         "contract.row_tile", "contract.prefill_row_tile", "contract.attention_row_tile", "contract.canonical_shards", "experiment.steps",
         "experiment.prompts_per_step", "experiment.samples_per_prompt", "experiment.max_prompt_len",
         "experiment.max_new_tokens", "rollout.max_running_requests", "trainer.nnodes",
         "trainer.micro_batch_size",
     ]
+    if p.num_microbatches is not None:
+        positive.append("parallel.num_microbatches")
     for key in positive:
         if _get(cfg, key) < 1:
             bad(key, "must be a positive integer")
@@ -181,12 +189,24 @@ def _check_layout(cfg: Config, bad: Any) -> None:
                 "them must hold equal layer counts")
     elif m.num_layers % p.pp:
         bad("parallel.pp", f"must divide model.num_layers={m.num_layers} (or declare parallel.pp_layers)")
+    # Megatron's batch arithmetic: batch = dp * num_microbatches * micro_batch_size.
     batch = cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
-    if batch % p.dp:
-        bad("parallel.dp", f"must divide the batch (experiment.prompts_per_step*samples_per_prompt={batch}): each "
-            "data-parallel replica scores and trains on an equal share")
-    if p.pp > 1 and p.num_microbatches < p.pp:
-        bad("parallel.num_microbatches", f"must be >= parallel.pp={p.pp} to fill the pipeline")
+    mbs = cfg.trainer.micro_batch_size
+    if p.dp >= 1 and mbs >= 1:
+        if batch % (p.dp * mbs):
+            bad("trainer.micro_batch_size", f"parallel.dp*micro_batch_size={p.dp * mbs} must divide the batch "
+                f"(experiment.prompts_per_step*samples_per_prompt={batch}): every replica runs whole microbatches")
+        else:
+            n_mb = microbatches_per_replica(cfg)
+            if p.num_microbatches is not None and p.num_microbatches != n_mb:
+                bad("parallel.num_microbatches", f"is batch/(dp*micro_batch_size)={n_mb} here: set that, or null "
+                    "to derive it")
+            if p.pp > 1 and n_mb < p.pp:
+                bad("trainer.micro_batch_size", f"leaves {n_mb} microbatches per replica, fewer than parallel.pp="
+                    f"{p.pp} stages: the pipeline never fills")
+    if cfg.trainer.pack_sequences and p.cp > 1:
+        bad("trainer.pack_sequences", "packed rows are not split for context parallelism (each sample would need "
+            "its own zigzag): use padded rows (false) with parallel.cp > 1")
 
     # Context parallelism.
     if p.cp > 1 and p.cp_type == "none":

@@ -13,7 +13,7 @@ from typing import Any
 
 from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
-from tonpolicy.config.validate import padded_seq_len, seq_pad_multiple, world_size
+from tonpolicy.config.validate import microbatches_per_replica, padded_seq_len, seq_pad_multiple, world_size
 from tonpolicy.contract.identity import identity, kernel_params
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, layer_spec, transformer_kwargs
 from tonpolicy.rollout.sglang_env import (
@@ -103,7 +103,8 @@ def megatron_config(cfg: Config) -> dict[str, Any]:
             "world_size": world_size(cfg),
         },
         "schedule": {
-            "num_microbatches": p.num_microbatches,
+            "num_microbatches": microbatches_per_replica(cfg),
+            "pack_sequences": cfg.trainer.pack_sequences,
             "micro_batch_size": cfg.trainer.micro_batch_size,
             "seq_pad_multiple": seq_pad_multiple(cfg),
             "padded_seq_len": padded_seq_len(cfg),

@@ -27,6 +27,13 @@ def current_positions() -> torch.Tensor:
     return _positions
 
 
+def segment_starts(positions: torch.Tensor) -> list[int]:
+    """Where the samples of a packed row start (position 0 again); [0] for an ordinary row, and for a
+    CP rank's chunks (packing is refused under CP)."""
+    starts = (positions == 0).nonzero().flatten().tolist()
+    return starts if starts and starts[0] == 0 else [0]
+
+
 def padded_len(n: int, cp: int, mode: str, tile: int) -> int:
     mult = 2 * cp * tile if (cp > 1 and mode == "ring") else cp
     return -(-n // mult) * mult
@@ -59,6 +66,11 @@ def response_slice(positions: torch.Tensor, prompt_len: int, response_len: int) 
     nxt = positions + 1 - prompt_len
     keep = (nxt >= 0) & (nxt < response_len)
     return ResponseSlice(rows=keep.nonzero().flatten(), resp=nxt[keep])
+
+
+def shift(s: ResponseSlice, offset: int) -> ResponseSlice:
+    """The same response rows, `offset` rows later (a sample packed after others in its row)."""
+    return ResponseSlice(rows=s.rows + offset, resp=s.resp)
 
 
 def slice_responses(

@@ -124,10 +124,15 @@ class ContractCoreAttention(MegatronModule):
         k_ = self.kernels
         outs = []
         for b in range(query.shape[1]):
-            cos, sin = k_.rope_cos_sin(positions[b], self.head_dim, self.theta)
+            pos = positions[b]
+            cos, sin = k_.rope_cos_sin(pos, self.head_dim, self.theta)
             q = k_.apply_rope(query[:, b], cos, sin)
             k = k_.apply_rope(key[:, b], cos, sin)
-            outs.append(context_parallel_attention(k_, q, k, value[:, b], positions[b], self.scale, self.cp_mode))
+            # A packed row holds several samples, each restarting at position 0: attend within each.
+            bounds = [*cp_layout.segment_starts(pos), pos.numel()]
+            outs.append(torch.cat([
+                context_parallel_attention(k_, q[s:e], k[s:e], value[s:e, b], pos[s:e], self.scale, self.cp_mode)
+                for s, e in zip(bounds[:-1], bounds[1:], strict=True)]))
         out = torch.stack(outs, dim=1)  # [s, b, h, d]
         return out.reshape(out.shape[0], out.shape[1], -1)
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.config.schema import Config, ContractConfig, ExperimentConfig, ParallelConfig
+from tonpolicy.config.schema import Config, ContractConfig, ExperimentConfig, ParallelConfig, TrainerConfig
 from tonpolicy.trainer.dist import Layout
 
 CONTRACTS = {
@@ -29,7 +29,7 @@ CPU_CONTRACTS = ("contract", "off_policy")
 
 
 def make_config(layout: Layout, dtype: str, contract: str, temperature: float,
-                checkpoint: str | Path | None = None) -> Config:
+                checkpoint: str | Path | None = None, **trainer: Any) -> Config:
     """A run config for a layout; the model profile is the checkpoint's own (the trainer refuses a
     checkpoint whose architecture is not the profile's)."""
     from tonpolicy.model.checkpoint import read_config
@@ -41,6 +41,7 @@ def make_config(layout: Layout, dtype: str, contract: str, temperature: float,
         parallel=ParallelConfig(name=str(layout), tp=layout.tp, pp=layout.pp, cp=layout.cp, cp_type=cp_type, dp=layout.dp,
                                 pp_layers=list(layout.pp_layers) if layout.pp_layers else None),
         experiment=ExperimentConfig(temperature=temperature),
+        trainer=TrainerConfig(**trainer),
     )
 
 
@@ -82,7 +83,8 @@ def layouts_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for job in jobs:
-        cfg = make_config(job["layout"], job["dtype"], job["contract"], job["temperature"], job["checkpoint"])
+        cfg = make_config(job["layout"], job["dtype"], job["contract"], job["temperature"], job["checkpoint"],
+                          **job.get("trainer", {}))
         t0 = time.perf_counter()
         worker = TrainerWorker(cfg, job["checkpoint"])
         t1 = time.perf_counter()
@@ -146,7 +148,8 @@ def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for job in jobs:
-        cfg = make_config(job["layout"], job["dtype"], job["contract"], job["temperature"], job["checkpoint"])
+        cfg = make_config(job["layout"], job["dtype"], job["contract"], job["temperature"], job["checkpoint"],
+                          **job.get("trainer", {}))
         worker = TrainerWorker(cfg, job["checkpoint"], spec=job.get("spec"))
         ro = job["rollout"]
         t0 = time.perf_counter()

@@ -52,7 +52,9 @@ class TrainerWorker:
         kernels = get_kernels(c.kernels, **kernel_params(c))
         self.kernel_set = kernels  # what the runtime fingerprint is computed from
         if spec is None:
-            spec = "contract" if (c.kernels in INVARIANT_KERNEL_SETS or self.layout.cp > 1) else "stock"
+            # Megatron's local spec has neither CP (TransformerEngine's) nor packed rows (THD, TE's too).
+            needs_contract_spec = self.layout.cp > 1 or cfg.trainer.pack_sequences
+            spec = "contract" if (c.kernels in INVARIANT_KERNEL_SETS or needs_contract_spec) else "stock"
         self.spec = spec
         # The logprob recipe runs the kernel set's `logprobs` (stock spec: plain torch, same formula).
         self.kernels = kernels if spec == "contract" else None
@@ -78,14 +80,20 @@ class TrainerWorker:
 
     # --- logprobs -----------------------------------------------------------------------------------
     def _lp_loss(self, mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        lp, _ = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
-        return lp.sum() * 0.0, {"lp": lp, "resp": mb.slice.resp}
+        lps, _ = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
+        return logits.new_zeros(()), {"lp": lps, "resp": [s.resp for s in mb.slices]}
+
+    def _microbatches(self, prompts: list[list[int]], responses: list[list[int]],
+                      extras: list[dict[str, torch.Tensor]] | None = None) -> tuple[list[fw.Microbatch], int]:
+        t = self.cfg.trainer
+        return fw.make_microbatches(prompts, responses, self.layout.cp_mode, self.tile, extras,
+                                    t.micro_batch_size, t.pack_sequences)
 
     @torch.no_grad()
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
         """fp32 logprob of every response token (temperature from the experiment config)."""
         self.model.eval()
-        mbs, seq_len = fw.make_microbatches(prompts, responses, self.layout.cp_mode, self.tile)
+        mbs, seq_len = self._microbatches(prompts, responses)
         outs = fw.run(self.model, mbs, seq_len, self._lp_loss, forward_only=True)
         return fw.assemble(outs, mbs, [len(r) for r in responses])
 
@@ -123,17 +131,18 @@ class TrainerWorker:
         advs = [torch.full((len(r),), float(a)) for r, a in zip(responses, advantages, strict=True)]
         extras = [{"old": torch.as_tensor(o, dtype=torch.float32), "adv": a, "mask": m.float()}
                   for o, a, m in zip(old_logprobs, advs, masks, strict=True)]
-        mbs, seq_len = fw.make_microbatches(prompts, responses, self.layout.cp_mode, self.tile, extras)
+        mbs, seq_len = self._microbatches(prompts, responses, extras)
         total = max(float(sum(m.sum() for m in masks)), 1.0)  # the whole batch's tokens, on every replica
         n_mb, dp = len(mbs), ps.get_data_parallel_world_size()
-        self.last_share = [mb.index for mb in mbs]  # the samples this replica trained on
+        self.last_share = [i for mb in mbs for i in mb.samples]  # the samples this replica trained on
 
         def loss_fn(mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            lp, ex = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
-            local = (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum() / total
+            lps, exs = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
+            local = sum((token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum()
+                        for lp, ex in zip(lps, exs, strict=True)) / total
             # megatron's schedule multiplies this by CP and divides it by the microbatch count, and DDP
             # averages gradients over DP x CP: the update is the gradient of the whole batch's token mean.
-            return local * n_mb * dp, {"lp": lp.detach(), "resp": mb.slice.resp}
+            return local * n_mb * dp, {"lp": [lp.detach() for lp in lps], "resp": [s.resp for s in mb.slices]}
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
