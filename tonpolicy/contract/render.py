@@ -107,7 +107,9 @@ def megatron_config(cfg: Config) -> dict[str, Any]:
             "pack_sequences": cfg.trainer.pack_sequences,
             "micro_batch_size": cfg.trainer.micro_batch_size,
             "seq_pad_multiple": seq_pad_multiple(cfg),
-            "padded_seq_len": padded_seq_len(cfg),
+            "padded_seq_len": padded_seq_len(cfg),  # per sample (positions never exceed it)
+            # A packed row holds up to micro_batch_size samples, each restarting at position 0.
+            "max_row_len": padded_seq_len(cfg) * (cfg.trainer.micro_batch_size if cfg.trainer.pack_sequences else 1),
         },
         "kernels": {"name": c.kernels, **kernel_params(c)},
     }
