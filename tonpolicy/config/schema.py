@@ -126,9 +126,18 @@ class LoggerConfig:
 
 
 @dataclass
+class TaskConfig:
+    """A built-in task (tonpolicy.launch.task.TASKS): prompts and a verifiable reward."""
+
+    name: str = "constant"  # constant | echo_digit | first_digit | first_parity | digit_copy
+    graded_tokens: int = 4  # the reward grades the first N response tokens
+    target_digit: int = 7  # the constant task's answer
+    lr: float | None = None  # overrides trainer.lr for this task when set
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "parity_smoke"
-    task: str = "digit_copy"
     seed: int = 0
     steps: int = 2
     prompts_per_step: int = 4
@@ -174,6 +183,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     align: AlignConfig = field(default_factory=AlignConfig)
 
@@ -186,6 +196,7 @@ GROUPS: dict[str, type] = {
     "trainer": TrainerConfig,
     "logger": LoggerConfig,
     "experiment": ExperimentConfig,
+    "task": TaskConfig,
 }
 
 

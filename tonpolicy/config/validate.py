@@ -28,7 +28,7 @@ KNOWN = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "logger.backend": ("wandb", "none"),
     "logger.mode": ("offline", "online", "disabled"),
-    "experiment.task": ("digit_copy",),
+    "task.name": ("echo_digit", "first_digit", "first_parity", "digit_copy", "constant"),
 }
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SEED_MAX = 2**32 - 1  # PYTHONHASHSEED's range

@@ -19,6 +19,7 @@ from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import world_size
 from tonpolicy.contract.identity import identity
+from tonpolicy.launch.curves import reward_curve
 from tonpolicy.launch.init_checkpoint import write_init_checkpoint
 from tonpolicy.launch.procs import Child, ProcessGroup, free_port, port_is_free, wait_until
 from tonpolicy.launch.records import (
@@ -213,10 +214,14 @@ def summarize(cfg: Config, run_dir: Path, status: str, wall_s: float) -> dict[st
         "mismatched_tokens": sum(r["mismatched_tokens"] for r in records),
         "max_abs_logprob_diff": max((r["max_abs_logprob_diff"] for r in records), default=0.0),
         "last_grad_norm": next((r["grad_norm"] for r in reversed(records) if "grad_norm" in r), None),
+        "task": cfg.task.name,
+        "rewards": [r["reward_mean"] for r in records],
         "wall_s": round(wall_s, 2),
     }
     write_json_atomic(run_dir / "summary.json", summary)
     if records:
+        reward_curve(records, run_dir / "reward_curve.png",
+                     f"{cfg.task.name}, {cfg.contract.name} {layout_label(cfg.parallel)}: reward and parity")
         print(step_table(records))
     return summary
 

@@ -10,6 +10,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from tonpolicy.launch.curves import reward_overlay
 from tonpolicy.launch.report import markdown_table
 
 
@@ -56,7 +57,8 @@ def _chart(rows: list[dict[str, Any]], path: Path) -> None:
     labels = ["\n".join(str(r.get(k)) for k in ("layout", *varying)) for r in rows]
     mismatched = [r.get("mismatched_tokens", 0) for r in rows]
     grad_norms = [r.get("last_grad_norm") or 0.0 for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(rows)), 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(max(12, 2.1 * len(rows)), 4))
+    reward_overlay(ax3, rows, labels)
     ax1.bar(labels, mismatched, color="tab:red")
     ax1.set_title("mismatched tokens (exact parity = 0)")
     ax1.set_ylim(0, max(1, *mismatched) * 1.15)

@@ -28,6 +28,7 @@ from tonpolicy.launch.records import (
     write_json_atomic,
 )
 from tonpolicy.launch.task import EOS, make_prompts, reward
+from tonpolicy.model.tokenizer import load_tokenizer
 from tonpolicy.parity.gate import compare
 
 
@@ -43,20 +44,24 @@ def grpo_advantages(rewards: list[float], group_size: int) -> list[float]:
 
 def rollout(cfg: Config, client: Any, step: int) -> dict[str, Any]:
     e = cfg.experiment
-    prompts = make_prompts(step, e.prompts_per_step, seed=e.seed, max_prompt_len=e.max_prompt_len)
+    t = cfg.task
+    prompts = make_prompts(t.name, step, e.prompts_per_step, seed=e.seed, max_prompt_len=e.max_prompt_len,
+                           target=t.target_digit)
     batch_prompts = [p for p in prompts for _ in range(e.samples_per_prompt)]
     params = [{"temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k, "max_new_tokens": e.max_new_tokens,
                "stop_token_ids": [EOS], "sampling_seed": e.seed * 1_000_003 + step * 10_007 + i}
               for i in range(len(batch_prompts))]
     outs = client.generate(batch_prompts, params)
     responses = [o["output_ids"] for o in outs]
-    rewards = [reward(p, r) for p, r in zip(batch_prompts, responses, strict=True)]
+    rewards = [reward(t.name, p, r, t.graded_tokens, t.target_digit) for p, r in zip(batch_prompts, responses, strict=True)]
     return {
         "prompts": batch_prompts,
         "responses": responses,
         "rollout_logprobs": [torch.tensor(o["output_logprobs"], dtype=torch.float32) for o in outs],
         "rewards": rewards,
-        "advantages": grpo_advantages(rewards, e.samples_per_prompt),
+        # Test hook: a deliberately broken update (the learning test's negative control).
+        "advantages": [a * (-1 if os.environ.get("TONPOLICY_FAULT") == "flip_advantages" else 1)
+                       for a in grpo_advantages(rewards, e.samples_per_prompt)],
     }
 
 
@@ -97,7 +102,8 @@ def handshake(cfg: Config, client: Any, ours_runtime: dict[str, Any]) -> str | N
 
 def _injected_fault(step: int) -> None:
     """Test hooks: TONPOLICY_FAULT=rank_exit:<rank>:<step> makes that rank die abruptly;
-    rank_disk_full:<rank>:<step> makes it raise the OSError a full disk raises."""
+    rank_disk_full:<rank>:<step> makes it raise the OSError a full disk raises. (flip_advantages, a
+    broken update for the learning test, is read in `rollout`.)"""
     spec = os.environ.get("TONPOLICY_FAULT", "")
     kind, _, rest = spec.partition(":")
     if kind in ("rank_exit", "rank_disk_full"):
@@ -139,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ours_runtime = runtime_identity(worker.kernel_set, cfg.contract.dtype, resolve_device(cfg))
         refusal = handshake(cfg, client, ours_runtime)
+        tokenizer = load_tokenizer(args.checkpoint)  # None for a checkpoint without one: ids only
         logger = MetricsLogger(cfg, run_dir, group=run_dir.parent.name)
     refusal = broadcast(refusal if rank0 else None)
     if refusal:
@@ -179,9 +186,14 @@ def main(argv: list[str] | None = None) -> int:
                       "reward_mean": sum(batch["rewards"]) / len(batch["rewards"]),
                       "rollout_s": round(t_rollout, 3), "step_s": round(time.monotonic() - t0, 3)}
             append_jsonl(run_dir / "metrics.jsonl", record)
-            append_jsonl(run_dir / "samples.jsonl", {"step": step, "prompts": batch["prompts"],
-                                                     "responses": batch["responses"], "rewards": batch["rewards"]})
+            samples = {"step": step, "prompts": batch["prompts"], "responses": batch["responses"],
+                       "rewards": batch["rewards"]}
+            if tokenizer is not None:
+                samples["prompt_texts"] = [tokenizer.decode(p, skip_special_tokens=False) for p in batch["prompts"]]
+                samples["response_texts"] = [tokenizer.decode(r, skip_special_tokens=False) for r in batch["responses"]]
+            append_jsonl(run_dir / "samples.jsonl", samples)
             logger.log(record)
+            logger.log_samples(samples)
             print(f"step {step}: tokens={parity.tokens_scored} mismatched={parity.mismatched_tokens} "
                   f"max|Δ|={parity.max_abs_logprob_diff:.3e} grad_norm={metrics.get('grad_norm')}", flush=True)
             if not gate_failed:

@@ -37,6 +37,19 @@ class MetricsLogger:
         if self.run is not None:
             self.run.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
 
+    def log_samples(self, samples: dict[str, Any]) -> None:
+        """A table of this step's samples (text when the checkpoint has a tokenizer)."""
+        if self.run is None:
+            return
+        import wandb
+
+        prompts = samples.get("prompt_texts") or [str(p) for p in samples["prompts"]]
+        responses = samples.get("response_texts") or [str(r) for r in samples["responses"]]
+        table = wandb.Table(columns=["step", "prompt", "response", "reward"],
+                            data=[[samples["step"], p, r, w] for p, r, w in zip(prompts, responses, samples["rewards"],
+                                                                              strict=True)])
+        self.run.log({"samples": table}, step=samples["step"])
+
     def finish(self, exit_code: int) -> None:
         if self.run is not None:
             self.run.finish(exit_code=exit_code)

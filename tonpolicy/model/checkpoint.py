@@ -76,6 +76,10 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     }
 
 
+# Real Qwen3 vocabularies (151936) are not the built-in tasks' ids: no word-level tokenizer for them.
+TOKENIZER_MAX_VOCAB = 65536
+
+
 def save_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, path: str | Path) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -85,6 +89,10 @@ def save_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, path: str | P
     dtype = next(iter(tensors.values())).dtype
     (path / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if cfg.vocab_size <= TOKENIZER_MAX_VOCAB:  # the tiny models' word-level tokenizer, for readable samples
+        from tonpolicy.model.tokenizer import save_tokenizer
+
+        save_tokenizer(path, cfg.vocab_size)
 
 
 def config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConfig:

@@ -77,6 +77,7 @@ class TrainerWorker:
         self.model: Any = self.module
         self.optimizer: Any = None
         self.last_share: list[int] = []
+        self.lr = cfg.task.lr if cfg.task.lr is not None else cfg.trainer.lr  # a task may set its own
 
     # --- logprobs -----------------------------------------------------------------------------------
     def _lp_loss(self, mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -110,7 +111,7 @@ class TrainerWorker:
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=False)
         self.model = DistributedDataParallel(config=self.module.config, ddp_config=ddp_cfg, module=self.module)
-        opt_cfg = OptimizerConfig(optimizer="adam", lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
                                   bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype)
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
         self.module.config.finalize_model_grads_func = finalize_model_grads
@@ -157,7 +158,7 @@ class TrainerWorker:
         out = metrics(new_lp, [e["old"] for e in extras], [torch.as_tensor(r, dtype=torch.float32)
                                                            for r in rollout_logprobs],
                       advs, masks, self.ppo)
-        out.update(grad_norm=float(grad_norm), update_successful=float(ok), lr=self.cfg.trainer.lr,
+        out.update(grad_norm=float(grad_norm), update_successful=float(ok), lr=self.lr,
                    first_forward_mismatched=first.mismatched_tokens,
                    first_forward_max_abs_diff=first.max_abs_logprob_diff)
         return out

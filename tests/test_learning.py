@@ -1,0 +1,41 @@
+"""The RL loop learns: the default task (constant) with fixed seeds is deterministic, so the reward of
+the last steps must exceed the first steps' by a margin, with 0 mismatched tokens on every step, the
+samples readable as text and reward_curve.png written. Negative control: the same run with the
+advantages' sign flipped (a broken update) must not learn."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+STEPS = ["experiment.steps=14", "logger=none"]  # the default experiment (8 prompts x 4 samples), fewer steps
+
+
+def _run(tmp_path: Path, env: dict[str, str] | None = None) -> tuple[list[float], Path]:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "tonpolicy", *STEPS, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mismatched_tokens"] == 0 and summary["task"] == "constant"
+    return summary["rewards"], run_dir
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["update", "flipped_advantages"])
+def test_reward_rises_only_with_a_working_update(tmp_path: Path, broken: bool) -> None:
+    rewards, run_dir = _run(tmp_path, {"TONPOLICY_FAULT": "flip_advantages"} if broken else None)
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    print("rewards", [round(r, 3) for r in rewards])
+    if broken:
+        assert last <= first + 0.05, rewards
+    else:
+        assert last >= first + 0.3, rewards
+        assert (run_dir / "reward_curve.png").stat().st_size > 1000
+        sample = json.loads((run_dir / "samples.jsonl").read_text().splitlines()[-1])
+        assert sample["prompt_texts"][0] == "say :"
+        assert all(t.startswith("<t") or t.isdigit() for t in sample["response_texts"][0].split())
