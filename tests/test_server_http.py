@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from server_proc import DTYPE, IDENTITY, ServerProc, local_engine, save_checkpoint
 
 from tonpolicy.config.model import ModelConfig
@@ -295,3 +297,28 @@ def test_a_bad_seed_is_refused_at_admission_and_fails_no_one_else(client: Rollou
     t.join(timeout=120)
     assert status == 400 and "sampling_seed must be in [0, 2**63)" in body["error"]["message"]
     assert len(results["good"][0]["output_ids"]) == MAX_NEW
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                     max_leaves=12)
+_FIELDS = ["input_ids", "sampling_params", "return_logprob", "rid", "stream", "text", "lora_path"]
+_SAMPLING = ["max_new_tokens", "temperature", "top_p", "top_k", "sampling_seed", "stop_token_ids", "n"]
+_BODIES = st.one_of(
+    _JSON,  # anything JSON at all
+    st.fixed_dictionaries({"input_ids": st.lists(st.integers(-3, 2100), max_size=6)},
+                          optional={k: _JSON for k in _FIELDS[1:]}),
+    st.fixed_dictionaries({"input_ids": st.just([1, 2, 3]),
+                           "sampling_params": st.dictionaries(st.sampled_from(_SAMPLING), _JSON | st.integers(-5, 40),
+                                                              max_size=4)}),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_BODIES)
+def test_no_request_body_breaks_the_server(client: RolloutClient, body: Any) -> None:
+    """Fuzzed /generate bodies: the server answers each with 200 or a 4xx naming the problem, never a
+    5xx, and stays healthy for the next."""
+    status, out = http(client, "POST", "/generate", body)
+    assert status == 200 or (400 <= status < 500 and out["error"]["message"]), (status, out, body)
+    assert client.health()
