@@ -6,10 +6,8 @@ equals dp1's within fp32 reduction noise. Negative control: off_policy at dp2 mi
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.model.checkpoint import init_state_dict, save_hf
 from tonpolicy.trainer import parity_check as pc
 from tonpolicy.trainer.dist import Layout, spawn
 
@@ -19,15 +17,7 @@ ADV = [1.0, -0.5, 0.7, -1.2]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
-    cfg = ModelConfig()
-    root = tmp_path_factory.mktemp("dp")
-    cks, ros = {}, {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        cks[name] = str(root / name)
-        save_hf(init_state_dict(cfg, dtype, 21), cfg, cks[name])
-        for contract, kernels in (("contract", "contract"), ("off_policy", "default")):
-            ros[(name, contract)] = pc.rollout(cks[name], kernels, 4, 36, 8, T)
-    return cks, ros
+    return pc.checkpoints_and_rollouts(tmp_path_factory.mktemp("dp"), ModelConfig(), 21, 4, 36, 8, T)
 
 
 def _check(results: list[dict]) -> None:

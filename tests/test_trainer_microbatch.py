@@ -6,10 +6,8 @@ whatever its neighbours. Negative control: off_policy at the same settings misma
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.model.checkpoint import init_state_dict, save_hf
 from tonpolicy.trainer import parity_check as pc
 from tonpolicy.trainer.dist import Layout, spawn
 
@@ -18,15 +16,7 @@ T = 0.8
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
-    cfg = ModelConfig()
-    root = tmp_path_factory.mktemp("mbs")
-    cks, ros = {}, {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        cks[name] = str(root / name)
-        save_hf(init_state_dict(cfg, dtype, 5), cfg, cks[name])
-        for contract, kernels in (("contract", "contract"), ("off_policy", "default")):
-            ros[(name, contract)] = pc.rollout(cks[name], kernels, 4, 40, 8, T)  # lengths differ per sample
-    return cks, ros
+    return pc.checkpoints_and_rollouts(tmp_path_factory.mktemp("mbs"), ModelConfig(), 5, 4, 40, 8, T)
 
 
 def _run(setup: tuple[dict, dict], layouts: list[Layout], trainer: dict, dtypes: tuple[str, ...]) -> list[dict]:

@@ -7,32 +7,19 @@ noise at the same layouts."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.model.checkpoint import init_state_dict, save_hf
 from tonpolicy.trainer import parity_check as pc
 from tonpolicy.trainer.dist import Layout, spawn
 
 T = 0.8
 
 
-def _setup(root, num_layers: int) -> tuple[dict, dict]:  # noqa: ANN001
-    cfg = ModelConfig(num_layers=num_layers)
-    cks, ros = {}, {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        cks[name] = str(root / f"{num_layers}_{name}")
-        save_hf(init_state_dict(cfg, dtype, 3), cfg, cks[name])
-        for contract, kernels in (("contract", "contract"), ("off_policy", "default")):
-            ros[(name, contract)] = pc.rollout(cks[name], kernels, 3, 30, 6, T)
-    return cks, ros
-
-
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = tmp_path_factory.mktemp("uneven")
-    cks3, ros3 = _setup(root, 3)
-    cks4, ros4 = _setup(root, 4)
+    cks3, ros3 = pc.checkpoints_and_rollouts(root, ModelConfig(num_layers=3), 3, 3, 30, 6, T, prefix="3_")
+    cks4, ros4 = pc.checkpoints_and_rollouts(root, ModelConfig(num_layers=4), 3, 3, 30, 6, T, prefix="4_")
     three = [Layout(pp=2, pp_layers=(2, 1)), Layout(pp=2, pp_layers=(1, 2))]
     return (pc.layout_jobs(three, cks3, ros3, T)
             + pc.layout_jobs([Layout(pp=2, pp_layers=(3, 1))], {"float32": cks4["float32"]}, ros4, T))

@@ -121,11 +121,7 @@ class TritonKernels:
         k_pos: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        nk = k.shape[0]
-        index = torch.arange(nk, device=q.device)[None]
-        return ta.attention_indexed(
-            q[None], q_pos[None], k, v, index, k_pos[None], torch.full((1,), nk, device=q.device), scale
-        )[0]
+        return self.attention_batched(q[None], k[None], v[None], q_pos[None], k_pos[None], scale)[0]
 
     def attention_batched(
         self,

@@ -66,6 +66,21 @@ def rollout(checkpoint: str | Path, kernels: str, n: int, prompt_len: int, max_n
             "logprobs": [r.output_logprobs for r in res]}
 
 
+def checkpoints_and_rollouts(root: Path, cfg: Any, seed: int, n: int, prompt_len: int, max_new_tokens: int,
+                             temperature: float, prefix: str = "") -> tuple[dict[str, str], dict[tuple[str, str], Any]]:
+    """An fp32 and a bf16 checkpoint of `cfg` under `root`, each rolled out with the contract and the
+    default kernels: ({dtype: path}, {(dtype, contract): rollout}) as `layout_jobs` takes them."""
+    from tonpolicy.model.checkpoint import init_state_dict, save_hf
+
+    cks, ros = {}, {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        cks[name] = str(Path(root) / f"{prefix}{name}")
+        save_hf(init_state_dict(cfg, dtype, seed), cfg, cks[name])
+        for contract, kernels in (("contract", "contract"), ("off_policy", "default")):
+            ros[(name, contract)] = rollout(cks[name], kernels, n, prompt_len, max_new_tokens, temperature)
+    return cks, ros
+
+
 def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, float]:
     """Bitwise comparison of fp32 logprob lists (the gate's rule) with the size of any difference."""
     from tonpolicy.parity.gate import compare as gate_compare
