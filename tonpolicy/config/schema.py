@@ -86,6 +86,10 @@ class RolloutConfig:
     # KV pool size in tokens (SGLang --max-total-tokens). null: SGLang sizes it from free memory on
     # GPUs; on CPU (where it would size it from RAM) tonpolicy renders CPU_MAX_TOTAL_TOKENS.
     max_total_tokens: int | None = None
+    # The trainer sends token ids, so by default neither server loads a tokenizer (SGLang's
+    # --skip-tokenizer-init). false: serve text too (SGLang's clients, the OpenAI API), with the
+    # checkpoint's tokenizer; the server then also stops at the tokenizer's EOS, as SGLang does.
+    skip_tokenizer_init: bool = True
     # Interpreter of the SGLang environment (scripts/setup_sglang.sh). null: $TONPOLICY_SGLANG_PYTHON,
     # else .venv-sglang/bin/python beside the source tree or the working directory, else this Python.
     # With rollout=sglang the trainer runs under it too, so both engines share one torch build.

@@ -54,9 +54,9 @@ def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: i
         "--random-seed", str(cfg.experiment.seed),
         "--max-running-requests", str(r.max_running_requests),
         "--skip-server-warmup",
-        # The trainer sends token ids; a checkpoint needs no tokenizer.
-        "--skip-tokenizer-init",
     ]
+    if r.skip_tokenizer_init:  # the trainer sends token ids; a checkpoint needs no tokenizer
+        argv += ["--skip-tokenizer-init"]
     if device == "cpu":
         argv += ["--device", "cpu"]
     max_tokens = r.max_total_tokens or (CPU_MAX_TOTAL_TOKENS if device == "cpu" else None)

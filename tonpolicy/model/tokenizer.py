@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -45,3 +46,55 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
     """The checkpoint's tokenizer, or None when it ships none (e.g. a bare safetensors checkpoint)."""
     f = Path(path) / TOKENIZER_FILE
     return Tokenizer.from_file(str(f)) if f.exists() else None
+
+
+class TextTokenizer:
+    """A checkpoint's tokenizer as an HF loader (and so SGLang) uses it: encode, decode skipping the
+    special tokens tokenizer_config.json names, its EOS, and its chat template (rendered with Jinja in
+    a sandbox, as transformers does)."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        self.tokenizer = Tokenizer.from_file(str(path / TOKENIZER_FILE))
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        self.special_tokens = {
+            name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
+        specials = [*self.special_tokens.values(), *map(_token_text, config.get("additional_special_tokens") or [])]
+        self.special_ids = {i for i in map(self.tokenizer.token_to_id, filter(None, specials)) if i is not None}
+        eos = self.special_tokens["eos_token"]
+        self.eos_token_id = self.tokenizer.token_to_id(eos) if eos else None
+        template_file = path / "chat_template.jinja"
+        self.chat_template: str | None = (
+            template_file.read_text() if template_file.exists() else config.get("chat_template")
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i not in self.special_ids])
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text for chat `messages`, ending with the assistant's turn."""
+        if self.chat_template is None:
+            raise ValueError("the tokenizer has no chat template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=True, **{k: v or "" for k, v in self.special_tokens.items()}
+        )
+
+
+def _token_text(token: Any) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as {"content": ...}
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def load_text_tokenizer(path: str | Path | None) -> TextTokenizer | None:
+    """The checkpoint's tokenizer, or None when there is no checkpoint or it ships no tokenizer."""
+    if path is None or not (Path(path) / TOKENIZER_FILE).exists():
+        return None
+    return TextTokenizer(path)

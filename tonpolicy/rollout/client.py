@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from tonpolicy.rollout.protocol import parse_generate_output
+from tonpolicy.rollout.answers import parse_generate_output
 
 
 class RolloutError(RuntimeError):

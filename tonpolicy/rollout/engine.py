@@ -28,8 +28,8 @@ import torch
 from tonpolicy.model.kv_cache import KVPool
 from tonpolicy.model.qwen3 import Qwen3, Segment
 from tonpolicy.rollout.sampling import make_generator, sample_token
-from tonpolicy.rollout.scoring import score_logprobs
-from tonpolicy.rollout.types import GenRequest, GenResult, logprob_temperature
+from tonpolicy.rollout.scoring import score_logprobs, top_logprobs
+from tonpolicy.rollout.types import GenRequest, GenResult, TopLogprobs, logprob_temperature
 
 __all__ = ["Engine", "GenRequest", "GenResult", "score_logprobs"]
 
@@ -43,6 +43,9 @@ class _Running:
     prefilled: int = 0
     out_ids: list[int] = field(default_factory=list)
     out_lps: list[torch.Tensor] = field(default_factory=list)
+    out_top: list[TopLogprobs] = field(default_factory=list)
+    in_lps: dict[int, float] = field(default_factory=dict)  # prompt position -> logprob
+    in_top: dict[int, TopLogprobs] = field(default_factory=dict)
     error: str | None = None  # set when this request alone failed; it finishes with reason "error"
 
 
@@ -97,7 +100,7 @@ class Engine:
         self.check(req)
         handle = self._next_handle
         self._next_handle += 1
-        if req.max_new_tokens <= 0:
+        if req.max_new_tokens <= 0 and req.prompt_logprobs_from is None:
             self._done.append((handle, GenResult([], torch.empty(0, dtype=torch.float32), "length")))
         else:
             bisect.insort(self._waiting, _Waiting(self._clock + req.arrival_step, handle, req))
@@ -135,6 +138,13 @@ class Engine:
         self._clock += 1
         self.steps_total += 1
         return finished
+
+    def partial(self, handle: int) -> GenResult | None:
+        """What a running request has produced so far (finish_reason ""); None when not running."""
+        for r in self._running:
+            if r.handle == handle:
+                return self._result(r)
+        return None
 
     def abort(self) -> list[int]:
         """Drop every unfinished request (after a failed step its state is unknown); their handles."""
@@ -222,6 +232,7 @@ class Engine:
         segments: list[Segment] = []
         samplers: list[_Running] = []
         rows: list[int] = []
+        scored: list[tuple[_Running, int, int]] = []  # (request, flat row, prompt position it predicts)
         for r in running:
             prompt = r.req.prompt_ids
             if r.prefilled < len(prompt):
@@ -230,6 +241,11 @@ class Engine:
                     continue
                 budget -= take
                 segments.append(Segment(take, start=r.prefilled, slot=r.slot))
+                first = r.req.prompt_logprobs_from
+                if first is not None:  # the row at position p predicts prompt token p + 1
+                    base = len(tokens) - r.prefilled
+                    lo, hi = max(r.prefilled + 1, first, 1), min(r.prefilled + take, len(prompt) - 1)
+                    scored += [(r, base + p - 1, p) for p in range(lo, hi + 1)]
                 tokens.extend(prompt[r.prefilled : r.prefilled + take])
                 r.prefilled += take
                 if r.prefilled < len(prompt):
@@ -242,8 +258,10 @@ class Engine:
         if not segments:
             return []
         logits = self.model.forward_segments(
-            torch.tensor(tokens, dtype=torch.long), segments, pool, torch.tensor(rows, dtype=torch.long)
+            torch.tensor(tokens, dtype=torch.long), segments, pool,
+            torch.tensor(rows + [row for _, row, _ in scored], dtype=torch.long),
         )
+        self._score_prompts(logits[len(rows) :], scored)
         finished = []
         vocab = self.model.cfg.vocab_size
         # Sampling runs on the CPU (per-request CPU generators); the logprob runs where the logits are,
@@ -251,6 +269,9 @@ class Engine:
         sample_rows = logits.cpu()
         for j, r in enumerate(samplers):
             q = r.req
+            if q.max_new_tokens <= 0:  # it only asked for its prompt's logprobs
+                finished.append(r)
+                continue
             try:  # one request's failure ends that request, not the batch
                 tok = sample_token(sample_rows[j], vocab, q.temperature, q.top_p, q.top_k, r.gen)
                 lp = self.model.kernels.logprobs(
@@ -263,16 +284,36 @@ class Engine:
                 continue
             r.out_ids.append(tok)
             r.out_lps.append(lp)
+            if q.top_logprobs_num > 0:
+                r.out_top.append(top_logprobs(self.model, logits[j], q.top_logprobs_num, q.temperature))
             if self._stops(q, tok) or len(r.out_ids) >= q.max_new_tokens:
                 finished.append(r)
         return finished
 
+    def _score_prompts(self, logits: torch.Tensor, scored: list[tuple[_Running, int, int]]) -> None:
+        """Logprobs of prompt tokens (requests that asked), from their own prefill rows."""
+        vocab = self.model.cfg.vocab_size
+        for j, (r, _, p) in enumerate(scored):
+            q = r.req
+            target = torch.tensor([q.prompt_ids[p]], device=logits.device)
+            lp = self.model.kernels.logprobs(logits[j : j + 1], target, vocab, logprob_temperature(q.temperature))
+            r.in_lps[p] = float(lp.cpu()[0])
+            if q.top_logprobs_num > 0:
+                r.in_top[p] = top_logprobs(self.model, logits[j], q.top_logprobs_num, q.temperature)
+
     def _stops(self, req: GenRequest, tok: int) -> bool:
+        if req.ignore_eos:  # SGLang: ignore_eos ignores stop_token_ids too
+            return False
         return tok in req.stop_token_ids or (self.eos_token_id is not None and tok == self.eos_token_id)
 
     def _result(self, r: _Running) -> GenResult:
+        """The request's result; finish_reason is "" while it is still running."""
+        lps = torch.cat(r.out_lps).float() if r.out_lps else torch.empty(0, dtype=torch.float32)
+        extras = {"output_top_logprobs": list(r.out_top), "prompt_logprobs": dict(r.in_lps),
+                  "prompt_top_logprobs": dict(r.in_top)}
         if r.error is not None:
-            lps = torch.cat(r.out_lps).float() if r.out_lps else torch.empty(0, dtype=torch.float32)
-            return GenResult(list(r.out_ids), lps, "error", r.error)
-        reason = "stop" if self._stops(r.req, r.out_ids[-1]) else "length"
-        return GenResult(list(r.out_ids), torch.cat(r.out_lps).float(), reason)
+            return GenResult(list(r.out_ids), lps, "error", r.error, **extras)
+        stopped = bool(r.out_ids) and self._stops(r.req, r.out_ids[-1])
+        done = stopped or len(r.out_ids) >= r.req.max_new_tokens
+        reason = ("stop" if stopped else "length") if done else ""
+        return GenResult(list(r.out_ids), lps, reason, **extras)

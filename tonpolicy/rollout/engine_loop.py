@@ -36,6 +36,10 @@ class _Job:
     results: list[Any] = field(default_factory=list)  # filled as its requests finish
     remaining: int = 0
     tag: Any = None
+    # Streaming: called on the loop thread with (request index, result so far) after each step that
+    # gave one of the job's requests a token, and with its final result. Must not block.
+    on_progress: Callable[[int, Any], None] | None = None
+    reported: list[int] = field(default_factory=list)  # tokens already reported, per request
 
 
 class EngineLoop:
@@ -68,9 +72,12 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def generate(self, requests: Sequence[Any]) -> Future:
-        """Future of a BatchResult: the engine's results for `requests`, in the same order."""
-        return self._submit(_Job(list(requests), None))
+    def generate(
+        self, requests: Sequence[Any], on_progress: Callable[[int, Any], None] | None = None
+    ) -> Future:
+        """Future of a BatchResult: the engine's results for `requests`, in the same order.
+        `on_progress(i, result_so_far)` streams them (see _Job.on_progress)."""
+        return self._submit(_Job(list(requests), None, on_progress=on_progress))
 
     def call(self, fn: Callable[[Any], Any]) -> Future:
         """Future of `fn(engine)`, run once no request is in flight (admission pauses until then)."""
@@ -146,6 +153,7 @@ class EngineLoop:
         if not self.engine.has_work():
             self.batches_run += 1
         job.results, job.remaining, job.tag = [None] * len(job.requests), len(job.requests), self.tag
+        job.reported = [0] * len(job.requests)
         for i, r in enumerate(job.requests):
             self._inflight[self.engine.add(r)] = (job, i)
         self.largest_batch = max(self.largest_batch, len(self._inflight))
@@ -158,8 +166,11 @@ class EngineLoop:
             self._fail_inflight(e)
             return
         self.steps_run += 1
+        self._report_progress()
         for handle, result in done:
             job, i = self._inflight.pop(handle)
+            if job.on_progress is not None and not job.future.done():
+                job.on_progress(i, result)
             job.results[i] = result
             job.remaining -= 1
             self.requests_run += 1
@@ -170,6 +181,15 @@ class EngineLoop:
                 job.future.set_exception(RuntimeError(f"request {i} of the batch failed: {result.error}"))
             elif job.remaining == 0:
                 job.future.set_result(BatchResult(job.results, job.tag))
+
+    def _report_progress(self) -> None:
+        for handle, (job, i) in self._inflight.items():
+            if job.on_progress is None or job.future.done():
+                continue
+            partial = self.engine.partial(handle)  # None: it finished in this step (reported below)
+            if partial is not None and len(partial.output_ids) > job.reported[i]:
+                job.reported[i] = len(partial.output_ids)
+                job.on_progress(i, partial)
 
     def _fail_inflight(self, error: BaseException) -> None:
         jobs = {id(job): job for job, _ in self._inflight.values()}

@@ -16,20 +16,26 @@ Field names follow SGLang's own definitions (sgl-project/sglang, python/sglang/s
 - `POST /update_weights_from_disk` body `UpdateWeightFromDiskReqInput` (`model_path`, `load_format`,
   `abort_all_requests`, `weight_version`, `flush_cache`), answer `{success, message, num_paused_requests}`.
 
+Also accepted as SGLang does: `text` (tokenized by the server's tokenizer), `sampling_params.n`
+(n samples per prompt, prompt-major, each with a fresh rid; the answer is then a list), `stream`
+(server-sent events), `logprob_start_len` >= 0 (prompt logprobs) and `top_logprobs_num`.
 Anything that would change the sampled bits and that the embedded engine does not implement
-(penalties, min_p, grammars, text stops, n > 1, streaming) is refused with a 400 rather than
-silently ignored.
+(penalties, min_p, grammars, text stops) is refused with a 400 rather than silently ignored.
+The answer side (output items, stream chunks, what the trainer reads) is tonpolicy.rollout.answers.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 # SamplingParams.top_k's "whole vocabulary" sentinel (TOP_K_ALL = 1 << 30); -1 means the same.
 TOP_K_ALL = 1 << 30
 DEFAULT_MAX_NEW_TOKENS = 128
+MAX_N = 1024  # samples per prompt; more is surely a mistake (and memory)
+MAX_TOP_LOGPROBS = 1024
 _GREEDY_EPS = 1e-6
 
 
@@ -51,22 +57,36 @@ class Sampling:
     top_k: int  # -1: whole vocabulary
     stop_token_ids: tuple[int, ...]
     sampling_seed: int | None
+    n: int = 1  # samples per prompt
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
 class GenerateItem:
-    """One prompt of a /generate request."""
+    """One sample of a /generate request (a prompt, or one of its n samples)."""
 
     rid: str | None
     input_ids: tuple[int, ...]
     sampling: Sampling
     return_logprob: bool
+    logprob_start_len: int = -1  # >= 0: also the prompt's logprobs from this position
+    top_logprobs_num: int = 0
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    items: list[GenerateItem]
+    is_batch: bool  # the answer is a list (a batch of prompts, or n > 1)
+    stream: bool
+
+
+# text -> token ids; raises ProtocolError when the server has no tokenizer.
+Tokenize = Callable[[str], list[int]]
 
 
 # SamplingParams fields that are accepted but do not change token ids or logprobs here
 # (text rendering, streaming cadence, EOS handling: the embedded model has no tokenizer/EOS).
 _SAMPLING_IGNORED = {
-    "ignore_eos",
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "no_stop_trim",
@@ -79,7 +99,6 @@ _SAMPLING_NEUTRAL: dict[str, Any] = {
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
     "min_new_tokens": 0,
-    "n": 1,
     "stop": None,
     "stop_regex": None,
     "json_schema": None,
@@ -89,7 +108,9 @@ _SAMPLING_NEUTRAL: dict[str, Any] = {
     "logit_bias": None,
     "custom_params": None,
 }
-_SAMPLING_USED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed"}
+_SAMPLING_USED = {
+    "max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed", "n", "ignore_eos",
+}  # fmt: skip
 
 # GenerateReqInput fields that do not affect generation (metrics, routing, logging).
 _REQUEST_IGNORED = {
@@ -102,23 +123,24 @@ _REQUEST_IGNORED = {
     "session_id",
     "received_time",
     "external_trace_header",
-    "return_text_in_logprobs",  # no tokenizer: the text slot is always null
+    "return_text_in_logprobs",  # the text slot of logprob triples is filled when there is a tokenizer
 }
 _REQUEST_NEUTRAL: dict[str, Any] = {
-    "text": None,
     "input_embeds": None,
     "image_data": None,
     "video_data": None,
     "audio_data": None,
-    "stream": False,
-    "top_logprobs_num": None,
     "token_ids_logprob": None,
     "return_hidden_states": False,
+    "return_routed_experts": False,
     "lora_path": None,
     "session_params": None,
     "custom_logit_processor": None,
 }
-_REQUEST_USED = {"input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len"}
+_REQUEST_USED = {
+    "input_ids", "text", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+    "stream",
+}  # fmt: skip
 
 
 def _neutral(value: Any, neutral: Any) -> bool:
@@ -126,7 +148,7 @@ def _neutral(value: Any, neutral: Any) -> bool:
     return value is None or value == neutral or (neutral is None and value in ("", [], {}))
 
 
-def _check_fields(
+def check_fields(
     d: dict[str, Any], used: set[str], ignored: set[str], neutral: dict[str, Any], what: str
 ) -> None:
     for key, value in d.items():
@@ -156,7 +178,7 @@ def parse_sampling_params(d: dict[str, Any] | None) -> Sampling:
     if d is not None and not isinstance(d, dict):
         raise ProtocolError("sampling_params must be an object (or, for a batch, a list of objects)")
     d = dict(d or {})
-    _check_fields(d, _SAMPLING_USED, _SAMPLING_IGNORED, _SAMPLING_NEUTRAL, "sampling_params")
+    check_fields(d, _SAMPLING_USED, _SAMPLING_IGNORED, _SAMPLING_NEUTRAL, "sampling_params")
     get = lambda k, default: default if d.get(k) is None else d[k]  # noqa: E731  (null = default)
     max_new_tokens = _int(get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS), "max_new_tokens")
     temperature = _float(get("temperature", 1.0), "temperature")
@@ -184,101 +206,99 @@ def parse_sampling_params(d: dict[str, Any] | None) -> Sampling:
     if seed is not None and not 0 <= seed < 2**63:
         # Checked at admission: a seed the generator refuses must not fail the batch it would join.
         raise ProtocolError(f"sampling_seed must be in [0, 2**63), got {seed}")
-    return Sampling(max_new_tokens, temperature, top_p, top_k, stop_ids, seed)
+    n = _int(get("n", 1), "n")
+    if not 1 <= n <= MAX_N:
+        raise ProtocolError(f"n must be in [1, {MAX_N}], got {n}")
+    ignore_eos = get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ProtocolError(f"ignore_eos must be a boolean, got {ignore_eos!r}")
+    return Sampling(max_new_tokens, temperature, top_p, top_k, stop_ids, seed, n, ignore_eos)
 
 
-def parse_generate_request(body: Any) -> tuple[list[GenerateItem], bool]:
-    """GenerateReqInput JSON -> (items, is_batch). A batch answers with a list, in input order."""
-    if not isinstance(body, dict):
-        raise ProtocolError("request body must be a JSON object")
-    _check_fields(body, _REQUEST_USED, _REQUEST_IGNORED, _REQUEST_NEUTRAL, "request")
-    ids = body.get("input_ids")
+def _prompts(body: dict[str, Any], tokenize: Tokenize | None) -> tuple[list[list[int]], bool]:
+    """The request's prompts as token ids, and whether it was a batch."""
+    ids, text = body.get("input_ids"), body.get("text")
+    if (ids is None) == (text is None):
+        raise ProtocolError("give exactly one of input_ids and text")
+    if text is not None:
+        is_batch = isinstance(text, list)
+        texts = text if is_batch else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ProtocolError("text must be a string or a non-empty list of strings")
+        if tokenize is None:
+            raise ProtocolError(
+                "this server has no tokenizer (its checkpoint has none, or it runs with "
+                "--skip-tokenizer-init): send input_ids"
+            )
+        prompts = [tokenize(t) for t in texts]
+        if not all(prompts):
+            raise ProtocolError("a text prompt tokenizes to no tokens")
+        return prompts, is_batch
     if not isinstance(ids, list) or not ids:
-        raise ProtocolError("input_ids is required (this server has no tokenizer: text is not accepted)")
+        raise ProtocolError("input_ids must be a non-empty list of token ids (or a list of such lists)")
     is_batch = isinstance(ids[0], list)
     prompts = ids if is_batch else [ids]
-    n = len(prompts)
     for p in prompts:
         if not isinstance(p, list) or not p:
             raise ProtocolError("every prompt in input_ids must be a non-empty list of token ids")
         for t in p:
             _int(t, "input_ids[]")
+    return prompts, is_batch
+
+
+def parse_generate_request(body: Any, tokenize: Tokenize | None = None) -> GenerateRequest:
+    """GenerateReqInput JSON -> items (n per prompt, prompt-major, as SGLang expands them)."""
+    if not isinstance(body, dict):
+        raise ProtocolError("request body must be a JSON object")
+    check_fields(body, _REQUEST_USED, _REQUEST_IGNORED, _REQUEST_NEUTRAL, "request")
+    prompts, is_batch = _prompts(body, tokenize)
+    count = len(prompts)
 
     def per_item(name: str, value: Any, is_list: bool) -> list[Any]:
         if is_batch and is_list:
-            if len(value) != n:
-                raise ProtocolError(f"{name} has {len(value)} entries for {n} prompts")
+            if len(value) != count:
+                raise ProtocolError(f"{name} has {len(value)} entries for {count} prompts")
             return list(value)
-        return [value] * n
+        return [value] * count
 
     sp = body.get("sampling_params")
-    sps = per_item("sampling_params", sp, isinstance(sp, list))
+    sampling = [parse_sampling_params(s) for s in per_item("sampling_params", sp, isinstance(sp, list))]
+    n = sampling[0].n
+    if any(s.n != n for s in sampling):
+        raise ProtocolError("sampling_params.n must be the same for every prompt of a batch")
     lp = body.get("return_logprob")
     lps = per_item("return_logprob", lp, isinstance(lp, list))
     start = body.get("logprob_start_len")
-    for s in per_item("logprob_start_len", start, isinstance(start, list)):
-        if s not in (None, -1):
-            raise ProtocolError("prompt logprobs (logprob_start_len >= 0) are not supported")
+    starts = [_logprob_start(s) for s in per_item("logprob_start_len", start, isinstance(start, list))]
+    top = body.get("top_logprobs_num")
+    tops = [_top_logprobs_num(t) for t in per_item("top_logprobs_num", top, isinstance(top, list))]
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise ProtocolError(f"stream must be a boolean, got {stream!r}")
     rid = body.get("rid")
-    if is_batch and isinstance(rid, str):
-        rids: list[str | None] = [f"{rid}_{i}" for i in range(n)]  # SGLang: a string is a prefix
+    if n > 1:
+        rids: list[str | None] = [None] * count  # SGLang gives every sample a fresh rid
+    elif is_batch and isinstance(rid, str):
+        rids = [f"{rid}_{i}" for i in range(count)]  # SGLang: a string is a prefix
     else:
         rids = per_item("rid", rid, isinstance(rid, list))
     items = [
-        GenerateItem(r, tuple(p), parse_sampling_params(s), bool(lg))
-        for r, p, s, lg in zip(rids, prompts, sps, lps, strict=True)
+        GenerateItem(r, tuple(p), s, bool(lg), st, tp)
+        for r, p, s, lg, st, tp in zip(rids, prompts, sampling, lps, starts, tops, strict=True)
+        for _ in range(n)
     ]
-    return items, is_batch
+    return GenerateRequest(items, is_batch or n > 1, stream)
 
 
-def finish_reason_json(kind: str, output_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
-    """Engine finish reason ("length" | "stop") -> SGLang's FINISH_* to_json() shape."""
-    if kind == "stop":
-        return {"type": "stop", "matched": output_ids[-1] if output_ids else None}
-    if kind == "length":
-        return {"type": "length", "length": max_new_tokens}
-    raise ValueError(f"unknown finish reason {kind!r}")
+def _logprob_start(value: Any) -> int:
+    start = -1 if value is None else _int(value, "logprob_start_len")
+    if start < -1:
+        raise ProtocolError(f"logprob_start_len must be -1 (no prompt logprobs) or at least 0, got {start}")
+    return start
 
 
-def build_generate_output(
-    rid: str,
-    item: GenerateItem,
-    output_ids: list[int],
-    output_logprobs: list[float],
-    finish_reason: dict[str, Any],
-    weight_version: str,
-) -> dict[str, Any]:
-    """One /generate answer item. Logprobs are Python floats of fp32 values: JSON keeps them exact."""
-    meta: dict[str, Any] = {
-        "id": rid,
-        "finish_reason": finish_reason,
-        "prompt_tokens": len(item.input_ids),
-        "completion_tokens": len(output_ids),
-        "cached_tokens": 0,
-        "weight_version": weight_version,
-    }
-    if item.return_logprob:
-        meta["output_token_logprobs"] = [
-            [lp, t, None] for lp, t in zip(output_logprobs, output_ids, strict=True)
-        ]
-    return {"output_ids": output_ids, "meta_info": meta}
-
-
-def parse_generate_output(out: dict[str, Any]) -> dict[str, Any]:
-    """One /generate answer item (from this server or real SGLang) -> what the trainer uses."""
-    meta = out["meta_info"]
-    output_ids = [int(t) for t in out["output_ids"]]
-    triples = meta.get("output_token_logprobs")
-    if triples is None:
-        raise ProtocolError("answer has no meta_info.output_token_logprobs (was return_logprob set?)")
-    if [int(t[1]) for t in triples] != output_ids:
-        raise ProtocolError("output_token_logprobs token ids do not match output_ids")
-    finish = meta.get("finish_reason")
-    return {
-        "output_ids": output_ids,
-        # SGLang serializes with orjson, which writes a non-finite float as null: keep it a NaN so
-        # a parity check can never mistake it for a real value.
-        "output_logprobs": [float("nan") if t[0] is None else float(t[0]) for t in triples],
-        "finish_reason": finish.get("type") if isinstance(finish, dict) else finish,
-        "weight_version": meta.get("weight_version"),
-    }
+def _top_logprobs_num(value: Any) -> int:
+    k = 0 if value is None else _int(value, "top_logprobs_num")
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise ProtocolError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
+    return k

@@ -21,3 +21,13 @@ def score_logprobs(
     rows = logits[p - 1 : p - 1 + len(response_ids)]
     tokens = torch.tensor(response_ids, dtype=torch.long, device=logits.device)
     return model.kernels.logprobs(rows, tokens, model.cfg.vocab_size, logprob_temperature(temperature)).cpu()
+
+
+def top_logprobs(model: Qwen3, row: torch.Tensor, k: int, temperature: float) -> list[tuple[float, int]]:
+    """The k most likely tokens of one fp32 logits row [padded_vocab], as (logprob, id), most likely
+    first. Values come from the kernel set's logprob, so the sampled token's entry equals its logprob."""
+    vocab = model.cfg.vocab_size
+    k = min(k, vocab)
+    ids = torch.topk(row[:vocab], k).indices  # logprob order is logit order
+    values = model.kernels.logprobs(row.unsqueeze(0).expand(k, -1), ids, vocab, logprob_temperature(temperature))
+    return [(float(v), int(t)) for v, t in zip(values.cpu().tolist(), ids.cpu().tolist(), strict=True)]

@@ -47,6 +47,8 @@ class ServerArgs:
     num_threads: int | None = None
     log_requests: bool = False
     device: str = "cpu"  # "cpu" | "cuda": where the engine runs (the run config's trainer.device)
+    # As SGLang's flag: do not load the checkpoint's tokenizer (token ids in and out only).
+    skip_tokenizer_init: bool = False
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -86,7 +88,10 @@ def args_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
         out["model"] = ModelConfig(**{k: v for k, v in model.items() if k in known})
         out["model_path"] = model.get("checkpoint")
     rollout = cfg.get("rollout") or {}
-    for key in ("host", "port", "port_file", "max_running_requests", "chunked_prefill_size", "random_seed"):
+    for key in (
+        "host", "port", "port_file", "max_running_requests", "chunked_prefill_size", "random_seed",
+        "skip_tokenizer_init",
+    ):  # fmt: skip
         if rollout.get(key) is not None:
             out[key] = rollout[key]
     device = (cfg.get("trainer") or {}).get("device")
@@ -126,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, help="torch intra-op threads")
     p.add_argument("--device", choices=("cpu", "cuda"), help="where the engine runs (default cpu)")
     p.add_argument("--log-requests", action="store_true", default=None, help="log every HTTP request")
+    p.add_argument(
+        "--skip-tokenizer-init", action="store_true", default=None,
+        help="do not load the checkpoint's tokenizer: token ids only (as SGLang's flag)",
+    )
     return p
 
 

@@ -11,7 +11,7 @@ from tonpolicy.model.qwen3 import Qwen3
 from tonpolicy.rollout.engine import Engine
 from tonpolicy.rollout.protocol import GenerateItem
 from tonpolicy.rollout.server_args import ServerArgs
-from tonpolicy.rollout.types import GenRequest, GenResult
+from tonpolicy.rollout.types import GenRequest
 
 
 def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
@@ -59,9 +59,7 @@ def to_gen_request(item: GenerateItem, seed: int) -> GenRequest:
         top_k=s.top_k,
         seed=seed,
         stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+        top_logprobs_num=item.top_logprobs_num if item.return_logprob else 0,
+        prompt_logprobs_from=item.logprob_start_len if item.return_logprob and item.logprob_start_len >= 0 else None,
     )
-
-
-def result_fields(result: GenResult) -> tuple[list[int], list[float], str]:
-    # .tolist() of fp32 gives the exact values as Python floats; json then writes them exactly.
-    return list(result.output_ids), result.output_logprobs.float().tolist(), result.finish_reason

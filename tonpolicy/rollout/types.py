@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+# A top-logprobs entry: (fp32 logprob, token id), most likely first (SGLang's order).
+TopLogprobs = list[tuple[float, int]]
 
 
 @dataclass
@@ -17,14 +20,23 @@ class GenRequest:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     arrival_step: int = 0  # engine step at which the request becomes visible to the scheduler
+    ignore_eos: bool = False  # run to max_new_tokens: no EOS and no stop_token_ids stop it (SGLang)
+    top_logprobs_num: int = 0  # also report the k most likely tokens at each sampled position
+    # Also report the logprob of each prompt token from this position on (SGLang's logprob_start_len);
+    # None: none. Position 0 has no logprob (nothing predicts it).
+    prompt_logprobs_from: int | None = None
 
 
 @dataclass
 class GenResult:
     output_ids: list[int]  # includes the stop token when one ended the request
     output_logprobs: torch.Tensor  # fp32 [len(output_ids)], from the step that sampled each token
-    finish_reason: str  # "stop", "length", or "error" (this request alone failed; see `error`)
+    finish_reason: str  # "stop", "length", "error" (this request alone failed), "" while running
     error: str | None = None
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per output token, if asked
+    # Prompt position -> logprob of that prompt token (positions >= prompt_logprobs_from, >= 1).
+    prompt_logprobs: dict[int, float] = field(default_factory=dict)
+    prompt_top_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)
 
 
 def logprob_temperature(temperature: float) -> float:

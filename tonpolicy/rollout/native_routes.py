@@ -1,0 +1,182 @@
+"""SGLang's native endpoints on the embedded engine (names and shapes: tonpolicy.rollout.protocol
+and tonpolicy.rollout.answers): generate (plain, batched, n samples, streamed), weights, cache, info."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
+
+from tonpolicy.rollout.answers import STREAM_END, build_generate_output, stream_chunk
+from tonpolicy.rollout.protocol import GenerateRequest, ProtocolError, parse_generate_request
+from tonpolicy.rollout.server_model import flush_cache, reload_weights
+from tonpolicy.rollout.server_state import (
+    Response,
+    ServerState,
+    Stream,
+    Submitted,
+    not_ready,
+    progress_events,
+    run_items,
+)
+
+SERVER_VERSION = "tonpolicy-embedded-0.2"
+
+
+def route_health(state: ServerState, body: Any) -> Response:
+    return (200, None) if state.ready else (503, None)
+
+
+def route_generate(state: ServerState, body: Any) -> Response:
+    if not state.ready:
+        return not_ready()
+    tokenize = state.tokenize if state.tokenizer is not None else None
+    req = parse_generate_request(body, tokenize)
+    sub = run_items(state, req.items, stream=req.stream)
+    text_in_logprobs = isinstance(body, dict) and bool(body.get("return_text_in_logprobs"))
+    decode = state.decode if state.tokenizer is not None else None
+
+    def output(i: int, result: Any, version: str) -> dict[str, Any]:
+        return build_generate_output(sub.rids[i], req.items[i], result, version, decode, text_in_logprobs)
+
+    if req.stream:
+        return 200, Stream(_stream(state, req, sub, output))
+    batch = sub.future.result()
+    outs = [output(i, res, batch.tag) for i, res in enumerate(batch.results)]
+    return 200, (outs if req.is_batch else outs[0])
+
+
+def _stream(state: ServerState, req: GenerateRequest, sub: Submitted, output: Any) -> Iterator[bytes]:
+    try:
+        for i, result in progress_events(sub):
+            yield stream_chunk(output(i, result, state.weight_version), i if req.is_batch else None)
+    except Exception as e:  # noqa: BLE001 - the status line is sent: SGLang reports it in the stream
+        yield stream_chunk({"error": {"message": str(e), "type": "invalid_request_error", "code": 400}})
+    yield STREAM_END
+
+
+_UPDATE_FIELDS = {
+    "model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache", "is_async",
+    "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "manifest", "rid",
+}  # fmt: skip
+
+
+def route_update_weights_from_disk(state: ServerState, body: Any) -> Response:
+    if not state.ready:
+        return not_ready()
+    if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+        raise ProtocolError("model_path is required")
+    unknown = set(body) - _UPDATE_FIELDS
+    if unknown:
+        raise ProtocolError(f"unknown update_weights_from_disk fields {sorted(unknown)}")
+    if body.get("load_format") not in (None, "auto", "safetensors"):
+        raise ProtocolError(f"load_format {body['load_format']!r} is not supported")
+    path, version = body["model_path"], body.get("weight_version")
+
+    def reload(engine: Any) -> None:
+        # Runs on the engine loop between batches: no request ever sees half-loaded weights.
+        reload_weights(engine, path, state.model_config)
+        state.model_path = path
+        if version is not None:
+            state.loop.tag = str(version)
+
+    try:
+        state.loop.call(reload).result()
+    except Exception as e:  # noqa: BLE001 - reported in SGLang's {success, message} shape
+        return 400, {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0}
+    message = "Succeeded to update model weights."
+    if version is not None:
+        message += f" Weight version updated to {version}."
+    return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+
+def route_flush_cache(state: ServerState, body: Any) -> Response:
+    if not state.ready:
+        return not_ready()
+    state.loop.call(flush_cache).result()
+    return 200, "Cache flushed.\n"
+
+
+def route_get_weight_version(state: ServerState, body: Any) -> Response:
+    return 200, {"weight_version": state.weight_version}
+
+
+def route_get_model_info(state: ServerState, body: Any) -> Response:
+    info: dict[str, Any] = {
+        "model_path": state.model_path,
+        "tokenizer_path": state.model_path if state.tokenizer is not None else None,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": state.weight_version,
+    }
+    if state.model_config is not None:  # tonpolicy extension: the architecture numbers
+        info["model_config"] = asdict(state.model_config)
+    return 200, info
+
+
+def route_get_server_info(state: ServerState, body: Any) -> Response:
+    a = state.args
+    loop = state.loop
+    return 200, {
+        # SGLang ServerArgs names where one exists.
+        "model_path": state.model_path,
+        "tokenizer_path": state.model_path if state.tokenizer is not None else None,
+        "skip_tokenizer_init": state.tokenizer is None,
+        "served_model_name": state.model_name,
+        "dtype": a.dtype,
+        "host": a.host,
+        "port": state.port,
+        "tp_size": 1,
+        "dp_size": 1,
+        "max_running_requests": a.max_running_requests,
+        "chunked_prefill_size": a.chunked_prefill_size,
+        "random_seed": a.random_seed,
+        "weight_version": state.weight_version,
+        "internal_states": [
+            {
+                "engine": "tonpolicy-embedded",
+                "ready": state.ready,
+                "batches_run": loop.batches_run if loop else 0,
+                "requests_run": loop.requests_run if loop else 0,
+                "largest_batch": loop.largest_batch if loop else 0,
+            }
+        ],
+        "version": SERVER_VERSION,
+        # tonpolicy's own: the numerics the engine runs under.
+        "tonpolicy_contract": {
+            "name": a.contract_name,
+            "version": a.contract_version,
+            "fingerprint": a.contract_fingerprint,
+        },
+        "kernels": a.kernels,
+        "kernel_params": a.kernel_params,
+    }
+
+
+def route_tonpolicy_contract(state: ServerState, body: Any) -> Response:
+    if state.runtime is None:
+        return not_ready()
+    a = state.args
+    return 200, {
+        "name": a.contract_name,
+        "version": a.contract_version,
+        "fingerprint": a.contract_fingerprint,
+        "runtime": state.runtime,
+    }
+
+
+NATIVE_ROUTES = {
+    ("GET", "/health"): route_health,
+    ("GET", "/health_generate"): route_health,
+    ("POST", "/generate"): route_generate,
+    ("PUT", "/generate"): route_generate,
+    ("GET", "/get_server_info"): route_get_server_info,
+    ("GET", "/server_info"): route_get_server_info,  # SGLang's newer names, used by bench_serving
+    ("GET", "/get_model_info"): route_get_model_info,
+    ("GET", "/model_info"): route_get_model_info,
+    ("GET", "/get_weight_version"): route_get_weight_version,
+    ("GET", "/tonpolicy/contract"): route_tonpolicy_contract,
+    ("GET", "/flush_cache"): route_flush_cache,
+    ("POST", "/flush_cache"): route_flush_cache,
+    ("POST", "/update_weights_from_disk"): route_update_weights_from_disk,
+}
