@@ -39,7 +39,8 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def server(tmp_path_factory: pytest.TempPathFactory, ckpts: dict[str, Path]) -> Iterator[ServerProc]:
     tmp = tmp_path_factory.mktemp("server")
     args = ["--model-path", str(ckpts["a"]), "--kernels", "contract", "--dtype", DTYPE, *IDENTITY]
-    srv = ServerProc(tmp, "main", [*args, "--num-threads", "1", "--max-running-requests", "4"])
+    # Token ids only, as the run plan starts it (the text API: tests/test_server_text_api.py).
+    srv = ServerProc(tmp, "main", [*args, "--num-threads", "1", "--max-running-requests", "4", "--skip-tokenizer-init"])
     srv.start_healthy()
     yield srv
     code = srv.stop()
@@ -206,7 +207,7 @@ def test_concurrent_requests_share_engine_batches(client: RolloutClient, ckpts: 
         {"input_ids": [1] * 1020, "sampling_params": {"max_new_tokens": 10}},  # past the context
         {"text": "hello"},
         {"input_ids": [1], "sampling_params": {"presence_penalty": 1.0}},
-        {"input_ids": [1], "stream": True},
+        {"input_ids": [1], "stream": "yes"},
     ],
 )
 def test_bad_requests_are_400_and_harmless(client: RolloutClient, body: dict) -> None:
