@@ -160,7 +160,7 @@ def test_output_meta_info_matches_sglang_names() -> None:
     res = GenResult([4], torch.tensor([-0.5]), "stop", output_top_logprobs=[[(-0.5, 4)]],
                     prompt_logprobs={1: -2.0, 2: -3.0}, prompt_top_logprobs={1: [(-1.0, 5)], 2: [(-1.5, 6)]})
     out = build_generate_output("y", item, res, "w", lambda ids: " ".join(map(str, ids)), True)
-    assert out["text"] == "4" and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 4}
+    assert out["text"] == " 4" and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 4}
     assert out["meta_info"]["input_token_logprobs"] == [[None, 7, "7"], [-2.0, 8, "8"], [-3.0, 9, "9"]]
     assert out["meta_info"]["input_top_logprobs"] == [None, [[-1.0, 5, "5"]], [[-1.5, 6, "6"]]]
     assert out["meta_info"]["output_top_logprobs"] == [[[-0.5, 4, "4"]]]

@@ -81,8 +81,18 @@ def build_generate_output(
             meta["output_top_logprobs"] = _tops(result.output_top_logprobs, decode, return_text_in_logprobs)
     out: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
     if decode is not None:
-        out = {"text": decode(ids), **out}
+        out = {"text": output_text(decode, item.input_ids, ids), **out}
     return out
+
+
+# SGLang's detokenizer decodes the output after up to this many prompt tokens and keeps what they add
+# (INIT_INCREMENTAL_DETOKENIZATION_OFFSET): a word-level tokenizer's output text so starts with a space.
+_DETOKENIZE_CONTEXT = 5
+
+
+def output_text(decode: Callable[[list[int]], str], prompt: tuple[int, ...], ids: list[int]) -> str:
+    context = list(prompt[-_DETOKENIZE_CONTEXT:])
+    return decode(context + ids)[len(decode(context)) :]
 
 
 def stream_chunk(out: dict[str, Any], index: int | None = None) -> bytes:

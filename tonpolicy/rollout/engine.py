@@ -244,7 +244,8 @@ class Engine:
                 first = r.req.prompt_logprobs_from
                 if first is not None:  # the row at position p predicts prompt token p + 1
                     base = len(tokens) - r.prefilled
-                    lo, hi = max(r.prefilled + 1, first, 1), min(r.prefilled + take, len(prompt) - 1)
+                    # SGLang leaves the first position's logprob null, whatever the start
+                    lo, hi = max(r.prefilled + 1, first + 1), min(r.prefilled + take, len(prompt) - 1)
                     scored += [(r, base + p - 1, p) for p in range(lo, hi + 1)]
                 tokens.extend(prompt[r.prefilled : r.prefilled + take])
                 r.prefilled += take

@@ -193,7 +193,7 @@ def _stream(
             sent[i] = out
             if result.finish_reason:
                 finals[i] = out
-            yield _event({**chunk_head, "choices": [choice]})
+            yield _event({**chunk_head, "choices": [choice], "usage": None})
         options = body.get("stream_options") or {}
         if isinstance(options, dict) and options.get("include_usage"):
             yield _event({**chunk_head, "choices": [], "usage": _usage(finals, req.items[0].sampling.n)})
@@ -210,7 +210,8 @@ def _usage(outs: list[dict[str, Any] | None], n: int) -> dict[str, int]:
     metas = [o["meta_info"] for o in outs if o is not None]
     prompt = sum(m["prompt_tokens"] for m in metas[::n])  # each prompt once, however many samples
     completion = sum(m["completion_tokens"] for m in metas)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "reasoning_tokens": 0}  # fmt: skip
 
 
 def _finish(meta: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 # SamplingParams.top_k's "whole vocabulary" sentinel (TOP_K_ALL = 1 << 30); -1 means the same.
@@ -283,11 +283,18 @@ def parse_generate_request(body: Any, tokenize: Tokenize | None = None) -> Gener
     else:
         rids = per_item("rid", rid, isinstance(rid, list))
     items = [
-        GenerateItem(r, tuple(p), s, bool(lg), st, tp)
+        GenerateItem(r, tuple(p), _nth_sample(s, j, n), bool(lg), st, tp)
         for r, p, s, lg, st, tp in zip(rids, prompts, sampling, lps, starts, tops, strict=True)
-        for _ in range(n)
+        for j in range(n)
     ]
     return GenerateRequest(items, is_batch or n > 1, stream)
+
+
+def _nth_sample(s: Sampling, j: int, n: int) -> Sampling:
+    # n samples of one seeded request differ (as in SGLang) and are reproducible: seeds seed+0..n-1.
+    if n == 1 or s.sampling_seed is None:
+        return s
+    return replace(s, sampling_seed=(s.sampling_seed + j) % 2**63)
 
 
 def _logprob_start(value: Any) -> int:

@@ -22,8 +22,8 @@ class GenRequest:
     arrival_step: int = 0  # engine step at which the request becomes visible to the scheduler
     ignore_eos: bool = False  # run to max_new_tokens: no EOS and no stop_token_ids stop it (SGLang)
     top_logprobs_num: int = 0  # also report the k most likely tokens at each sampled position
-    # Also report the logprob of each prompt token from this position on (SGLang's logprob_start_len);
-    # None: none. Position 0 has no logprob (nothing predicts it).
+    # Also report the logprob of each prompt token after this position (SGLang's logprob_start_len:
+    # the start position's own logprob is null there, as position 0's must be); None: none.
     prompt_logprobs_from: int | None = None
 
 
@@ -34,7 +34,7 @@ class GenResult:
     finish_reason: str  # "stop", "length", "error" (this request alone failed), "" while running
     error: str | None = None
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per output token, if asked
-    # Prompt position -> logprob of that prompt token (positions >= prompt_logprobs_from, >= 1).
+    # Prompt position -> logprob of that prompt token (positions > prompt_logprobs_from).
     prompt_logprobs: dict[int, float] = field(default_factory=dict)
     prompt_top_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)
 
