@@ -34,11 +34,11 @@ def local_engine(checkpoint: Path, kernels: str = "contract") -> Engine:
 
 
 class ServerProc:
-    def __init__(self, tmp: Path, name: str, args: list[str]) -> None:
+    def __init__(self, tmp: Path, name: str, args: list[str], python: str = sys.executable) -> None:
         self.port_file = tmp / f"{name}.port"
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        argv = [sys.executable, "-m", "tonpolicy.rollout.server", *args, "--port-file", str(self.port_file)]
+        argv = [python, "-m", "tonpolicy.rollout.server", *args, "--port-file", str(self.port_file)]
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
         self.port: int | None = None
 

@@ -63,6 +63,9 @@ def server_environment(cfg: Config, device: str, fingerprint: str) -> dict[str, 
     if cfg.contract.sglang.model_package:
         env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = cfg.contract.sglang.model_package
         env["TONPOLICY_CONTRACT"] = contract_env(cfg, fingerprint)
+        # Prompt logprobs as log_softmax, the contract's formula; SGLang's default "fast" path
+        # (logit - max - logsumexp) differs in the last bit (measured: tests/test_sglang_differential.py).
+        env["SGLANG_ENABLE_FAST_INPUT_LOGPROBS"] = "0"
     if device == "cpu":
         tp = cfg.parallel.rollout_tp
         cores = max(1, os.cpu_count() or 1)
