@@ -54,7 +54,10 @@ MODELS = {
 CONCURRENCY = (1, 8, 32)
 
 
-def server_command(kind: str, ckpt: Path, dtype: str, port: int) -> tuple[list[str], dict[str, str]]:
+def server_command(
+    kind: str, ckpt: Path, dtype: str, port: int, text: bool = False
+) -> tuple[list[str], dict[str, str]]:
+    """The server's command and environment; `text`: load the checkpoint's tokenizer (text API)."""
     if kind == "embedded":
         cfg = compose_config([f"contract.dtype={dtype}"])
         ident = identity(cfg.contract)
@@ -79,7 +82,7 @@ def server_command(kind: str, ckpt: Path, dtype: str, port: int) -> tuple[list[s
             "--max-running-requests",
             "32",
         ]
-        return argv, {}
+        return argv + ([] if text else ["--skip-tokenizer-init"]), {}
     contract = "qwen3_dense_v1" if kind == "sglang+contract" else "off_policy"
     cfg = compose_config(
         [
@@ -88,6 +91,7 @@ def server_command(kind: str, ckpt: Path, dtype: str, port: int) -> tuple[list[s
             "rollout=sglang",
             "trainer.device=cpu",
             "rollout.max_running_requests=32",
+            f"rollout.skip_tokenizer_init={not text}",
         ]
     )
     argv = sglang_argv(cfg, str(ckpt), "cpu", port)

@@ -3,6 +3,7 @@ and tonpolicy.rollout.answers): generate (plain, batched, n samples, streamed), 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
@@ -83,11 +84,20 @@ def route_update_weights_from_disk(state: ServerState, body: Any) -> Response:
     try:
         state.loop.call(reload).result()
     except Exception as e:  # noqa: BLE001 - reported in SGLang's {success, message} shape
-        return 400, {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0}
+        return 400, {"success": False, "message": _update_failure(path, e), "num_paused_requests": 0}
     message = "Succeeded to update model weights."
     if version is not None:
         message += f" Weight version updated to {version}."
     return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+
+def _update_failure(path: str, e: Exception) -> str:
+    """The reply names the checkpoint the client gave and what is wrong with it; the server's own
+    file system details (resolved files, OS errors) go to the server log only."""
+    if type(e) is ValueError:  # tonpolicy's own checks (architecture, shapes, index): written for users
+        return f"Failed to update weights: {e}"
+    print(f"update_weights_from_disk {path!r} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    return f"Failed to update weights: cannot load a checkpoint from {path!r} ({type(e).__name__}; see the server log)"
 
 
 def route_flush_cache(state: ServerState, body: Any) -> Response:

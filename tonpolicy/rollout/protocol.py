@@ -1,24 +1,17 @@
-"""SGLang's native HTTP protocol, the subset tonpolicy speaks on both sides of the wire.
+"""SGLang's native HTTP protocol, the request side: what `POST /generate` accepts.
 
 Field names follow SGLang's own definitions (sgl-project/sglang, python/sglang/srt/):
-- request body of `POST /generate`: `managers/io_struct.py::GenerateReqInput` (`input_ids` single
-  list or batch of lists, `sampling_params` dict or per-item list, `rid`, `return_logprob`,
-  `logprob_start_len`, `top_logprobs_num`, `return_text_in_logprobs`, `stream`);
+- request body: `managers/io_struct.py::GenerateReqInput` (`input_ids` or `text`, one prompt or a
+  batch, `sampling_params` dict or per-item list, `rid`, `return_logprob`, `logprob_start_len`
+  (>= 0: prompt logprobs), `top_logprobs_num`, `return_text_in_logprobs`, `stream`);
 - `sampling_params`: `sampling/sampling_params.py::SamplingParams` (`max_new_tokens`=128,
-  `temperature`, `top_p`, `top_k` (-1 = whole vocabulary), `stop_token_ids`, `sampling_seed`, ...);
-  temperature below 1e-6 means greedy, i.e. temperature 1 and top_k 1, as SGLang normalizes it;
-- response: `{"output_ids", "meta_info"}` per item (the `skip_tokenizer_init` shape: no `text`),
-  a list for a batch; `meta_info` = `managers/tokenizer_manager.py::_handle_batch_output`
-  (`id`, `finish_reason`, `prompt_tokens`, `completion_tokens`, `cached_tokens`, `weight_version`)
-  plus `output_token_logprobs` = `[[logprob, token_id, text_or_null], ...]`
-  (`detokenize_logprob_tokens`); `finish_reason` = `schedule_batch.py::FINISH_LENGTH.to_json()`
-  `{"type": "length", "length": n}` or `FINISH_MATCHED_TOKEN.to_json()` `{"type": "stop", "matched": id}`;
+  `temperature`, `top_p`, `top_k` (-1 = whole vocabulary), `stop_token_ids`, `sampling_seed`,
+  `ignore_eos`, `n`); temperature below 1e-6 means greedy, i.e. temperature 1 and top_k 1, as SGLang
+  normalizes it; `n` samples per prompt are expanded prompt-major, each with a fresh rid, and the
+  answer is then a list (`tokenizer_manager.py::_handle_batch_request`);
 - `POST /update_weights_from_disk` body `UpdateWeightFromDiskReqInput` (`model_path`, `load_format`,
   `abort_all_requests`, `weight_version`, `flush_cache`), answer `{success, message, num_paused_requests}`.
 
-Also accepted as SGLang does: `text` (tokenized by the server's tokenizer), `sampling_params.n`
-(n samples per prompt, prompt-major, each with a fresh rid; the answer is then a list), `stream`
-(server-sent events), `logprob_start_len` >= 0 (prompt logprobs) and `top_logprobs_num`.
 Anything that would change the sampled bits and that the embedded engine does not implement
 (penalties, min_p, grammars, text stops) is refused with a 400 rather than silently ignored.
 The answer side (output items, stream chunks, what the trainer reads) is tonpolicy.rollout.answers.
