@@ -90,6 +90,13 @@ class RolloutConfig:
     # --skip-tokenizer-init). false: serve text too (SGLang's clients, the OpenAI API), with the
     # checkpoint's tokenizer; the server then also stops at the tokenizer's EOS, as SGLang does.
     skip_tokenizer_init: bool = True
+    # How the trainer hands each step's weights to the server: "disk" (an HF checkpoint per step and
+    # /update_weights_from_disk; needs a file system both see) or "distributed" (a broadcast over a
+    # process group of the trainer's rank 0 and the engine ranks, SGLang's
+    # /init_weights_update_group + /update_weights_from_distributed; nothing written).
+    weight_sync: str = "disk"
+    # The weight-update group's backend; null: gloo on CPU, nccl on CUDA.
+    weight_sync_backend: str | None = None
     # Interpreter of the SGLang environment (scripts/setup_sglang.sh). null: $TONPOLICY_SGLANG_PYTHON,
     # else .venv-sglang/bin/python beside the source tree or the working directory, else this Python.
     # With rollout=sglang the trainer runs under it too, so both engines share one torch build.

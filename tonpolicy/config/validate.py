@@ -33,6 +33,7 @@ KNOWN = {
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SEED_MAX = 2**32 - 1  # PYTHONHASHSEED's range
 MIN_TEMPERATURE = 1e-6  # below this SGLang and the embedded server sample greedily
+WEIGHT_SYNC_MODES = ("disk", "distributed")
 # Backends that released SGLang's --enable-deterministic-inference accepts.
 SGLANG_DETERMINISTIC_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "ascend", "intel_xpu")
 
@@ -307,6 +308,13 @@ def _check_ranges(cfg: Config, bad: Any) -> None:
         bad("rollout.host", "binds a non-loopback address, exposing unauthenticated /generate and "
             "/update_weights_from_disk; set rollout.allow_remote=true to mean it (torchrun's store "
             "listens on all interfaces either way)")
+    if r.weight_sync not in WEIGHT_SYNC_MODES:
+        bad("rollout.weight_sync", f"must be one of {list(WEIGHT_SYNC_MODES)}")
+    if r.weight_sync_backend not in (None, "gloo", "nccl"):
+        bad("rollout.weight_sync_backend", "must be gloo, nccl or null (gloo on CPU, nccl on CUDA)")
+    if r.weight_sync == "distributed" and cfg.parallel.rollout_dp != 1:
+        bad("rollout.weight_sync", "distributed sync sends to one engine replica: needs parallel.rollout_dp=1 "
+            "(or rollout.weight_sync=disk)")
     if r.mem_fraction_static is not None and not 0 < r.mem_fraction_static < 1:
         bad("rollout.mem_fraction_static", "must be in (0, 1) (or null)")
     positive_reals = ("trainer.lr", "trainer.clip_grad", "trainer.clip_eps", "trainer.clip_eps_high",

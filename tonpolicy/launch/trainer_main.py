@@ -120,6 +120,16 @@ def broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def _weight_pusher(cfg: Config, client: Any) -> Any:
+    """Rank 0's weight-update group with the server's engine ranks (rollout.weight_sync=distributed)."""
+    from tonpolicy.contract.render import resolve_device
+    from tonpolicy.launch.weight_push import WeightPusher
+
+    engine_ranks = cfg.parallel.rollout_tp if cfg.rollout.backend == "sglang" else 1
+    backend = cfg.rollout.weight_sync_backend or ("nccl" if resolve_device(cfg) == "cuda" else "gloo")
+    return WeightPusher(client, engine_ranks, backend, cfg.trainer.timeout_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
@@ -155,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.close()
         return EXIT_HANDSHAKE
 
+    pusher = _weight_pusher(cfg, client) if rank0 and cfg.rollout.weight_sync == "distributed" else None
     fail_on_mismatch = cfg.gate.fail_on_mismatch
     if fail_on_mismatch is None:
         fail_on_mismatch = cfg.contract.exact_zero
@@ -177,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                                       exact_first_forward=fail_on_mismatch)
             if fail_on_mismatch and metrics["first_forward_mismatched"]:  # identical on every rank
                 gate_failed, failed_check = True, "recompute_vs_first_training_forward"
-            else:
+            elif cfg.rollout.weight_sync == "disk":
                 ckpt = run_dir / "checkpoints" / f"step_{step + 1}"
                 worker.save_hf(ckpt)
+            else:
+                new_weights = worker.hf_state_dict()  # on rank 0; every rank takes part in the gather
         if rank0:
             record = {"step": step, **parity.to_dict(), **metrics, "gate": "failed" if gate_failed else "passed",
                       "gate_check": failed_check,
@@ -196,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             logger.log_samples(samples)
             print(f"step {step}: tokens={parity.tokens_scored} mismatched={parity.mismatched_tokens} "
                   f"max|Δ|={parity.max_abs_logprob_diff:.3e} grad_norm={metrics.get('grad_norm')}", flush=True)
-            if not gate_failed:
+            if not gate_failed and pusher is not None:
+                pusher.push(new_weights, weight_version=f"step_{step + 1}")
+            elif not gate_failed:
                 client.update_weights_from_disk(str(ckpt), weight_version=f"step_{step + 1}")
         if gate_failed:
             code = EXIT_GATE_FAILED
@@ -211,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 message = (f"parity gate failed at step {step}: {what}; contract {cfg.contract.name}, "
                            f"gate.fail_on_mismatch={fail_on_mismatch}; no update was made")
             break
+    if pusher is not None:
+        pusher.close()
     if rank0:
         logger.finish(code)
         write_json_atomic(run_dir / STATUS_FILE, {"code": code, "message": message if code else "ok"})

@@ -120,23 +120,53 @@ class RolloutClient:
             raise RolloutError(f"GET /tonpolicy/contract -> HTTP {status}: {raw.decode(errors='replace')[:2000]}")
         return json.loads(raw)
 
-    def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model_path": str(path)}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
+    def _weights_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A weights endpoint: SGLang answers {success, message}; anything else is a RolloutError."""
         try:
-            status, raw = self._request("POST", "/update_weights_from_disk", body)
+            status, raw = self._request("POST", path, body)
         except (urllib.error.URLError, OSError) as e:
-            raise RolloutError(f"update_weights_from_disk: {e}") from e
+            raise RolloutError(f"{path}: {e}") from e
         try:
             answer = json.loads(raw)
         except json.JSONDecodeError:
             answer = {"success": False, "message": raw.decode(errors="replace")}
-        if status != 200 or not answer.get("success"):
-            raise RolloutError(
-                f"update_weights_from_disk({path}) failed (HTTP {status}): {answer.get('message')}"
-            )
+        if status != 200 or not isinstance(answer, dict) or not answer.get("success"):
+            message = answer.get("message") if isinstance(answer, dict) else answer
+            raise RolloutError(f"{path} failed (HTTP {status}): {message}")
         return answer
+
+    def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": str(path)}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._weights_call("/update_weights_from_disk", body)
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str,
+    ) -> dict[str, Any]:
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}  # fmt: skip
+        return self._weights_call("/init_weights_update_group", body)
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        weight_version: str | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                "flush_cache": True}  # fmt: skip
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._weights_call("/update_weights_from_distributed", body)
+
+    def begin_weight_update(self) -> dict[str, Any]:
+        return self._weights_call("/begin_weight_update", {})
+
+    def end_weight_update(self) -> dict[str, Any]:
+        return self._weights_call("/end_weight_update", {})
+
+    def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        return self._weights_call("/destroy_weights_update_group", {"group_name": group_name})
 
     def flush_cache(self) -> None:
         try:

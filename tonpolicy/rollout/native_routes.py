@@ -10,7 +10,7 @@ from typing import Any
 
 from tonpolicy.rollout.answers import STREAM_END, build_generate_output, stream_chunk
 from tonpolicy.rollout.protocol import GenerateRequest, ProtocolError, parse_generate_request
-from tonpolicy.rollout.server_model import flush_cache, reload_weights
+from tonpolicy.rollout.server_model import flush_cache, load_checked, reload_weights
 from tonpolicy.rollout.server_state import (
     Response,
     ServerState,
@@ -20,6 +20,7 @@ from tonpolicy.rollout.server_state import (
     progress_events,
     run_items,
 )
+from tonpolicy.rollout.weight_sync import DEFAULT_GROUP, destroy, init_update_group, receive
 
 SERVER_VERSION = "tonpolicy-embedded-0.2"
 
@@ -98,6 +99,97 @@ def _update_failure(path: str, e: Exception) -> str:
         return f"Failed to update weights: {e}"
     print(f"update_weights_from_disk {path!r} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     return f"Failed to update weights: cannot load a checkpoint from {path!r} ({type(e).__name__}; see the server log)"
+
+
+_INIT_GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+_DISTRIBUTED_FIELDS = {
+    "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
+    "load_format", "selector", "torch_empty_cache", "rid",
+}  # fmt: skip
+
+
+def route_init_weights_update_group(state: ServerState, body: Any) -> Response:
+    """Join the trainer's weight-update group as rank `rank_offset` (this engine is one rank)."""
+    if not state.ready:
+        return not_ready()
+    if not isinstance(body, dict) or set(body) - _INIT_GROUP_FIELDS:
+        raise ProtocolError(f"init_weights_update_group takes {sorted(_INIT_GROUP_FIELDS)}")
+    try:
+        address, port = str(body["master_address"]), int(body["master_port"])
+        rank, world = int(body["rank_offset"]), int(body["world_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError("master_address, master_port, rank_offset and world_size are required") from e
+    name, backend = str(body.get("group_name") or DEFAULT_GROUP), str(body.get("backend") or "nccl")
+    if not 0 < rank < world:  # rank 0 is the trainer's: only it sends
+        raise ProtocolError(f"rank_offset={rank} must be in [1, world_size={world})")
+    if name in state.update_groups:
+        raise ProtocolError(f"weight update group {name!r} already exists")
+    try:
+        state.update_groups[name] = init_update_group(backend, address, port, world, rank, name)
+    except Exception as e:  # noqa: BLE001 - SGLang's {success, message} shape
+        return 400, {"success": False, "message": f"Failed to initialize custom process group: {e}."}
+    return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+
+def route_update_weights_from_distributed(state: ServerState, body: Any) -> Response:
+    """Receive the tensors the trainer broadcasts (names, dtypes, shapes announced here), between
+    batches on the engine loop, then load them once all are checked."""
+    if not state.ready:
+        return not_ready()
+    if not isinstance(body, dict) or set(body) - _DISTRIBUTED_FIELDS:
+        raise ProtocolError(f"update_weights_from_distributed takes {sorted(_DISTRIBUTED_FIELDS)}")
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) or not (
+        len(names) == len(dtypes) == len(shapes)
+    ):
+        raise ProtocolError("names, dtypes and shapes must be lists of one length")
+    group = state.update_groups.get(str(body.get("group_name") or DEFAULT_GROUP))
+    if group is None:
+        raise ProtocolError("no weight update group: call /init_weights_update_group first")
+    if not state.weight_update_session:  # SGLang's rule (0.5.23): begin, update..., end
+        return 400, {"success": False, "message": "update_weights_from_distributed must run between "
+                     "begin_weight_update() and end_weight_update()"}  # fmt: skip
+    if body.get("load_format") not in (None, "auto"):
+        raise ProtocolError(f"load_format {body['load_format']!r} is not supported")
+    version = body.get("weight_version")
+
+    def update(engine: Any) -> None:
+        tensors = receive(group, dtypes, shapes)  # every rank must take the broadcast, even to refuse it
+        load_checked(engine, dict(zip(names, tensors, strict=True)), state.model_config, "the update")
+        flush_cache(engine)
+        if version is not None:
+            state.loop.tag = str(version)
+
+    try:
+        state.loop.call(update).result()
+    except Exception as e:  # noqa: BLE001 - SGLang's {success, message} shape
+        return 400, {"success": False, "message": f"Failed to update parameter online: {e}"}
+    return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+
+def route_begin_weight_update(state: ServerState, body: Any) -> Response:
+    if state.weight_update_session:
+        return 400, {"success": False, "message": "a weight-update session is already open; "
+                     "call end_weight_update() first"}  # fmt: skip
+    state.weight_update_session = True
+    return 200, {"success": True, "message": "Success"}
+
+
+def route_end_weight_update(state: ServerState, body: Any) -> Response:
+    if not state.weight_update_session:
+        return 400, {"success": False, "message": "no weight-update session is open; "
+                     "call begin_weight_update() first"}  # fmt: skip
+    state.weight_update_session = False
+    return 200, {"success": True, "message": "Success"}
+
+
+def route_destroy_weights_update_group(state: ServerState, body: Any) -> Response:
+    name = str((body or {}).get("group_name") or DEFAULT_GROUP) if isinstance(body, dict | None) else ""
+    group = state.update_groups.pop(name, None)
+    if group is None:
+        return 400, {"success": False, "message": "The group to be destroyed does not exist."}
+    destroy(group)
+    return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
 
 
 def route_flush_cache(state: ServerState, body: Any) -> Response:
@@ -189,4 +281,9 @@ NATIVE_ROUTES = {
     ("GET", "/flush_cache"): route_flush_cache,
     ("POST", "/flush_cache"): route_flush_cache,
     ("POST", "/update_weights_from_disk"): route_update_weights_from_disk,
+    ("POST", "/init_weights_update_group"): route_init_weights_update_group,
+    ("POST", "/begin_weight_update"): route_begin_weight_update,
+    ("POST", "/update_weights_from_distributed"): route_update_weights_from_distributed,
+    ("POST", "/end_weight_update"): route_end_weight_update,
+    ("POST", "/destroy_weights_update_group"): route_destroy_weights_update_group,
 }

@@ -35,10 +35,19 @@ def reload_weights(engine: Engine, path: str, current: ModelConfig) -> None:
     is copied, so a refused checkpoint leaves the served weights untouched."""
     cfg, state_dict = load_hf(path)
     check_same_architecture(current, cfg, path)
+    load_checked(engine, state_dict, current, f"checkpoint {path}")
+
+
+def load_checked(engine: Engine, state_dict: dict[str, torch.Tensor], current: ModelConfig, source: str) -> None:
+    """Load HF-named tensors into the running model once every name and shape is checked, so refused
+    weights leave the served ones untouched."""
     shapes = param_shapes(current)
-    bad = {k: tuple(v.shape) for k, v in state_dict.items() if k in shapes and tuple(v.shape) != shapes[k]}
+    unknown = sorted(set(state_dict) - set(shapes))
+    if unknown:
+        raise ValueError(f"{source} has tensors the model does not have: {unknown[:8]}")
+    bad = {k: tuple(v.shape) for k, v in state_dict.items() if tuple(v.shape) != shapes[k]}
     if bad:
-        raise ValueError(f"checkpoint {path} has tensors of the wrong shape: {bad}")
+        raise ValueError(f"{source} has tensors of the wrong shape: {bad}")
     engine.model.load_weights(state_dict)
 
 

@@ -46,6 +46,8 @@ class ServerState:
         self.runtime: dict[str, Any] | None = None
         self.model_path: str | None = args.model_path
         self.port: int = args.port
+        self.update_groups: dict[str, Any] = {}  # weight-update process groups, by name
+        self.weight_update_session = False  # between /begin_weight_update and /end_weight_update
         self._seeds = itertools.count()
         self._lock = threading.Lock()
 

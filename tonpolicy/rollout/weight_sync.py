@@ -1,0 +1,70 @@
+"""Weight sync over a process group, SGLang's disk-free path (`/init_weights_update_group`,
+`/update_weights_from_distributed`): the trainer's rank 0 is rank 0 of a group of its own with every
+rollout engine rank, and broadcasts each updated tensor (full, HF-named) to them; nothing is written to
+disk and no shared file system is assumed.
+
+The group is made the way SGLang makes its end (`init_custom_process_group`): a TCP rendezvous at the
+trainer's address, a store prefixed with the group name, and torch's own process-group constructor,
+so a tonpolicy trainer, tonpolicy's embedded server and released SGLang all join the same group.
+It lives beside the processes' default group (torchrun's, or none in the embedded server).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group name
+
+
+def init_update_group(
+    backend: str, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
+    timeout_s: float = 300.0,
+) -> Any:
+    """Join the weight-update group (rank 0: the trainer, which hosts the rendezvous)."""
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+
+    timeout = timedelta(seconds=timeout_s)
+    # The store by hand, not torch's tcp:// rendezvous: under torchrun that would make rank 0 a client
+    # of the agent's store (TORCHELASTIC_USE_AGENT_STORE) and nobody would host this one.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    store = PrefixStore(group_name, store)  # as SGLang does: one rendezvous may serve several groups
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def send(group: Any, tensors: Iterable[torch.Tensor], abandon: Callable[[], bool] = lambda: False) -> None:
+    """Rank 0's side: broadcast each tensor, in the order the receivers were told. `abandon` is polled
+    while a broadcast waits: a receiver that refused the update never joins it, and the sender must
+    not wait for it forever."""
+    for t in tensors:
+        work = dist.broadcast(t.contiguous(), src=0, group=group, async_op=True)
+        while not work.is_completed():
+            if abandon():
+                raise RuntimeError("the receivers refused the weight update; the broadcast was abandoned")
+            time.sleep(0.001)
+        work.wait()
+
+
+def receive(group: Any, dtypes: list[str], shapes: list[list[int]], device: str = "cpu") -> list[torch.Tensor]:
+    """An engine rank's side: the tensors rank 0 broadcasts, allocated from their announced dtypes and shapes."""
+    out = []
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        dist.broadcast(t, src=0, group=group)
+        out.append(t)
+    return out
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def destroy(group: Any) -> None:
+    dist.destroy_process_group(group)
