@@ -33,6 +33,18 @@ def test_tp1_multi_step_with_weight_sync(tmp_path: Path) -> None:
     assert len(samples) == 3
 
 
+def test_distributed_weight_sync_writes_nothing_and_stays_exact(tmp_path: Path) -> None:
+    """rollout.weight_sync=distributed at TP 2: weights go over a gloo group, no checkpoint per step,
+    and the gate (rollout == recompute with the new weights) holds on every step."""
+    proc, run_dir = run_job(tmp_path, "parallel=tp2", "experiment.steps=3", "rollout.weight_sync=distributed")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == [0, 1, 2]
+    assert all(r["mismatched_tokens"] == 0 and r["max_abs_logprob_diff"] == 0.0 for r in recs)
+    assert all(r["grad_norm"] > 0 for r in recs)  # the weights moved, so a stale server would mismatch
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["init"]
+
+
 def test_sweep_over_layouts_exact_zero(tmp_path: Path) -> None:
     """`-m parallel=...`: each layout's job proves exact zero; the sweep writes a table and a chart."""
     layouts = ["tp2", "pp2", "cp2_ulysses", "cp2_ring"]

@@ -102,9 +102,11 @@ def test_run_through_real_sglang_is_exact_with_weight_sync(tmp_path: Path, sglan
 
 
 def test_rollout_tp_differs_from_trainer_layout(tmp_path: Path, sglang_py: str) -> None:
-    """SGLang at TP 2 against the trainer at ring CP 2 (TP 1): the same bits."""
-    recs, s = _run(tmp_path, "parallel=cp2_ring", "parallel.rollout_tp=2")
+    """SGLang at TP 2 against the trainer at ring CP 2 (TP 1): the same bits; weights synced over a
+    process group of the trainer's rank 0 and both SGLang TP ranks (SGLang's own endpoints)."""
+    recs, s = _run(tmp_path, "parallel=cp2_ring", "parallel.rollout_tp=2", "rollout.weight_sync=distributed")
     assert s["mismatched_tokens"] == 0 and all(r["mismatched_tokens"] == 0 for r in recs), recs
+    assert len(recs) == 3 and all(r["grad_norm"] > 0 for r in recs)
 
 
 def test_off_policy_through_real_sglang_shows_the_mismatch(tmp_path: Path, sglang_py: str) -> None:

@@ -131,7 +131,9 @@ class RolloutClient:
         except json.JSONDecodeError:
             answer = {"success": False, "message": raw.decode(errors="replace")}
         if status != 200 or not isinstance(answer, dict) or not answer.get("success"):
-            message = answer.get("message") if isinstance(answer, dict) else answer
+            # SGLang's {success: false, message}, or a refused request's {error: {message}}
+            message = (answer.get("message") or (answer.get("error") or {}).get("message")
+                       if isinstance(answer, dict) else answer)  # fmt: skip
             raise RolloutError(f"{path} failed (HTTP {status}): {message}")
         return answer
 

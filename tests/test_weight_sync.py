@@ -1,0 +1,106 @@
+"""Disk-free weight sync (SGLang's /init_weights_update_group + /update_weights_from_distributed) with
+the embedded server: this test process plays the trainer's rank 0. New weights broadcast over a gloo
+group give exactly the answers a local engine gives with them; an update the server refuses is
+reported, leaves the served weights alone, and does not leave the sender waiting."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from server_proc import DTYPE, IDENTITY, ServerProc, local_engine, save_checkpoint
+
+from tonpolicy.config.model import ModelConfig
+from tonpolicy.launch.weight_push import WeightPusher
+from tonpolicy.model.checkpoint import init_state_dict, load_hf
+from tonpolicy.rollout.client import RolloutClient, RolloutError
+from tonpolicy.rollout.types import GenRequest
+
+PROMPTS = [[3, 11, 12], [5, 17, 18, 19, 4]]
+PARAMS = [{"max_new_tokens": 5, "sampling_seed": s} for s in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("ckpts")
+    return {"a": save_checkpoint(d / "a", seed=1), "b": save_checkpoint(d / "b", seed=2)}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory, ckpts: dict[str, Path]) -> Iterator[RolloutClient]:
+    args = ["--model-path", str(ckpts["a"]), "--dtype", DTYPE, "--skip-tokenizer-init", *IDENTITY]
+    srv = ServerProc(tmp_path_factory.mktemp("server"), "server", args)
+    client = srv.start_healthy()
+    yield client
+    assert srv.stop() == 0, srv.log()
+
+
+def expected(ckpt: Path) -> list[list[float]]:
+    results = local_engine(ckpt).generate(
+        [GenRequest(p, 5, seed=s["sampling_seed"]) for p, s in zip(PROMPTS, PARAMS, strict=True)]
+    )
+    return [r.output_logprobs.tolist() for r in results]
+
+
+def test_weights_broadcast_over_a_group_are_served_bit_for_bit(
+    client: RolloutClient, ckpts: dict[str, Path]
+) -> None:
+    before = [o["output_logprobs"] for o in client.generate(PROMPTS, PARAMS)]
+    assert before == expected(ckpts["a"])
+    pusher = WeightPusher(client, engine_ranks=1, backend="gloo", timeout_s=60)
+    try:
+        _, new = load_hf(ckpts["b"])
+        pusher.push(new, weight_version="step_1")
+        after = client.generate(PROMPTS, PARAMS)
+        assert all(o["weight_version"] == "step_1" for o in after)
+        assert [o["output_logprobs"] for o in after] == expected(ckpts["b"]) != before
+
+        # A refused update (a tensor of the wrong shape): a clear error, no hang, weights untouched.
+        bad = dict(new)
+        bad["model.norm.weight"] = torch.zeros(7)
+        with pytest.raises(RolloutError, match="wrong shape"):
+            pusher.push(bad, weight_version="step_2")
+        assert [o["output_logprobs"] for o in client.generate(PROMPTS, PARAMS)] == expected(ckpts["b"])
+
+        _, old = load_hf(ckpts["a"])  # the group still works after a refusal
+        pusher.push(old, weight_version="step_3")
+        assert [o["output_logprobs"] for o in client.generate(PROMPTS, PARAMS)] == before
+    finally:
+        pusher.close()
+
+
+def test_sglangs_session_rules(client: RolloutClient) -> None:
+    with pytest.raises(RolloutError, match="no weight update group"):
+        client.update_weights_from_distributed(["x"], ["float32"], [[1]], "weight_update_group")
+    with pytest.raises(RolloutError, match="no weight-update session is open"):
+        client.end_weight_update()
+    client.begin_weight_update()
+    with pytest.raises(RolloutError, match="already open"):
+        client.begin_weight_update()
+    client.end_weight_update()
+    with pytest.raises(RolloutError, match="rank_offset=0 must be in"):
+        client.init_weights_update_group("127.0.0.1", 1, 0, 2, "g", "gloo")
+
+
+def test_a_refused_announcement_does_not_leave_the_sender_waiting(client: RolloutClient) -> None:
+    """The server refuses the announcement before it receives anything (here: another group's name),
+    so it never joins the broadcast: the sender must give it up and report the server's reason."""
+
+    class WrongGroup:
+        def __getattr__(self, name: str):  # noqa: ANN204 - delegate everything else
+            return getattr(client, name)
+
+        def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version=None):  # noqa: ANN001, ANN201
+            return client.update_weights_from_distributed(
+                names, dtypes, shapes, "another_group", weight_version
+            )
+
+    pusher = WeightPusher(WrongGroup(), engine_ranks=1, backend="gloo", timeout_s=60)
+    try:
+        sd = init_state_dict(ModelConfig(), torch.bfloat16, 3)
+        with pytest.raises(RolloutError, match="no weight update group"):
+            pusher.push(sd, weight_version="x")
+    finally:
+        pusher.close()
