@@ -34,6 +34,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SEED_MAX = 2**32 - 1  # PYTHONHASHSEED's range
 MIN_TEMPERATURE = 1e-6  # below this SGLang and the embedded server sample greedily
 WEIGHT_SYNC_MODES = ("disk", "distributed")
+API_KEY_ENV = "TONPOLICY_API_KEY"
 # Backends that released SGLang's --enable-deterministic-inference accepts.
 SGLANG_DETERMINISTIC_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "ascend", "intel_xpu")
 
@@ -304,10 +305,13 @@ def _check_ranges(cfg: Config, bad: Any) -> None:
                        ("trainer.nproc_per_node", t.nproc_per_node), ("trainer.seq_pad_multiple", t.seq_pad_multiple)):
         if value is not None and value < 1:
             bad(key, "must be a positive integer (or null)")
-    if r.host not in LOOPBACK and not r.allow_remote:
-        bad("rollout.host", "binds a non-loopback address, exposing unauthenticated /generate and "
-            "/update_weights_from_disk; set rollout.allow_remote=true to mean it (torchrun's store "
-            "listens on all interfaces either way)")
+    if r.host not in LOOPBACK and not (r.allow_remote and r.require_api_key):
+        bad("rollout.host", "binds a non-loopback address, exposing /generate and the weight endpoints to "
+            "other hosts; set rollout.allow_remote=true to mean it and rollout.require_api_key=true (with "
+            f"${API_KEY_ENV}) so only the trainer is served (torchrun's store listens on all interfaces "
+            "either way)")
+    if r.require_api_key and cfg.mode != "plan" and not os.environ.get(API_KEY_ENV):
+        bad("rollout.require_api_key", f"needs the key in ${API_KEY_ENV} (it is never written to the config)")
     if r.weight_sync not in WEIGHT_SYNC_MODES:
         bad("rollout.weight_sync", f"must be one of {list(WEIGHT_SYNC_MODES)}")
     if r.weight_sync_backend not in (None, "gloo", "nccl"):

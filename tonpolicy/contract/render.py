@@ -28,6 +28,9 @@ SGLANG_DEFAULT_PORT = 30000
 
 
 
+API_KEY_PLACEHOLDER = "${TONPOLICY_API_KEY}"
+
+
 def resolve_device(cfg: Config) -> str:
     if cfg.trainer.device != "auto":
         return cfg.trainer.device
@@ -57,6 +60,8 @@ def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: i
     ]
     if r.skip_tokenizer_init:  # the trainer sends token ids; a checkpoint needs no tokenizer
         argv += ["--skip-tokenizer-init"]
+    if r.require_api_key:  # a placeholder: the launcher (or launch.sh's shell) puts the key in at exec
+        argv += ["--api-key", API_KEY_PLACEHOLDER]
     if device == "cpu":
         argv += ["--device", "cpu"]
     max_tokens = r.max_total_tokens or (CPU_MAX_TOTAL_TOKENS if device == "cpu" else None)
@@ -186,9 +191,9 @@ def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
 def _shell(argv: list[str]) -> str:
     """argv as a shell line; a leading `python` becomes "$PY" so the script runs any interpreter."""
-    if argv[0] == "python":
-        return '"$PY" ' + shlex.join(argv[1:])
-    return shlex.join(argv)
+    line = '"$PY" ' + shlex.join(argv[1:]) if argv[0] == "python" else shlex.join(argv)
+    # The API key placeholder is the one thing the shell expands (the key is never in the script).
+    return line.replace(shlex.quote(API_KEY_PLACEHOLDER), '"${TONPOLICY_API_KEY:?set TONPOLICY_API_KEY}"')
 
 
 def _server_env(plan: dict[str, Any]) -> str:

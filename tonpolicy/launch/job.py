@@ -8,6 +8,7 @@ already on disk, prints the per-step table and where the logs are, and returns t
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sys
@@ -17,8 +18,9 @@ from typing import Any
 
 from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
-from tonpolicy.config.validate import world_size
+from tonpolicy.config.validate import API_KEY_ENV, world_size
 from tonpolicy.contract.identity import identity
+from tonpolicy.contract.render import API_KEY_PLACEHOLDER
 from tonpolicy.launch.curves import reward_curve
 from tonpolicy.launch.init_checkpoint import write_init_checkpoint
 from tonpolicy.launch.procs import Child, ProcessGroup, free_port, port_is_free, wait_until
@@ -135,6 +137,8 @@ def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, 
     else:
         port = port or free_port(host)
         argv = with_flags(plan["rollout"]["command"], {"--port": port, "--model-path": ckpt})
+        # The key goes in at exec (launch_plan.json and launch.sh show the placeholder only).
+        argv = [os.environ[API_KEY_ENV] if a == API_KEY_PLACEHOLDER else a for a in argv]
         port_file.write_text(str(port))
     env = {**plan["environment"], **plan["rollout"].get("environment", {})}
     server = procs.start("rollout", argv, run_dir / "logs" / "rollout.log", env=env)
@@ -154,8 +158,6 @@ def start_trainer(cfg: Config, run_dir: Path, plan: dict[str, Any], url: str, ck
                       python=trainer_python(cfg))
     env = dict(plan["environment"])
     if plan["device"] == "cpu":
-        import os
-
         # The contract kernels are thread-count invariant; this only keeps 2-core machines responsive.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return procs.start("trainer", argv, run_dir / "logs" / "trainer.log", env=env)

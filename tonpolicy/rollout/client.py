@@ -8,6 +8,7 @@ both. Standard library only (urllib): the trainer ranks need no HTTP dependency.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import urllib.error
@@ -23,9 +24,11 @@ class RolloutError(RuntimeError):
 
 
 class RolloutClient:
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        # Sent as a bearer token (SGLang's --api-key); default: $TONPOLICY_API_KEY, if set.
+        self.api_key = api_key if api_key is not None else os.environ.get("TONPOLICY_API_KEY") or None
 
     # --- transport --------------------------------------------------------------------------
 
@@ -36,6 +39,8 @@ class RolloutClient:
         req = urllib.request.Request(self.base_url + path, data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", "application/json")  # SGLang's FastAPI requires it
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
         try:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 return resp.status, resp.read()

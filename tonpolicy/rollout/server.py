@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -80,6 +81,10 @@ class RolloutHandler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         path = urlsplit(self.path).path
+        if not self._authorized(path):
+            self.close_connection = True
+            self._send(401, {"error": {"message": "Unauthorized: this server needs Authorization: Bearer <api key>"}})
+            return
         route = ROUTES.get((method, path))
         if route is None:
             known = any(p == path for _, p in ROUTES)
@@ -97,6 +102,14 @@ class RolloutHandler(BaseHTTPRequestHandler):
             traceback.print_exc()  # the server log is where an orchestrator looks
             status, body = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
         self._send(status, body)
+
+    def _authorized(self, path: str) -> bool:
+        """SGLang's rule: with an API key, every route but /health* needs it as a bearer token."""
+        key = self.server.state.args.api_key
+        if not key or path.startswith("/health"):
+            return True
+        scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
 
     def _read_json(self) -> Any:
         header = self.headers.get("Content-Length") or "0"

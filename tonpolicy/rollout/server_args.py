@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,9 @@ class ServerArgs:
     device: str = "cpu"  # "cpu" | "cuda": where the engine runs (the run config's trainer.device)
     # As SGLang's flag: do not load the checkpoint's tokenizer (token ids in and out only).
     skip_tokenizer_init: bool = False
+    # As SGLang's --api-key: every route but /health* needs `Authorization: Bearer KEY`. The launcher
+    # passes it as $TONPOLICY_API_KEY instead, so it is not on the command line.
+    api_key: str | None = None
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -131,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, help="torch intra-op threads")
     p.add_argument("--device", choices=("cpu", "cuda"), help="where the engine runs (default cpu)")
     p.add_argument("--log-requests", action="store_true", default=None, help="log every HTTP request")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` (default: $TONPOLICY_API_KEY, if set)")
     p.add_argument(
         "--skip-tokenizer-init", action="store_true", default=None,
         help="do not load the checkpoint's tokenizer: token ids only (as SGLang's flag)",
@@ -158,6 +163,7 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
     if missing:
         flags = ", ".join("--" + k.replace("_", "-") for k in missing)
         parser.error(f"the contract identity is required: give {flags} or a --config with a contract")
+    values.setdefault("api_key", os.environ.get("TONPOLICY_API_KEY") or None)
     version = values["contract_version"]
     if isinstance(version, str) and version.isdigit():  # flags are strings; the schema's version is an int
         values["contract_version"] = int(version)
