@@ -56,6 +56,16 @@ CASES = [
     (["trainer.micro_batch_size=3"], ["trainer.micro_batch_size=3: parallel.dp*micro_batch_size=3 must divide the batch"]),
     (["parallel=cp2_ring", "trainer.pack_sequences=true"], ["trainer.pack_sequences=True: packed rows are not split"]),
     (["parallel.dp=3"], ["parallel.dp*micro_batch_size=3 must divide the batch"]),
+    # Several nodes (mode=plan): node 0 must be reachable, a server spanning nodes needs its address.
+    (["mode=plan", "parallel=tp2", "trainer.nnodes=2"], ["trainer.master_addr='127.0.0.1': is loopback"]),
+    (["rollout.nnodes=2"], ["rollout.nnodes=2: must be 1, or more only with rollout=sglang"]),
+    (["rollout=sglang", "trainer.device=cuda", "parallel.rollout_tp=2", "rollout.nnodes=2"],
+     ["rollout.dist_init_addr=None: a server spanning nodes needs host:port"]),
+    (["rollout=sglang", "trainer.device=cuda", "parallel.rollout_tp=3", "model.num_attention_heads=12", "model.num_kv_heads=12",
+      "rollout.nnodes=2", "rollout.dist_init_addr=h:1"], ["rollout.nnodes=2: must divide parallel.rollout_tp=3"]),
+    (["rollout.weight_sync=nfs"], ["rollout.weight_sync='nfs': must be one of ['disk', 'distributed']"]),
+    (["rollout=sglang", "trainer.device=cuda", "parallel.rollout_dp=2", "rollout.weight_sync=distributed"],
+     ["needs parallel.rollout_dp=1"]),
 ]
 
 

@@ -13,7 +13,13 @@ import pytest
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.contract.identity import NUMERICS_FIELDS, fingerprint
-from tonpolicy.contract.render import launch_plan, launch_script, sglang_argv
+from tonpolicy.contract.render import (
+    API_KEY_PLACEHOLDER,
+    NODE_RANK_PLACEHOLDER,
+    launch_plan,
+    launch_script,
+    sglang_argv,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN_DIR = Path("/RUN")
@@ -22,6 +28,11 @@ GOLDEN_CASES = {
     "qwen3_4b_cp2_ring_sglang": ["model=qwen3_4b", "parallel=cp2_ring", "rollout=sglang", "trainer.device=cuda"],
     "tiny_tp2_cpu": ["parallel=tp2", "trainer.device=cpu"],
     "tiny_off_policy_cp2_ulysses_cpu": ["contract=off_policy", "parallel=cp2_ulysses", "trainer.device=cpu"],
+    # Two nodes of 8 GPUs: the trainer at TP 8 x PP 2 across them, one SGLang server (TP 16) spanning both.
+    "qwen3_8b_2x8_sglang": ["mode=plan", "model=qwen3_8b", "parallel.tp=8", "parallel.pp=2", "trainer.device=cuda",
+                            "trainer.nnodes=2", "trainer.master_addr=10.0.0.1", "rollout=sglang",
+                            "parallel.rollout_tp=16", "rollout.nnodes=2", "rollout.dist_init_addr=10.0.0.1:20000",
+                            "rollout.weight_sync=distributed"],
 }
 
 
@@ -95,7 +106,8 @@ def test_rendered_sglang_flags_exist_in_sglang() -> None:
                                                "rollout.chunked_prefill_size=256"]]:
         argv = sglang_argv(compose_config(overrides), "/ckpt")
         assert argv[1:3] in (["-m", "sglang.launch_server"], ["-m", "tonpolicy.rollout.sglang_server"])
-        argvs.append(argv[3:])
+        # The shell's part: launch.sh expands the node rank (and the API key) before SGLang parses them.
+        argvs.append([{NODE_RANK_PLACEHOLDER: "1", API_KEY_PLACEHOLDER: "key"}.get(a, a) for a in argv[3:]])
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / "sglang_argcheck.py")],
                           input=json.dumps(argvs), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -107,6 +119,19 @@ def test_rendered_sglang_flags_exist_in_sglang() -> None:
                           input=json.dumps([["--model-path", "x", "--true-on-policy-contract", "v1"]]),
                           capture_output=True, text=True, timeout=300)
     assert json.loads(proc.stdout.strip().splitlines()[-1]) [0]["ok"] is False
+
+
+def test_multi_node_launch_sh_runs_on_every_node() -> None:
+    """Each node runs the same launch.sh with its NODE_RANK (or SLURM's SLURM_NODEID): node 0 writes the
+    initial weights; every node runs its torchrun (static rendezvous at node 0) and its SGLang rank."""
+    plan = render(GOLDEN_CASES["qwen3_8b_2x8_sglang"])
+    script = launch_script(plan)
+    assert 'NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-0}}"' in script
+    assert 'if [ "$NODE_RANK" = 0 ]; then "$PY" -m tonpolicy.launch.init_checkpoint' in script
+    assert '--nnodes 2 --nproc-per-node 8 --node-rank "$NODE_RANK" --master-addr 10.0.0.1' in script
+    assert '--nnodes 2 --node-rank "$NODE_RANK" --dist-init-addr 10.0.0.1:20000' in script
+    single = launch_script(render(GOLDEN_CASES["tiny_tp2_cpu"]))
+    assert "NODE_RANK" not in single and "if [" not in single
 
 
 def test_names_rendered_into_launch_sh_cannot_inject_commands(tmp_path: Path) -> None:

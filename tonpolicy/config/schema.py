@@ -99,6 +99,10 @@ class RolloutConfig:
     # process group of the trainer's rank 0 and the engine ranks, SGLang's
     # /init_weights_update_group + /update_weights_from_distributed; nothing written).
     weight_sync: str = "disk"
+    # Nodes one SGLang server spans (its --nnodes; each node runs the command with its --node-rank),
+    # meeting at dist_init_addr (host:port on the server's node 0).
+    nnodes: int = 1
+    dist_init_addr: str | None = None
     # The weight-update group's backend; null: gloo on CPU, nccl on CUDA.
     weight_sync_backend: str | None = None
     # Interpreter of the SGLang environment (scripts/setup_sglang.sh). null: $TONPOLICY_SGLANG_PYTHON,
@@ -112,6 +116,9 @@ class TrainerConfig:
     backend: str = "megatron"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     nnodes: int = 1
+    # Node 0's address, where every node's torchrun meets (static rendezvous: global rank 0, which
+    # talks to the rollout server, is on node 0). With nnodes > 1 it must be reachable from every node.
+    master_addr: str = "127.0.0.1"
     # None: derived as tp*pp*cp*dp / nnodes. When set, the layout must match it.
     nproc_per_node: int | None = None
     master_port: int = 0

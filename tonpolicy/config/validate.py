@@ -230,7 +230,18 @@ def _check_layout(cfg: Config, bad: Any) -> None:
     if ws % cfg.trainer.nnodes:
         bad("trainer.nnodes", f"must divide the world size tp*pp*cp*dp={ws}")
     if cfg.trainer.nnodes > 1 and cfg.mode != "plan":
-        bad("trainer.nnodes", "the launcher starts one node: use mode=plan for a multi-node plan")
+        bad("trainer.nnodes", "the launcher starts one node: use mode=plan for a multi-node plan and run its "
+            "launch.sh on every node (NODE_RANK set)")
+    if cfg.trainer.nnodes > 1 and cfg.trainer.master_addr in LOOPBACK:
+        bad("trainer.master_addr", f"is loopback, which the other {cfg.trainer.nnodes - 1} node(s) cannot reach: "
+            "give node 0's address")
+    r = cfg.rollout
+    if r.nnodes < 1 or (r.nnodes > 1 and r.backend != "sglang"):
+        bad("rollout.nnodes", "must be 1, or more only with rollout=sglang (the embedded engine is one process)")
+    elif r.nnodes > 1 and p.rollout_tp % r.nnodes:
+        bad("rollout.nnodes", f"must divide parallel.rollout_tp={p.rollout_tp} (SGLang splits TP ranks over nodes)")
+    if r.nnodes > 1 and not r.dist_init_addr:
+        bad("rollout.dist_init_addr", "a server spanning nodes needs host:port on its node 0 (SGLang --dist-init-addr)")
     if c.kernels == "triton":
         _check_triton(cfg, bad)
     if c.kernels in INVARIANT_KERNEL_SETS:

@@ -29,6 +29,7 @@ SGLANG_DEFAULT_PORT = 30000
 
 
 API_KEY_PLACEHOLDER = "${TONPOLICY_API_KEY}"
+NODE_RANK_PLACEHOLDER = "${NODE_RANK}"
 
 
 def resolve_device(cfg: Config) -> str:
@@ -60,6 +61,8 @@ def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: i
     ]
     if r.skip_tokenizer_init:  # the trainer sends token ids; a checkpoint needs no tokenizer
         argv += ["--skip-tokenizer-init"]
+    if r.nnodes > 1:  # the server spans nodes: launch.sh runs it on each with that node's rank
+        argv += ["--nnodes", str(r.nnodes), "--node-rank", NODE_RANK_PLACEHOLDER, "--dist-init-addr", str(r.dist_init_addr)]
     if r.require_api_key:  # a placeholder: the launcher (or launch.sh's shell) puts the key in at exec
         argv += ["--api-key", API_KEY_PLACEHOLDER]
     if device == "cpu":
@@ -142,9 +145,12 @@ def torchrun_argv(cfg: Config, run_dir: Path, model_path: str) -> list[str]:
     nproc = t.nproc_per_node or world_size(cfg) // t.nnodes
     # With real SGLang the trainer runs in SGLang's environment: one torch build for both engines.
     py = trainer_python(cfg) if cfg.rollout.backend == "sglang" else "python"
+    # One node: as before. Several: each node runs this with its own NODE_RANK (launch.sh sets it from
+    # $NODE_RANK or SLURM's $SLURM_NODEID); static rendezvous keeps global rank 0 on node 0.
+    nodes = ["--node-rank", NODE_RANK_PLACEHOLDER] if t.nnodes > 1 else []
     return [
-        py, "-m", "torch.distributed.run", "--nnodes", str(t.nnodes), "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(t.master_port or 29500), "--max-restarts", "0",
+        py, "-m", "torch.distributed.run", "--nnodes", str(t.nnodes), "--nproc-per-node", str(nproc), *nodes,
+        "--master-addr", t.master_addr, "--master-port", str(t.master_port or 29500), "--max-restarts", "0",
         "-m", "tonpolicy.launch.trainer_main", "--config", str(run_dir / "resolved_config.yaml"),
         "--run-dir", str(run_dir), "--server-url", f"http://{cfg.rollout.host}:{rollout_port(cfg)}",
         "--checkpoint", model_path,
@@ -168,6 +174,7 @@ def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "dist_backend": "nccl" if device == "cuda" else "gloo",
         "environment": environment(cfg, device),
         "rollout": {"backend": cfg.rollout.backend},
+        "nodes": {"trainer": cfg.trainer.nnodes, "rollout": cfg.rollout.nnodes},
         "megatron": megatron_config(cfg),
         "trainer_command": torchrun_argv(cfg, run_dir, model_path),
     }
@@ -193,6 +200,7 @@ def _shell(argv: list[str]) -> str:
     """argv as a shell line; a leading `python` becomes "$PY" so the script runs any interpreter."""
     line = '"$PY" ' + shlex.join(argv[1:]) if argv[0] == "python" else shlex.join(argv)
     # The API key placeholder is the one thing the shell expands (the key is never in the script).
+    line = line.replace(shlex.quote(NODE_RANK_PLACEHOLDER), '"$NODE_RANK"')
     return line.replace(shlex.quote(API_KEY_PLACEHOLDER), '"${TONPOLICY_API_KEY:?set TONPOLICY_API_KEY}"')
 
 
@@ -204,20 +212,28 @@ def _server_env(plan: dict[str, Any]) -> str:
 
 def launch_script(plan: dict[str, Any]) -> str:
     env = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(plan["environment"].items()))
+    nodes = plan.get("nodes", {"trainer": 1, "rollout": 1})
+    multi = nodes["trainer"] > 1 or nodes["rollout"] > 1
+    # On several nodes: every node runs this script with its NODE_RANK; node 0 writes the initial
+    # weights and hosts the rollout server (all nodes do when the server spans them).
+    node0 = 'if [ "$NODE_RANK" = 0 ]; then ' if multi else ""
+    fi = "; fi" if multi else ""
+    node_line = 'NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-0}}"\n' if multi else ""
     init = plan.get("init_checkpoint_command")
-    init_line = f"\n# Initial weights (seeded random init in HF format).\n{_shell(init)}\n" if init else ""
+    init_line = f"\n# Initial weights (seeded random init in HF format).\n{node0}{_shell(init)}{fi}\n" if init else ""
+    server_guard, server_end = (node0, fi) if nodes["rollout"] == 1 else ("", "")
     c = plan["contract"]
     return f"""#!/usr/bin/env bash
 # tonpolicy launch plan: contract {json.dumps(c['name'])} v{c['version']} ({c['fingerprint'][:16]}), layout {json.dumps(plan['layout'])}
 # Run it from an environment with tonpolicy installed; PYTHON picks the interpreter.
 set -euo pipefail
 PY="${{PYTHON:-python}}"
-{env}
+{node_line}{env}
 {init_line}
 # Rollout server ({json.dumps(plan['rollout']['backend'])}); the trainer waits for its /health.
-{_server_env(plan)}{_shell(plan['rollout']['command'])} &
-ROLLOUT_PID=$!
-trap 'kill $ROLLOUT_PID 2>/dev/null || true' EXIT
+{server_guard}{_server_env(plan)}{_shell(plan['rollout']['command'])} &
+ROLLOUT_PID=$!{server_end}
+trap 'kill ${{ROLLOUT_PID:-}} 2>/dev/null || true' EXIT
 
 # Trainer ranks ({plan['dist_backend']}).
 {_shell(plan['trainer_command'])}

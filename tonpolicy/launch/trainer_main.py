@@ -127,7 +127,8 @@ def _weight_pusher(cfg: Config, client: Any) -> Any:
 
     engine_ranks = cfg.parallel.rollout_tp if cfg.rollout.backend == "sglang" else 1
     backend = cfg.rollout.weight_sync_backend or ("nccl" if resolve_device(cfg) == "cuda" else "gloo")
-    return WeightPusher(client, engine_ranks, backend, cfg.trainer.timeout_s)
+    # The group meets at rank 0's node (node 0): engine ranks on other nodes must reach it there.
+    return WeightPusher(client, engine_ranks, backend, cfg.trainer.timeout_s, address=cfg.trainer.master_addr)
 
 
 def main(argv: list[str] | None = None) -> int:
