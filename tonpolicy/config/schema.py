@@ -119,6 +119,9 @@ class TrainerConfig:
     # Node 0's address, where every node's torchrun meets (static rendezvous: global rank 0, which
     # talks to the rollout server, is on node 0). With nnodes > 1 it must be reachable from every node.
     master_addr: str = "127.0.0.1"
+    # This node's rank when the launcher runs one of several nodes; null: $NODE_RANK, else SLURM's
+    # $SLURM_NODEID, else 0. Node 0 hosts the rollout server; the others run trainer ranks only.
+    node_rank: int | None = None
     # None: derived as tp*pp*cp*dp / nnodes. When set, the layout must match it.
     nproc_per_node: int | None = None
     master_port: int = 0

@@ -229,12 +229,17 @@ def _check_layout(cfg: Config, bad: Any) -> None:
         bad("trainer.nproc_per_node", f"nnodes*nproc_per_node must equal tp*pp*cp*dp={ws}")
     if ws % cfg.trainer.nnodes:
         bad("trainer.nnodes", f"must divide the world size tp*pp*cp*dp={ws}")
-    if cfg.trainer.nnodes > 1 and cfg.mode != "plan":
-        bad("trainer.nnodes", "the launcher starts one node: use mode=plan for a multi-node plan and run its "
-            "launch.sh on every node (NODE_RANK set)")
-    if cfg.trainer.nnodes > 1 and cfg.trainer.master_addr in LOOPBACK:
-        bad("trainer.master_addr", f"is loopback, which the other {cfg.trainer.nnodes - 1} node(s) cannot reach: "
+    t = cfg.trainer
+    if t.nnodes > 1 and cfg.mode == "plan" and t.master_addr in LOOPBACK:
+        bad("trainer.master_addr", f"is loopback, which the other {t.nnodes - 1} node(s) cannot reach: "
             "give node 0's address")
+    if t.nnodes > 1 and cfg.mode == "run":  # every node's launcher must agree on these
+        if not cfg.model.checkpoint:
+            bad("model.checkpoint", "several nodes start from one checkpoint every node can read: give its path")
+        if not t.master_port:
+            bad("trainer.master_port", "several nodes meet at one port on node 0: give it (0 picks one per node)")
+    if t.node_rank is not None and not 0 <= t.node_rank < t.nnodes:
+        bad("trainer.node_rank", f"must be in [0, trainer.nnodes={t.nnodes})")
     r = cfg.rollout
     if r.nnodes < 1 or (r.nnodes > 1 and r.backend != "sglang"):
         bad("rollout.nnodes", "must be 1, or more only with rollout=sglang (the embedded engine is one process)")

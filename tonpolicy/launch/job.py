@@ -151,11 +151,20 @@ def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, 
     return server, url
 
 
+def node_rank(cfg: Config) -> int:
+    """This node's rank: trainer.node_rank, else $NODE_RANK, else SLURM's $SLURM_NODEID, else 0."""
+    if cfg.trainer.node_rank is not None:
+        return cfg.trainer.node_rank
+    return int(os.environ.get("NODE_RANK") or os.environ.get("SLURM_NODEID") or 0)
+
+
 def start_trainer(cfg: Config, run_dir: Path, plan: dict[str, Any], url: str, ckpt: Path, procs: ProcessGroup) -> Child:
     nproc = cfg.trainer.nproc_per_node or world_size(cfg) // cfg.trainer.nnodes
     master_port = cfg.trainer.master_port or free_port()
-    argv = with_flags(plan["trainer_command"], {"--master-port": master_port, "--server-url": url, "--checkpoint": ckpt},
-                      python=trainer_python(cfg))
+    flags: dict[str, Any] = {"--master-port": master_port, "--server-url": url, "--checkpoint": ckpt}
+    if cfg.trainer.nnodes > 1:
+        flags["--node-rank"] = node_rank(cfg)
+    argv = with_flags(plan["trainer_command"], flags, python=trainer_python(cfg))
     env = dict(plan["environment"])
     if plan["device"] == "cpu":
         # The contract kernels are thread-count invariant; this only keeps 2-core machines responsive.
@@ -200,6 +209,18 @@ def supervise(cfg: Config, run_dir: Path, server: Child, trainer: Child, url: st
     return 0
 
 
+def supervise_worker_node(trainer: Child) -> int:
+    """A node other than 0 holds no server and writes no records: its ranks' exit is its verdict
+    (a dead peer node makes their next collective fail at once, so they do not wait)."""
+    while trainer.alive():
+        time.sleep(0.2)
+    if trainer.proc.returncode:
+        cause = root_cause(trainer.log_path)
+        raise JobFailed(EXIT_CHILD_FAILED, f"trainer exited with {trainer.proc.returncode}"
+                        + (f": {cause}" if cause else "") + f"\nfull log: {trainer.log_path}")
+    return 0
+
+
 def summarize(cfg: Config, run_dir: Path, status: str, wall_s: float) -> dict[str, Any]:
     records = read_jsonl(run_dir / "metrics.jsonl")
     summary = {
@@ -240,11 +261,16 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
     status, code = "failed", EXIT_CHILD_FAILED
     try:
         ckpt = prepare_checkpoint(cfg, run_dir)
-        server, url = start_rollout(cfg, run_dir, plan, ckpt, procs)
-        print(f"rollout server ({cfg.rollout.backend}) healthy at {url}", file=sys.stderr)
-        trainer = start_trainer(cfg, run_dir, plan, url, ckpt, procs)
-        write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
-        code = supervise(cfg, run_dir, server, trainer, url)
+        if node_rank(cfg) > 0:  # a worker node: trainer ranks only; node 0 hosts the server and rank 0
+            trainer = start_trainer(cfg, run_dir, plan, "http://node-0", ckpt, procs)
+            write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
+            code = supervise_worker_node(trainer)
+        else:
+            server, url = start_rollout(cfg, run_dir, plan, ckpt, procs)
+            print(f"rollout server ({cfg.rollout.backend}) healthy at {url}", file=sys.stderr)
+            trainer = start_trainer(cfg, run_dir, plan, url, ckpt, procs)
+            write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
+            code = supervise(cfg, run_dir, server, trainer, url)
         status = "ok"
     except JobFailed as exc:
         code = exc.code
