@@ -148,7 +148,12 @@ def test_openai_models_and_completions(url: str, ckpt: Path) -> None:
         lp for lp, _, _ in native["meta_info"]["output_token_logprobs"]
     ]
     assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"])
-    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "reasoning_tokens": 0}
+    assert out["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "reasoning_tokens": 0,
+    }
     # token-id prompts, n, and a stream whose text deltas add up to the whole
     status, out = call(
         url, "/v1/completions", {"model": "m", "prompt": [[3, 11], [3, 12]], "max_tokens": 3, "n": 2}
