@@ -9,6 +9,9 @@ by a small non-zero amount. These tests need the SGLang environment (scripts/set
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -113,3 +116,23 @@ def test_off_policy_through_real_sglang_shows_the_mismatch(tmp_path: Path, sglan
     recs, s = _run(tmp_path, "contract=off_policy", "parallel=tp1")
     assert s["status"] == "ok"
     assert all(r["mismatched_tokens"] > 0 and 0 < r["max_abs_logprob_diff"] < 0.05 for r in recs), recs
+
+
+def test_out_of_vocab_ids_are_refused_not_fatal(tmp_path: Path, sglang_py: str) -> None:
+    """Released SGLang dies on a token id past the vocabulary (IndexError in its scheduler); with the
+    contract package's server a 400 answers it, like the embedded server, and the server keeps serving."""
+    ckpt = save_checkpoint(tmp_path / "ckpt", "float32")
+    server = SGLangServer(tmp_path, "guarded", ckpt, ["contract.dtype=float32"])
+    try:
+        client = server.start_healthy()
+        bad = urllib.request.Request(
+            f"{server.url}/generate", json.dumps({"input_ids": [[1, 2], [3, 999999]]}).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bad, timeout=60)
+        assert refused.value.code == 400 and b"input_ids must be in [0, 2003)" in refused.value.read()
+        good = client.generate([[1, 2, 3]], {"max_new_tokens": 3})
+        assert len(good[0]["output_ids"]) == 3 and server.proc.poll() is None
+    finally:
+        server.stop()

@@ -9,15 +9,20 @@ things:
   scheduler processes with the `spawn` method, which imports this module again in each of them, so
   the sampler is known wherever SGLang builds one;
 - `GET /tonpolicy/contract`: the runtime identity every TP rank computed from the kernel set it
-  built (tonpolicy.rollout.sglang_model.report), which the trainer checks before training.
+  built (tonpolicy.rollout.sglang_model.report), which the trainer checks before training;
+- a 400 for token ids outside the vocabulary (tonpolicy.rollout.sglang_guard), which would otherwise
+  kill SGLang's scheduler and with it the server.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
+from tonpolicy.rollout.sglang_guard import VocabGuard
 from tonpolicy.rollout.sglang_model.heads import register_contract_sampler
 from tonpolicy.rollout.sglang_model.report import REPORT_DIR_ENV, merged_report
 
@@ -44,6 +49,8 @@ def main(argv: list[str]) -> None:
     os.environ[REPORT_DIR_ENV] = report_dir
     add_contract_route(app, report_dir)
     server_args = prepare_server_args(argv)
+    vocab_size = json.loads((Path(server_args.model_path) / "config.json").read_text())["vocab_size"]
+    app.add_middleware(VocabGuard, vocab_size=vocab_size)
     try:
         run_server(server_args)
     finally:
