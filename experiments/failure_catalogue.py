@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -117,11 +118,13 @@ def malformed_requests(tmp: Path) -> str:
 
 
 def _fault(tmp: Path, name: str, overrides: list[str], act, env: dict[str, str] | None = None) -> str:
-    run_tmp = tmp / name.replace(" ", "_")
+    run_tmp = tmp / re.sub(r"\W+", "_", name)  # a path Hydra's override grammar takes unquoted
     run_tmp.mkdir()
     proc, run_dir = start_job(run_tmp, *overrides, env=env)
     wait_for(lambda: len(records(run_dir)) >= 1 or proc.poll() is not None, 300, "the first step")
     pids = json.loads((run_dir / "pids.json").read_text()) if (run_dir / "pids.json").exists() else {}
+    if proc.poll() is not None and not records(run_dir) and "port taken" not in name:
+        return f"| {name} | {proc.returncode} | (ended before the fault: {proc.stderr.read()[-200:]!r}) | | |"
     members = descendants(list(pids.values())) if pids else []
     t0 = time.monotonic()
     act(proc, pids)
