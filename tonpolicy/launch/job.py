@@ -258,6 +258,9 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
     procs = ProcessGroup()
     procs.start_watchdog(run_dir / ".children")  # children die with the launcher, even on kill -9
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C interrupts even when SIGINT came in ignored (a launcher started in the background by a
+    # non-interactive shell inherits SIG_IGN, and then ran to the end on an explicit SIGINT).
+    previous_int = signal.signal(signal.SIGINT, _interrupt)
     status, code = "failed", EXIT_CHILD_FAILED
     try:
         ckpt = prepare_checkpoint(cfg, run_dir)
@@ -282,6 +285,7 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
     finally:
         procs.stop_all()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     summary = summarize(cfg, run_dir, status, time.monotonic() - t0)
     print(json.dumps({k: summary[k] for k in ("status", "steps_completed", "mismatched_tokens", "wall_s")}), file=sys.stderr)
     if code:
