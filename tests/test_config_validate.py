@@ -66,6 +66,8 @@ CASES = [
      ["rollout.dist_init_addr=None: a server spanning nodes needs host:port"]),
     (["rollout=sglang", "trainer.device=cuda", "parallel.rollout_tp=3", "model.num_attention_heads=12", "model.num_kv_heads=12",
       "rollout.nnodes=2", "rollout.dist_init_addr=h:1"], ["rollout.nnodes=2: must divide parallel.rollout_tp=3"]),
+    (["mode=plan", "rollout=sglang", "trainer.device=cuda", "parallel.rollout_tp=2", "rollout.nnodes=2",
+      "rollout.dist_init_addr=h:1"], ["rollout.nnodes=2: a server spanning nodes runs on every node of the plan: must equal trainer.nnodes=1"]),
     (["rollout.weight_sync=nfs"], ["rollout.weight_sync='nfs': must be one of ['disk', 'distributed']"]),
     (["rollout=sglang", "trainer.device=cuda", "parallel.rollout_dp=2", "rollout.weight_sync=distributed"],
      ["needs parallel.rollout_dp=1"]),

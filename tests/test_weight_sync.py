@@ -5,6 +5,7 @@ reported, leaves the served weights alone, and does not leave the sender waiting
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,5 +103,20 @@ def test_a_refused_announcement_does_not_leave_the_sender_waiting(client: Rollou
         sd = init_state_dict(ModelConfig(), torch.bfloat16, 3)
         with pytest.raises(RolloutError, match="no weight update group"):
             pusher.push(sd, weight_version="x")
+        # The abandoned broadcast would pair with the next push's tensors: the pusher says so instead.
+        with pytest.raises(RuntimeError, match="unusable"):
+            pusher.push(sd, weight_version="y")
     finally:
         pusher.close()
+
+
+def test_a_server_that_will_not_join_does_not_leave_the_trainer_waiting(client: RolloutClient) -> None:
+    class Refuses:
+        def init_weights_update_group(self, *args: object) -> None:
+            raise RolloutError("/init_weights_update_group failed (HTTP 400): no")
+
+    t0 = time.monotonic()
+    with pytest.raises(RolloutError, match="no"):
+        WeightPusher(Refuses(), engine_ranks=1, backend="gloo", timeout_s=8)
+    assert time.monotonic() - t0 < 4  # not the 8 s the store would wait for the server
+    time.sleep(9)  # let the store's own timeout end its waiting thread before the process goes on

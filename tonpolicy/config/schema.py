@@ -76,8 +76,9 @@ class RolloutConfig:
     # it takes this explicit opt-in.
     allow_remote: bool = False
     # The server takes requests only with `Authorization: Bearer $TONPOLICY_API_KEY` (SGLang's
-    # --api-key; /health stays open). The key is read from the environment at launch, never written
-    # to the config, the plan or launch.sh. Required with a non-loopback host.
+    # --api-key; /health stays open). The key is read from the environment at launch; tonpolicy never
+    # writes it to the config, the plan or launch.sh (released SGLang takes it on its command line and
+    # prints its arguments to its log). Required with a non-loopback host.
     require_api_key: bool = False
     port: int = 0  # 0 = pick a free port
     max_running_requests: int = 8

@@ -245,6 +245,10 @@ def _check_layout(cfg: Config, bad: Any) -> None:
         bad("rollout.nnodes", "must be 1, or more only with rollout=sglang (the embedded engine is one process)")
     elif r.nnodes > 1 and p.rollout_tp % r.nnodes:
         bad("rollout.nnodes", f"must divide parallel.rollout_tp={p.rollout_tp} (SGLang splits TP ranks over nodes)")
+    if r.nnodes > 1 and r.nnodes != t.nnodes:
+        bad("rollout.nnodes", f"a server spanning nodes runs on every node of the plan: must equal trainer.nnodes={t.nnodes}")
+    if r.nnodes > 1 and cfg.mode == "run":
+        bad("rollout.nnodes", "a server spanning nodes is started by the plan's launch.sh on each node: use mode=plan")
     if r.nnodes > 1 and not r.dist_init_addr:
         bad("rollout.dist_init_addr", "a server spanning nodes needs host:port on its node 0 (SGLang --dist-init-addr)")
     if c.kernels == "triton":

@@ -32,11 +32,11 @@ def _beside(call: Callable[[], Any], work: Callable[[Callable[[], bool]], Any]) 
     try:
         work(lambda: "error" in box)
     except BaseException:
-        if "error" in box:  # the request's refusal is the cause: report it
+        thread.join(timeout=5)  # a refusal is usually already in: report it as the cause
+        if "error" in box:
             raise box["error"] from None
         raise
-    finally:
-        thread.join(timeout=5)
+    thread.join()  # the server answers once it has loaded what it received (the client has its timeout)
     if "error" in box:
         raise box["error"]
     return box["answer"]
@@ -46,16 +46,46 @@ class WeightPusher:
     def __init__(self, client: Any, engine_ranks: int, backend: str, timeout_s: float,
                  address: str = "127.0.0.1", group_name: str = DEFAULT_GROUP) -> None:  # fmt: skip
         self.client, self.group_name, self.group = client, group_name, None
+        self.device = "cuda" if backend == "nccl" else "cpu"  # NCCL moves CUDA tensors only
+        self.broken: str | None = None  # why the group can no longer be used
         port, world = free_port(address), 1 + engine_ranks
 
         def join(failed: Callable[[], bool]) -> None:
-            self.group = init_update_group(backend, address, port, world, 0, group_name, timeout_s)
+            # In a thread: a server that refuses to join must not leave the store waiting timeout_s.
+            made: dict[str, Any] = {}
+
+            def make() -> None:
+                try:
+                    made["group"] = init_update_group(backend, address, port, world, 0, group_name, timeout_s)
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    made["error"] = e
+
+            maker = threading.Thread(target=make, name="tonpolicy-weight-group", daemon=True)
+            maker.start()
+            while maker.is_alive():
+                if failed():
+                    raise RuntimeError("the server did not join the weight-update group")
+                maker.join(0.05)
+            if "error" in made:
+                raise made["error"]
+            self.group = made["group"]
 
         _beside(lambda: client.init_weights_update_group(address, port, 1, world, group_name, backend), join)
 
     def push(self, state_dict: dict[str, torch.Tensor], weight_version: str) -> None:
+        if self.broken:
+            raise RuntimeError(f"the weight-update group is unusable: {self.broken}; close this pusher")
         names = list(state_dict)
-        tensors = [state_dict[n] for n in names]
+        tensors = [state_dict[n].to(self.device) for n in names]
+
+        def broadcast(failed: Callable[[], bool]) -> None:
+            try:
+                send(self.group, tensors, abandon=failed)
+            except RuntimeError as e:
+                # A broadcast left pending would pair with the next push's tensors: no more pushes.
+                self.broken = str(e)
+                raise
+
         self.client.begin_weight_update()  # SGLang's session around weight loads
         try:
             _beside(
@@ -63,7 +93,7 @@ class WeightPusher:
                     names, [dtype_name(t) for t in tensors], [list(t.shape) for t in tensors], self.group_name,
                     weight_version,
                 ),
-                lambda failed: send(self.group, tensors, abandon=failed),
+                broadcast,
             )  # fmt: skip
         finally:
             self.client.end_weight_update()

@@ -154,7 +154,8 @@ def route_update_weights_from_distributed(state: ServerState, body: Any) -> Resp
     version = body.get("weight_version")
 
     def update(engine: Any) -> None:
-        tensors = receive(group, dtypes, shapes)  # every rank must take the broadcast, even to refuse it
+        # Every rank must take the broadcast, even to refuse it; on the engine's device (NCCL: CUDA).
+        tensors = receive(group, dtypes, shapes, device=state.args.device)
         load_checked(engine, dict(zip(names, tensors, strict=True)), state.model_config, "the update")
         flush_cache(engine)
         if version is not None:

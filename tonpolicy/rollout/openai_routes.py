@@ -10,12 +10,11 @@ is refused with a 400, as on /generate.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tonpolicy.rollout.answers import STREAM_END, build_generate_output
+from tonpolicy.rollout.answers import STREAM_END, build_generate_output, stream_chunk
 from tonpolicy.rollout.protocol import GenerateRequest, ProtocolError, check_fields, parse_generate_request
 from tonpolicy.rollout.server_state import (
     Response,
@@ -193,17 +192,13 @@ def _stream(
             sent[i] = out
             if result.finish_reason:
                 finals[i] = out
-            yield _event({**chunk_head, "choices": [choice], "usage": None})
+            yield stream_chunk({**chunk_head, "choices": [choice], "usage": None})
         options = body.get("stream_options") or {}
         if isinstance(options, dict) and options.get("include_usage"):
-            yield _event({**chunk_head, "choices": [], "usage": _usage(finals, req.items[0].sampling.n)})
+            yield stream_chunk({**chunk_head, "choices": [], "usage": _usage(finals, req.items[0].sampling.n)})
     except Exception as e:  # noqa: BLE001 - the status line is sent: report it in the stream
-        yield _event({"error": {"message": str(e), "type": "invalid_request_error", "code": 400}})
+        yield stream_chunk({"error": {"message": str(e), "type": "invalid_request_error", "code": 400}})
     yield STREAM_END
-
-
-def _event(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data).encode() + b"\n\n"
 
 
 def _usage(outs: list[dict[str, Any] | None], n: int) -> dict[str, int]:

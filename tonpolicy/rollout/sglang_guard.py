@@ -42,11 +42,8 @@ class VocabGuard:
         self.app, self.vocab_size = app, vocab_size
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        field = (
-            GUARDED.get(scope.get("path", ""))
-            if scope["type"] == "http" and scope["method"] == "POST"
-            else None
-        )
+        guarded = scope["type"] == "http" and scope["method"] in ("POST", "PUT")  # SGLang has PUT /generate too
+        field = GUARDED.get(scope.get("path", "")) if guarded else None
         if field is None:
             await self.app(scope, receive, send)
             return
