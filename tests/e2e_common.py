@@ -11,7 +11,7 @@ from pathlib import Path
 
 # Short steps on the copy task (graded rewards vary within a group, so every step has a gradient).
 FAST = ["experiment.prompts_per_step=2", "experiment.samples_per_prompt=4", "experiment.max_prompt_len=12",
-        "experiment.max_new_tokens=6", "task=digit_copy", "task.graded_tokens=10", "logger=none"]
+        "experiment.max_new_tokens=6", "task=digit_copy", "task.graded_tokens=6", "logger=none"]
 
 
 def tonpolicy_argv(run_dir: Path, *overrides: str) -> list[str]:

@@ -71,6 +71,12 @@ CASES = [
     (["rollout.weight_sync=nfs"], ["rollout.weight_sync='nfs': must be one of ['disk', 'distributed']"]),
     (["rollout=sglang", "trainer.device=cuda", "parallel.rollout_dp=2", "rollout.weight_sync=distributed"],
      ["needs parallel.rollout_dp=1"]),
+    # The task's own keys.
+    (["task=digit_copy"], ["task.graded_tokens=4: grades more tokens than experiment.max_new_tokens=1"]),
+    (["task.graded_tokens=0", "task.target_digit=12", "task.lr=-1", "task.max_digits=0"],
+     ["task.graded_tokens=0: must be a positive integer", "task.target_digit=12: must be a digit in [0, 9]",
+      "task.lr=-1.0: must be a positive finite number", "task.max_digits=0: must be a positive integer"]),
+    (["task.max_digits=7"], ["task.max_digits=7: a prompt of 7 digits and two words exceeds experiment.max_prompt_len=8"]),
 ]
 
 

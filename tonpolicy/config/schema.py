@@ -158,6 +158,7 @@ class TaskConfig:
     name: str = "constant"  # constant | echo_digit | first_digit | first_parity | digit_copy
     graded_tokens: int = 4  # the reward grades the first N response tokens
     target_digit: int = 7  # the constant task's answer
+    max_digits: int | None = None  # digits per prompt (1..max_digits); None: as many as max_prompt_len allows
     lr: float | None = None  # overrides trainer.lr for this task when set
 
 

@@ -351,6 +351,26 @@ def _check_ranges(cfg: Config, bad: Any) -> None:
         value = _get(cfg, key)
         if not (math.isfinite(value) and value >= 0):
             bad(key, "must be a finite number >= 0")
+    _check_task(cfg, bad)
+
+
+def _check_task(cfg: Config, bad: Any) -> None:
+    task = cfg.task
+    if task.graded_tokens < 1:
+        bad("task.graded_tokens", "must be a positive integer (the reward grades that many response tokens)")
+    elif task.graded_tokens > cfg.experiment.max_new_tokens >= 1:
+        bad("task.graded_tokens", f"grades more tokens than experiment.max_new_tokens={cfg.experiment.max_new_tokens} "
+            "lets a response have (the reward could never reach 1): raise experiment.max_new_tokens to "
+            f"{task.graded_tokens} or lower task.graded_tokens")
+    if not 0 <= task.target_digit <= 9:
+        bad("task.target_digit", "must be a digit in [0, 9]")
+    if task.lr is not None and not (math.isfinite(task.lr) and task.lr > 0):
+        bad("task.lr", "must be a positive finite number (or null: trainer.lr)")
+    if task.max_digits is not None and task.max_digits < 1:
+        bad("task.max_digits", "must be a positive integer (or null: as many as experiment.max_prompt_len allows)")
+    elif task.max_digits is not None and task.max_digits + 2 > cfg.experiment.max_prompt_len:
+        bad("task.max_digits", f"a prompt of {task.max_digits} digits and two words exceeds "
+            f"experiment.max_prompt_len={cfg.experiment.max_prompt_len}")
 
 
 def _check_checkpoint(cfg: Config, issues: list[ConfigIssue]) -> None:

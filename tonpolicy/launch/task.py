@@ -79,10 +79,12 @@ TASKS: dict[str, tuple[Callable[..., list[int]], Callable[..., float]]] = {
 }
 
 
-def make_prompts(task: str, step: int, count: int, *, seed: int, max_prompt_len: int, target: int = 0) -> list[list[int]]:
+def make_prompts(task: str, step: int, count: int, *, seed: int, max_prompt_len: int, target: int = 0,
+                 max_digits: int | None = None) -> list[list[int]]:
     rng = random.Random(seed * 1_000_003 + step)
     make = TASKS[task][0]
-    return [make(rng, max_prompt_len - 2, target) for _ in range(count)]
+    digits = max_prompt_len - 2 if max_digits is None else min(max_digits, max_prompt_len - 2)
+    return [make(rng, digits, target) for _ in range(count)]
 
 
 def reward(task: str, prompt: list[int], response: list[int], graded_tokens: int, target: int = 0) -> float:

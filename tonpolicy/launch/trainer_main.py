@@ -46,7 +46,7 @@ def rollout(cfg: Config, client: Any, step: int) -> dict[str, Any]:
     e = cfg.experiment
     t = cfg.task
     prompts = make_prompts(t.name, step, e.prompts_per_step, seed=e.seed, max_prompt_len=e.max_prompt_len,
-                           target=t.target_digit)
+                           target=t.target_digit, max_digits=t.max_digits)
     batch_prompts = [p for p in prompts for _ in range(e.samples_per_prompt)]
     params = [{"temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k, "max_new_tokens": e.max_new_tokens,
                "stop_token_ids": [EOS], "sampling_seed": e.seed * 1_000_003 + step * 10_007 + i}

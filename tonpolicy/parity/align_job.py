@@ -78,7 +78,8 @@ def sample_request(cfg: Config) -> Any:
     prompt = cfg.align.prompt
     if prompt is None:
         prompt = make_prompts(cfg.task.name, 0, i // e.samples_per_prompt + 1, seed=e.seed,
-                              max_prompt_len=e.max_prompt_len, target=cfg.task.target_digit)[-1]
+                              max_prompt_len=e.max_prompt_len, target=cfg.task.target_digit,
+                              max_digits=cfg.task.max_digits)[-1]
     return GenRequest(list(prompt), e.max_new_tokens, e.temperature, e.top_p, e.top_k, seed=e.seed * 1_000_003 + i,
                       stop_token_ids=(EOS,))
 
