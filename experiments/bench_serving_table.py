@@ -27,8 +27,8 @@ from bench_sglang import server_command
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.launch.procs import free_port
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
+from tonpolicy.ports import free_port
 from tonpolicy.rollout.client import RolloutClient
 from tonpolicy.rollout.sglang_env import sglang_python
 

@@ -57,7 +57,7 @@ def test_rendered_launch_script_runs_the_job(tmp_path: Path) -> None:
     """`launch.sh` from a plan is runnable as it stands: init weights, server, trainer ranks."""
     from e2e_common import FAST, records
 
-    from tonpolicy.launch.procs import free_port
+    from tonpolicy.ports import free_port
 
     run_dir = tmp_path / "run"
     proc = tonpolicy("mode=plan", "parallel=tp2", "experiment.steps=1", *FAST, f"rollout.port={free_port()}",

@@ -14,8 +14,8 @@ import torch
 from e2e_common import records, start_job, summary, wait_for
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.launch.procs import free_port
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
+from tonpolicy.ports import free_port
 
 
 def start_nodes(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path, subprocess.Popen, Path]:

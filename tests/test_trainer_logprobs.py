@@ -11,13 +11,14 @@ from tonpolicy.trainer.dist import Layout, spawn
 
 
 def _loss_grad_norm(cfg: ModelConfig, hf: dict, stock_gather: bool) -> tuple[float, torch.Tensor]:
+    from tonpolicy.kernels import padded_vocab_size
     from tonpolicy.trainer.grads import grad_norm
     from tonpolicy.trainer.logprobs import token_logprobs
-    from tonpolicy.trainer.model import build_gpt, padded_vocab
+    from tonpolicy.trainer.model import build_gpt
     from tonpolicy.trainer.weights import load_into
 
-    model = build_gpt(cfg, torch.float32, "stock")
-    load_into(model, hf, cfg, padded_vocab(cfg))
+    model = build_gpt(cfg, torch.float32, "stock", "ulysses", None, canonical_shards=4)
+    load_into(model, hf, cfg, padded_vocab_size(cfg.vocab_size, 4))
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (1, 24), generator=g)

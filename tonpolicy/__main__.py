@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config, register_configs
 from tonpolicy.config.validate import ConfigError, unknown_keys
-from tonpolicy.launch.records import write_json_atomic
+from tonpolicy.files import write_json_atomic
 
 register_configs()
 

@@ -7,7 +7,6 @@ launch plan into the run directory, then dispatch on `cfg.mode`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,15 +15,7 @@ from omegaconf import OmegaConf
 from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import ConfigIssue, validate
 from tonpolicy.contract.render import launch_plan, launch_script
-
-
-def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
-    """Write via a temp file + rename so a crash never leaves a half-written record."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    if mode is not None:
-        os.chmod(tmp, mode)
-    os.replace(tmp, path)
+from tonpolicy.files import write_atomic
 
 
 def write_plan(cfg: Config, run_dir: Path) -> dict:

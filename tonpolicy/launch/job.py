@@ -21,9 +21,10 @@ from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import API_KEY_ENV, world_size
 from tonpolicy.contract.identity import identity
 from tonpolicy.contract.render import API_KEY_PLACEHOLDER
+from tonpolicy.files import write_json_atomic
 from tonpolicy.launch.curves import reward_curve
 from tonpolicy.launch.init_checkpoint import write_init_checkpoint
-from tonpolicy.launch.procs import Child, ProcessGroup, free_port, port_is_free, wait_until
+from tonpolicy.launch.procs import Child, ProcessGroup, wait_until
 from tonpolicy.launch.records import (
     EXIT_CHILD_FAILED,
     EXIT_GATE_FAILED,
@@ -32,9 +33,9 @@ from tonpolicy.launch.records import (
     EXIT_SERVER_UNHEALTHY,
     STATUS_FILE,
     read_jsonl,
-    write_json_atomic,
 )
 from tonpolicy.launch.report import step_table
+from tonpolicy.ports import free_port, port_is_free
 from tonpolicy.rollout.sglang_env import trainer_python
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -86,24 +85,6 @@ class ProcessGroup:
             self.watchdog.wait(timeout=5)
         if self.registry is not None:
             self.registry.unlink(missing_ok=True)
-
-    def first_dead(self) -> Child | None:
-        return next((c for c in self.children if not c.alive()), None)
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float, *, alive: Child | None = None, poll_s: float = 0.2) -> bool:

@@ -40,7 +40,3 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)

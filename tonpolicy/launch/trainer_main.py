@@ -20,12 +20,12 @@ import torch.distributed as dist
 from tonpolicy.config.compose import load_config
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import identity, runtime_differences, runtime_identity
+from tonpolicy.files import write_json_atomic
 from tonpolicy.launch.records import (
     EXIT_GATE_FAILED,
     EXIT_HANDSHAKE,
     STATUS_FILE,
     append_jsonl,
-    write_json_atomic,
 )
 from tonpolicy.launch.task import EOS, make_prompts, reward
 from tonpolicy.model.tokenizer import load_tokenizer

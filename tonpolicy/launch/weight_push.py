@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tonpolicy.launch.procs import free_port
+from tonpolicy.ports import free_port
 from tonpolicy.rollout.weight_sync import DEFAULT_GROUP, destroy, dtype_name, init_update_group, send
 
 

@@ -8,11 +8,10 @@ exits 0 when every checkpoint both dumps hold is bitwise identical, 1 otherwise 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
+from tonpolicy.files import write_json_atomic
 from tonpolicy.parity.compare import AlignReport, compare_dumps, format_report
 from tonpolicy.parity.dump import load_dump
 
@@ -25,9 +24,7 @@ def write_report(report: AlignReport, out_dir: str | Path) -> tuple[Path, Path]:
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{REPORT_JSON}.tmp"
-    tmp.write_text(json.dumps(report.to_dict(), indent=1, allow_nan=True) + "\n")
-    os.replace(tmp, out / REPORT_JSON)
+    write_json_atomic(out / REPORT_JSON, report.to_dict(), indent=1)
     return out / REPORT_JSON, save_png(report, out / REPORT_PNG)
 
 

@@ -11,7 +11,6 @@ machine) can be compared with `python -m tonpolicy.align compare A B`.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from tonpolicy.files import write_json_atomic
 from tonpolicy.parity.names import Checkpoint, parse_name
 
 FORMAT = "tonpolicy.align.dump"
@@ -66,9 +66,7 @@ def save_dump(dump: Dump, path: str | Path) -> Path:
             for ck in order
         ],
     }
-    tmp = path / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, path / MANIFEST)  # the manifest last: its presence marks a complete dump
+    write_json_atomic(path / MANIFEST, manifest, indent=1)  # the manifest last: it marks a complete dump
     return path
 
 

@@ -34,9 +34,6 @@ _OP_INDEX = {op: i for i, op in enumerate(ALL_OPS)}
 TP_COLUMN_OPS = frozenset({"q", "k", "v", "q_norm", "k_norm", "q_rope", "k_rope", "attn_out",
                            "mlp_gate", "mlp_up", "mlp_act", "logits"})
 
-# Weight roles the recorder understands: a canonical op, or a fused projection it splits.
-FUSED_ROLES = ("qkv", "gate_up")
-
 
 @dataclass(frozen=True, order=False)
 class Checkpoint:

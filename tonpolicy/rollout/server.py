@@ -27,18 +27,17 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import secrets
 import signal
 import sys
 import threading
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from tonpolicy.contract.identity import runtime_identity
+from tonpolicy.files import write_atomic
 from tonpolicy.model.tokenizer import load_text_tokenizer
 from tonpolicy.rollout.engine_loop import EngineLoop
 from tonpolicy.rollout.native_routes import NATIVE_ROUTES
@@ -172,11 +171,7 @@ class RolloutHandler(BaseHTTPRequestHandler):
 
 
 def write_port_file(path: str, port: int) -> None:
-    # Atomic: an orchestrator polling the file never reads a half-written port.
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, target)
+    write_atomic(path, f"{port}\n")  # an orchestrator polling the file never reads half a port
 
 
 def bind(state: ServerState) -> RolloutHTTPServer | None:

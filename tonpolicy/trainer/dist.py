@@ -7,7 +7,6 @@ megatron CUDA redirections of `cpu_compat`), GPU uses NCCL.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tonpolicy.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def device() -> torch.device:
 
 def init_distributed(layout: Layout, seed: int = 1234) -> None:
     """Initialize torch.distributed from the env (MASTER_ADDR/PORT, RANK, WORLD_SIZE) and megatron's
-    model-parallel groups for `layout`. Safe to call again with the same layout after `destroy`."""
+    model-parallel groups for `layout`. Safe to call again with the same layout after `reset_model_parallel`."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -73,18 +74,6 @@ def reset_model_parallel() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-
-
-def destroy() -> None:
-    reset_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:

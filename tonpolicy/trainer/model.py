@@ -13,16 +13,6 @@ from megatron.core.transformer import TransformerConfig
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, transformer_kwargs
-from tonpolicy.kernels import get_kernels, padded_vocab_size
-
-# Canonical K-shard count of the contract's row-parallel reduction; any TP dividing it is exact.
-CANONICAL_SHARDS = 4
-
-
-def padded_vocab(cfg: ModelConfig, canonical_shards: int = CANONICAL_SHARDS) -> int:
-    """TP-independent padded vocab, so every layout (and the rollout) sees the same logits width."""
-    return padded_vocab_size(cfg.vocab_size, canonical_shards)
-
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -39,11 +29,10 @@ def transformer_config(cfg: ModelConfig, dtype: torch.dtype, pp_layers: tuple[in
     return TransformerConfig(**kw, use_cpu_initialization=True, perform_initialization=True)
 
 
-def build_gpt(cfg: ModelConfig, dtype: torch.dtype, spec: str = "contract", cp_mode: str = "ulysses",
-              kernels: Any = None, canonical_shards: int = CANONICAL_SHARDS,
+def build_gpt(cfg: ModelConfig, dtype: torch.dtype, spec: str, cp_mode: str, kernels: Any, canonical_shards: int,
               pp_layers: tuple[int, ...] | None = None, exact_zero: bool = True) -> GPTModel:
-    """`spec`: 'contract' (layer spec on a tonpolicy kernel set, by default `contract`) or 'stock'
-    (megatron's local spec: the off-policy negative control)."""
+    """`spec`: 'contract' (layer spec on the kernel set `kernels`) or 'stock' (megatron's local spec:
+    the off-policy negative control). `canonical_shards` is the contract's: it fixes the padded vocab."""
     config = transformer_config(cfg, dtype, pp_layers, exact_zero)
     common = dict(config=config, pre_process=parallel_state.is_pipeline_first_stage(),
                   post_process=parallel_state.is_pipeline_last_stage(),
@@ -51,7 +40,6 @@ def build_gpt(cfg: ModelConfig, dtype: torch.dtype, spec: str = "contract", cp_m
     if spec == "contract":
         from tonpolicy.trainer.layer_spec import contract_block_spec, install_contract_head
 
-        kernels = kernels if kernels is not None else get_kernels("contract")
         # RoPE is applied by the contract core attention from the microbatch's absolute positions.
         block = contract_block_spec(config, kernels, cfg.rope_theta, cp_mode)
         model = GPTModel(transformer_layer_spec=block, **common)

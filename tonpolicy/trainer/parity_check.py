@@ -7,7 +7,6 @@ the trainer from the same checkpoint and compares its logprobs with the engine's
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -149,10 +148,6 @@ def built_config_worker(configs: list[Config]) -> list[dict[str, Any]]:
         worker.close()
         reset_model_parallel()
     return out
-
-
-def replace_layout(layout: Layout, **kw: Any) -> Layout:
-    return dataclasses.replace(layout, **kw)
 
 
 def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:

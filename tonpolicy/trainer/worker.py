@@ -17,12 +17,12 @@ from tonpolicy.config.model import check_same_architecture
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
-from tonpolicy.kernels import INVARIANT_KERNEL_SETS, get_kernels
+from tonpolicy.kernels import INVARIANT_KERNEL_SETS, get_kernels, padded_vocab_size
 from tonpolicy.parity.gate import compare as gate_compare
 from tonpolicy.rollout.types import logprob_temperature
 from tonpolicy.trainer import forward as fw
 from tonpolicy.trainer.dist import Layout, init_distributed
-from tonpolicy.trainer.model import build_gpt, padded_vocab
+from tonpolicy.trainer.model import build_gpt
 from tonpolicy.trainer.ppo import PPOConfig, metrics, token_loss
 from tonpolicy.trainer.weights import load_into, megatron_to_hf
 
@@ -65,7 +65,8 @@ class TrainerWorker:
             check_same_architecture(cfg.model, self.model_cfg, str(checkpoint))
         else:
             self.model_cfg, hf = cfg.model, init_state_dict(cfg.model, self.dtype, cfg.model.init_seed)
-        self.vocab_padded = padded_vocab(self.model_cfg, c.canonical_shards)
+        # TP-independent, so every layout (and the rollout) sees the same logits width.
+        self.vocab_padded = padded_vocab_size(self.model_cfg.vocab_size, c.canonical_shards)
         self.module = build_gpt(self.model_cfg, self.dtype, spec, self.layout.cp_mode, kernels,
                                 canonical_shards=c.canonical_shards, pp_layers=self.layout.pp_layers,
                                 exact_zero=c.exact_zero)

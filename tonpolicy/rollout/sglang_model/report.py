@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tonpolicy.files import write_json_atomic
+
 CONTRACT_ENV = "TONPOLICY_CONTRACT"
 REPORT_DIR_ENV = "TONPOLICY_CONTRACT_REPORT_DIR"
 
@@ -45,10 +47,7 @@ def write_report(contract: dict[str, Any], runtime: dict[str, Any], tp_rank: int
         "tp_rank": tp_rank,
         "tp_size": tp_size,
     }
-    target = Path(directory) / f"rank{tp_rank}.json"
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(report))
-    os.replace(tmp, target)
+    write_json_atomic(Path(directory) / f"rank{tp_rank}.json", report, indent=None)
 
 
 def read_reports(directory: str) -> list[dict[str, Any]]:
