@@ -27,8 +27,17 @@ from tonpolicy.rollout.engine import Engine, GenRequest
 MODELS = {
     "tiny": (ModelConfig(), dict(requests=16, prompt=200, gen=32)),
     "large": (
-        replace(ModelConfig(), name="cpu_1024", num_layers=8, hidden_size=1024, num_attention_heads=16,
-                num_kv_heads=8, head_dim=64, intermediate_size=3072, vocab_size=32000),
+        replace(
+            ModelConfig(),
+            name="cpu_1024",
+            num_layers=8,
+            hidden_size=1024,
+            num_attention_heads=16,
+            num_kv_heads=8,
+            head_dim=64,
+            intermediate_size=3072,
+            vocab_size=32000,
+        ),
         dict(requests=16, prompt=128, gen=16),
     ),
 }
@@ -60,6 +69,7 @@ def breakdown(model: Qwen3, reqs: list[GenRequest]) -> str:
             out = fn(*a, **k)
             spent[name] += time.perf_counter() - t0
             return out
+
         return run
 
     for n, fn in saved.items():

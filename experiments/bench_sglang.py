@@ -108,9 +108,7 @@ def generate(url: str, prompt: list[int], gen: int, seed: int) -> int:
             "ignore_eos": True,
         },
     }
-    req = urllib.request.Request(
-        f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
     out = json.loads(urllib.request.urlopen(req, timeout=600).read())
     return len(out["output_ids"])
 
@@ -121,8 +119,7 @@ def throughput(url: str, vocab: int, streams: int, gen: int, requests_per_stream
 
     def stream(i: int) -> int:
         return sum(
-            generate(url, prompts[i * requests_per_stream + j], gen, i * 1000 + j)
-            for j in range(requests_per_stream)
+            generate(url, prompts[i * requests_per_stream + j], gen, i * 1000 + j) for j in range(requests_per_stream)
         )
 
     t0 = time.perf_counter()
@@ -131,9 +128,7 @@ def throughput(url: str, vocab: int, streams: int, gen: int, requests_per_stream
     return tokens / (time.perf_counter() - t0)
 
 
-def bench_server(
-    kind: str, ckpt: Path, cfg: ModelConfig, dtype: str, gen: int, log: Path
-) -> dict[int, float]:
+def bench_server(kind: str, ckpt: Path, cfg: ModelConfig, dtype: str, gen: int, log: Path) -> dict[int, float]:
     port = free_port()
     argv, env = server_command(kind, ckpt, dtype, port)
     with open(log, "w") as out:
@@ -166,8 +161,7 @@ def main() -> None:
             ckpt = Path(tmp) / name
             save_hf(init_state_dict(cfg, getattr(torch, args.dtype), 0), cfg, ckpt)
             results = {
-                k: bench_server(k, ckpt, cfg, args.dtype, args.gen, Path(tmp) / f"{name}_{k}.log")
-                for k in kinds
+                k: bench_server(k, ckpt, cfg, args.dtype, args.gen, Path(tmp) / f"{name}_{k}.log") for k in kinds
             }
             print(
                 f"\n{name} (hidden {cfg.hidden_size}, {cfg.num_layers} layers), {args.dtype}, "
@@ -176,9 +170,7 @@ def main() -> None:
             print("| server | " + " | ".join(f"{c} concurrent" for c in CONCURRENCY) + " |")
             print("|---|" + "---|" * len(CONCURRENCY))
             for k in kinds:
-                cells = [
-                    f"{results[k][c]:.0f} ({results[k][c] / results['sglang'][c]:.2f}x)" for c in CONCURRENCY
-                ]
+                cells = [f"{results[k][c]:.0f} ({results[k][c] / results['sglang'][c]:.2f}x)" for c in CONCURRENCY]
                 print(f"| {k} | " + " | ".join(cells) + " |")
 
 

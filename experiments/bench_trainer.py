@@ -60,8 +60,11 @@ def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int)
             if i:
                 times.append(dt)
                 shares.append(recipe["s"] / dt)
-        out[spec] = {"step_s": statistics.median(times), "recipe_share": statistics.median(shares),
-                     "parity_compare_share": statistics.median(cmp_s) / statistics.median(times)}
+        out[spec] = {
+            "step_s": statistics.median(times),
+            "recipe_share": statistics.median(shares),
+            "parity_compare_share": statistics.median(cmp_s) / statistics.median(times),
+        }
         w.close()
         reset_model_parallel()
     out["contract_over_stock"] = out["contract"]["step_s"] / out["stock"]["step_s"]
@@ -84,16 +87,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ck = str(Path(tempfile.mkdtemp()) / "ckpt")
     save_hf(init_state_dict(cfg, torch.float32 if a.dtype == "float32" else torch.bfloat16, 3), cfg, ck)
     g = torch.Generator().manual_seed(0)
-    batch = {"prompts": [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.samples)],
-             "responses": [torch.randint(0, cfg.vocab_size, (a.response_len,), generator=g).tolist()
-                           for _ in range(a.samples)],
-             "advantages": torch.randn(a.samples, generator=g).tolist()}
+    batch = {
+        "prompts": [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.samples)],
+        "responses": [
+            torch.randint(0, cfg.vocab_size, (a.response_len,), generator=g).tolist() for _ in range(a.samples)
+        ],
+        "advantages": torch.randn(a.samples, generator=g).tolist(),
+    }
     results = [spawn(_bench, tp, Layout(tp=tp), a.dtype, ck, batch, a.steps) for tp in a.tp]
     for r in results:
         c, s = r["contract"], r["stock"]
-        print(f"{r['layout']:>8} {r['dtype']}: contract {c['step_s'] * 1e3:8.1f} ms  stock {s['step_s'] * 1e3:8.1f} ms"
-              f"  ratio {r['contract_over_stock']:.2f}x  | logprob recipe {c['recipe_share']:.2%} of the contract step"
-              f" (stock {s['recipe_share']:.2%}), parity compare {c['parity_compare_share']:.3%}")
+        print(
+            f"{r['layout']:>8} {r['dtype']}: contract {c['step_s'] * 1e3:8.1f} ms  stock {s['step_s'] * 1e3:8.1f} ms"
+            f"  ratio {r['contract_over_stock']:.2f}x  | logprob recipe {c['recipe_share']:.2%} of the contract step"
+            f" (stock {s['recipe_share']:.2%}), parity compare {c['parity_compare_share']:.3%}"
+        )
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
     return results

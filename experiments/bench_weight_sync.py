@@ -35,9 +35,7 @@ def profile(name: str) -> ModelConfig:
     if name == "tiny":
         return ModelConfig()
     model = compose_config([f"model={name}"]).model
-    return ModelConfig(
-        **{k: getattr(model, k) for k in ModelConfig.__dataclass_fields__ if hasattr(model, k)}
-    )
+    return ModelConfig(**{k: getattr(model, k) for k in ModelConfig.__dataclass_fields__ if hasattr(model, k)})
 
 
 def timed(fn, reps: int) -> float:  # noqa: ANN001

@@ -87,17 +87,13 @@ MALFORMED: list[tuple[str, str, dict[str, str], bytes]] = [
 
 def malformed_requests(tmp: Path) -> str:
     ckpt = save_checkpoint(tmp / "ckpt", seed=0)
-    srv = ServerProc(
-        tmp, "server", ["--model-path", str(ckpt), "--dtype", DTYPE, "--skip-tokenizer-init", *IDENTITY]
-    )
+    srv = ServerProc(tmp, "server", ["--model-path", str(ckpt), "--dtype", DTYPE, "--skip-tokenizer-init", *IDENTITY])
     lines = ["| request | status | answer |", "|---|---|---|"]
     try:
         srv.start_healthy()
         url = f"http://127.0.0.1:{srv.port}"
         for name, path, headers, body in MALFORMED:
-            req = urllib.request.Request(
-                url + path, data=body, headers={"Content-Type": "application/json", **headers}
-            )
+            req = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json", **headers})
             try:
                 with urllib.request.urlopen(req, timeout=60) as r:
                     status, answer = r.status, r.read()
@@ -105,9 +101,7 @@ def malformed_requests(tmp: Path) -> str:
                 status, answer = e.code, e.read()
             except (urllib.error.URLError, ConnectionError) as e:
                 status, answer = 0, str(e).encode()
-            message = (
-                json.loads(answer).get("error", {}).get("message") if answer.startswith(b"{") else answer
-            )
+            message = json.loads(answer).get("error", {}).get("message") if answer.startswith(b"{") else answer
             message = json.loads(answer).get("message", message) if answer.startswith(b"{") else message
             lines.append(f"| {name} | {status} | {str(message)[:110]} |")
         healthy = urllib.request.urlopen(url + "/health", timeout=10).status

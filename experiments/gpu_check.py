@@ -55,9 +55,13 @@ def env() -> dict:
 
     from tonpolicy.trainer import cpu_compat
 
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.is_available() and
-            torch.cuda.get_device_name(), "megatron_core": megatron.core.__version__,
-            "cpu_compat_needed": cpu_compat.needed()}
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.is_available() and torch.cuda.get_device_name(),
+        "megatron_core": megatron.core.__version__,
+        "cpu_compat_needed": cpu_compat.needed(),
+    }
 
 
 def _worker(dtype: str, spec: str, ck: str) -> Any:

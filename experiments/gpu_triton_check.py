@@ -37,11 +37,26 @@ OUT = Path("gpu_triton.json")
 DEV = "cuda"
 # --smoke: CPU, Triton's interpreter, tiny shapes, fp32 (checks this script, not the GPU).
 SMOKE = False
-FULL = {"k": 2560, "n": 9728, "rows": 4096, "ms": (1, 2, 3, 7, 16, 64, 100, 128, 255, 256, 511, 512, 1000, 2048, 4096),
-        "offsets": (1, 333, 3000), "attn": (2048, 32, 8, 128), "decode_at": (0, 1, 63, 64, 65, 1023, 2047),
-        "dtype": torch.bfloat16}
-SMALL = {"k": 256, "n": 160, "rows": 300, "ms": (1, 3, 130, 300), "offsets": (1, 33), "attn": (200, 4, 2, 32),
-         "decode_at": (0, 64, 199), "dtype": torch.float32}
+FULL = {
+    "k": 2560,
+    "n": 9728,
+    "rows": 4096,
+    "ms": (1, 2, 3, 7, 16, 64, 100, 128, 255, 256, 511, 512, 1000, 2048, 4096),
+    "offsets": (1, 333, 3000),
+    "attn": (2048, 32, 8, 128),
+    "decode_at": (0, 1, 63, 64, 65, 1023, 2047),
+    "dtype": torch.bfloat16,
+}
+SMALL = {
+    "k": 256,
+    "n": 160,
+    "rows": 300,
+    "ms": (1, 3, 130, 300),
+    "offsets": (1, 33),
+    "attn": (200, 4, 2, 32),
+    "decode_at": (0, 64, 199),
+    "dtype": torch.float32,
+}
 S = FULL
 
 
@@ -96,25 +111,39 @@ def linear() -> dict:
     for m in S["ms"]:
         out["m_rows_differing"][m] = _rows_equal(tlin.linear(x[:m], w, 4, dt), full[:m])
         out["cublas_m_rows_differing"][m] = _rows_equal(x[:m] @ w.T, ref[:m])
-    out["offset_rows_differing"] = {lo: _rows_equal(tlin.linear(x[lo:lo + 200], w, 4, dt), full[lo:lo + 200])
-                                    for lo in S["offsets"]}
-    out["n_shard_differing"] = {f"{lo}:{hi}": _rows_equal(tlin.linear(x[:512], w[lo:hi], 4, dt), full[:512, lo:hi])
-                                for lo, hi in ((0, n // 2), (n // 2, n), (10, n // 2 + 3))}
+    out["offset_rows_differing"] = {
+        lo: _rows_equal(tlin.linear(x[lo : lo + 200], w, 4, dt), full[lo : lo + 200]) for lo in S["offsets"]
+    }
+    out["n_shard_differing"] = {
+        f"{lo}:{hi}": _rows_equal(tlin.linear(x[:512], w[lo:hi], 4, dt), full[:512, lo:hi])
+        for lo, hi in ((0, n // 2), (n // 2, n), (10, n // 2 + 3))
+    }
     tp_out = {}
     for m in (1, 64, 1024)[: 2 if SMOKE else 3]:
         for tp in (1, 2, 4):
             ks = k // tp
-            stack = torch.cat([tlin.partials(x[:m, r * ks:(r + 1) * ks], w[:, r * ks:(r + 1) * ks], 4 // tp)
-                               for r in range(tp)])
+            stack = torch.cat(
+                [tlin.partials(x[:m, r * ks : (r + 1) * ks], w[:, r * ks : (r + 1) * ks], 4 // tp) for r in range(tp)]
+            )
             tp_out[f"m{m}_tp{tp}"] = _rows_equal(tlin.fold(stack, dt), full[:m])
     out["tp_shard_rows_differing"] = tp_out
     out["max_abs_vs_cublas"] = float((full.float() - ref.float()).abs().max())
     xf, wf = x[:600, :256].float(), w[:256, :256].float()
     ff = tlin.linear(xf, wf, 4, torch.float32)
-    out["fp32_m_rows_differing"] = {m: _rows_equal(tlin.linear(xf[:m], wf, 4, torch.float32), ff[:m]) for m in (1, 17, 300)}
-    out["all_invariant"] = not any(v for d in (out["m_rows_differing"], out["offset_rows_differing"],
-                                                 out["n_shard_differing"], tp_out, out["fp32_m_rows_differing"])
-                                   for v in d.values())
+    out["fp32_m_rows_differing"] = {
+        m: _rows_equal(tlin.linear(xf[:m], wf, 4, torch.float32), ff[:m]) for m in (1, 17, 300)
+    }
+    out["all_invariant"] = not any(
+        v
+        for d in (
+            out["m_rows_differing"],
+            out["offset_rows_differing"],
+            out["n_shard_differing"],
+            tp_out,
+            out["fp32_m_rows_differing"],
+        )
+        for v in d.values()
+    )
     return out
 
 
@@ -123,14 +152,15 @@ def attention() -> dict:
     kern = get_kernels("triton", attention_tile=64)
     g = torch.Generator(device=DEV).manual_seed(1)
     n, hq, hkv, d = S["attn"]
-    scale, dt = d ** -0.5, S["dtype"]
+    scale, dt = d**-0.5, S["dtype"]
     q, k, v = (torch.randn(n, h, d, device=DEV, generator=g).to(dt) for h in (hq, hkv, hkv))
     pos = torch.arange(n, device=DEV)
     full = kern.attention(q, k, v, pos, pos, scale)
     out: dict[str, Any] = {}
     lo, hi = n // 2, 3 * n // 4
-    out["chunked_rows_differing"] = _rows_equal(kern.attention(q[lo:hi], k[:hi], v[:hi], pos[lo:hi], pos[:hi], scale),
-                                                full[lo:hi])
+    out["chunked_rows_differing"] = _rows_equal(
+        kern.attention(q[lo:hi], k[:hi], v[:hi], pos[lo:hi], pos[:hi], scale), full[lo:hi]
+    )
     cap = 2 * n
     kp = torch.randn(4, cap, hkv, d, device=DEV, generator=g).to(dt)
     vp = torch.randn(4, cap, hkv, d, device=DEV, generator=g).to(dt)
@@ -140,14 +170,18 @@ def attention() -> dict:
         qd = torch.stack([q[i], q[5], q[i]])[:, None]
         qpos = torch.tensor([[i], [5], [i]], device=DEV)
         res = kern.attention_pooled(qd, qpos, kp, vp, torch.tensor([2, 0, 2], device=DEV), max(i + 1, 6), scale)
-        dec[i] = _rows_equal(res[0], full[i:i + 1]) + _rows_equal(res[2], full[i:i + 1])
+        dec[i] = _rows_equal(res[0], full[i : i + 1]) + _rows_equal(res[2], full[i : i + 1])
     out["decode_rows_differing"] = dec
     nb = min(512, n // 64 * 64)
     qb, kb, vb = (torch.stack([t, t.flip(0)]) for t in (q[:nb], k[:nb], v[:nb]))
     p512 = pos[:nb]
     out["batched_rows_differing"] = _rows_equal(
-        kern.attention_batched(qb, kb, vb, torch.stack([p512, p512]), torch.stack([p512, p512]), scale)[0], full[:nb])
-    parts = [kern.attention_tile(q[:nb], k[t:t + 64], v[t:t + 64], p512, pos[t:t + 64], scale) for t in range(0, nb, 64)]
+        kern.attention_batched(qb, kb, vb, torch.stack([p512, p512]), torch.stack([p512, p512]), scale)[0], full[:nb]
+    )
+    parts = [
+        kern.attention_tile(q[:nb], k[t : t + 64], v[t : t + 64], p512, pos[t : t + 64], scale)
+        for t in range(0, nb, 64)
+    ]
     acc = parts[0]
     for p in parts[1:]:
         acc = kern.merge(acc, p)
@@ -156,13 +190,22 @@ def attention() -> dict:
     sq, sk, sv = (t.transpose(0, 1)[None] for t in (q, k, v))
     sfull = F.scaled_dot_product_attention(sq, sk, sv, is_causal=True, scale=scale, enable_gqa=True)
     out["sdpa_decode_rows_differing"] = sum(
-        _rows_equal(F.scaled_dot_product_attention(sq[:, :, i:i + 1], sk[:, :, :i + 1], sv[:, :, :i + 1], scale=scale,
-                                                   enable_gqa=True)[0].transpose(0, 1), sfull[0, :, i:i + 1].transpose(0, 1))
-        for i in S["decode_at"][1:])
+        _rows_equal(
+            F.scaled_dot_product_attention(
+                sq[:, :, i : i + 1], sk[:, :, : i + 1], sv[:, :, : i + 1], scale=scale, enable_gqa=True
+            )[0].transpose(0, 1),
+            sfull[0, :, i : i + 1].transpose(0, 1),
+        )
+        for i in S["decode_at"][1:]
+    )
     ref = sfull[0].transpose(0, 1)
     out["max_abs_vs_sdpa"] = float((full.float() - ref.float()).abs().max())
-    out["all_invariant"] = not (out["chunked_rows_differing"] or any(dec.values()) or out["batched_rows_differing"]
-                                or out["ring_tiles_rows_differing"])
+    out["all_invariant"] = not (
+        out["chunked_rows_differing"]
+        or any(dec.values())
+        or out["batched_rows_differing"]
+        or out["ring_tiles_rows_differing"]
+    )
     return out
 
 
@@ -175,8 +218,15 @@ def model(root: Path) -> dict:
     from tonpolicy.trainer.worker import TrainerWorker
 
     out: dict[str, Any] = {}
-    cfg = ModelConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, num_kv_heads=8, head_dim=64,
-                      intermediate_size=3072, vocab_size=32000)
+    cfg = ModelConfig(
+        num_layers=4,
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=3072,
+        vocab_size=32000,
+    )
     dtypes = (("bfloat16", torch.bfloat16), ("float32", torch.float32))
     if SMOKE:
         cfg, dtypes = ModelConfig(num_layers=2), dtypes[1:]
@@ -189,7 +239,7 @@ def model(root: Path) -> dict:
         m = Qwen3(c, kern, dt, sd).to(DEV)
         pre = []
         for p, r in zip(ro["prompts"], ro["responses"], strict=True):
-            logits = m(torch.tensor(p + r, device=DEV))[len(p) - 1:-1]
+            logits = m(torch.tensor(p + r, device=DEV))[len(p) - 1 : -1]
             pre.append(kern.logprobs(logits, torch.tensor(r, device=DEV), c.vocab_size, 0.8).cpu())
         out[f"{dtype_name}_prefill_vs_decode"] = pc.compare(pre, [torch.tensor(x) for x in ro["logprobs"]])
         adv = [(-1.0) ** i * (0.5 + 0.1 * i) for i in range(len(ro["prompts"]))]
@@ -230,7 +280,7 @@ def timing() -> dict:
             out[f"linear_{name}_m{m}"] = {"contract_ms": tc * 1e3, "plain_ms": tp * 1e3, "ratio": tc / tp}
             tot_c, tot_p = tot_c + tc, tot_p + tp
         out[f"linear_layer_m{m}_ratio"] = tot_c / tot_p
-    hq, hkv, d, scale = 32, 8, 128, 128 ** -0.5
+    hq, hkv, d, scale = 32, 8, 128, 128**-0.5
     for n in (4096,):
         q, k, v = (torch.randn(n, h, d, device=DEV, generator=g).bfloat16() for h in (hq, hkv, hkv))
         pos = torch.arange(n, device=DEV)
@@ -279,19 +329,27 @@ def tune() -> dict:
     w = (torch.randn(n, k, device=DEV, generator=g) / 50).bfloat16()
     base = {m: tlin.linear(x, w, 4, torch.bfloat16) for m, x in xs.items()}
     plain = {m: bench(F.linear, x, w) for m, x in xs.items()}
-    for bm, bn, bk, nw, ns, split in ((128, 128, 64, 8, 3, 4), (128, 128, 64, 8, 4, 0), (128, 128, 64, 8, 4, 1),
-                                      (64, 128, 64, 4, 4, 4), (128, 128, 128, 8, 4, 4)):
+    for bm, bn, bk, nw, ns, split in (
+        (128, 128, 64, 8, 3, 4),
+        (128, 128, 64, 8, 4, 0),
+        (128, 128, 64, 8, 4, 1),
+        (64, 128, 64, 4, 4, 4),
+        (128, 128, 128, 8, 4, 4),
+    ):
         name = f"linear_{bm}x{bn}x{bk}_w{nw}_s{ns}_split{split}"
         try:
-            with _Patched(tlin, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_WARPS=nw, NUM_STAGES=ns,
-                          SPLIT_BELOW_ROW_TILES=split):
+            with _Patched(
+                tlin, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_WARPS=nw, NUM_STAGES=ns, SPLIT_BELOW_ROW_TILES=split
+            ):
                 same = all(torch.equal(tlin.linear(x, w, 4, torch.bfloat16), base[m]) for m, x in xs.items())
-                out[name] = {"bits_equal_contract": same, **{
-                    f"m{m}_ratio": bench(tlin.linear, x, w, 4, torch.bfloat16) / plain[m] for m, x in xs.items()}}
+                out[name] = {
+                    "bits_equal_contract": same,
+                    **{f"m{m}_ratio": bench(tlin.linear, x, w, 4, torch.bfloat16) / plain[m] for m, x in xs.items()},
+                }
         except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     hq, hkv, d = 32, 8, 128
-    scale = d ** -0.5
+    scale = d**-0.5
     q, kk, v = (torch.randn(4096, h, d, device=DEV, generator=g).bfloat16() for h in (hq, hkv, hkv))
     pos = torch.arange(4096, device=DEV)
     sq, sk, sv = (t.transpose(0, 1)[None] for t in (q, kk, v))
@@ -303,17 +361,25 @@ def tune() -> dict:
     qd = torch.randn(32, 1, hq, d, device=DEV, generator=g).bfloat16()
     qpos = torch.full((32, 1), 4095, device=DEV)
     slots = torch.arange(32, device=DEV)
-    t_plain_dec = bench(F.scaled_dot_product_attention, qd.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-                        scale=scale, enable_gqa=True)
+    t_plain_dec = bench(
+        F.scaled_dot_product_attention,
+        qd.transpose(1, 2),
+        kp.transpose(1, 2),
+        vp.transpose(1, 2),
+        scale=scale,
+        enable_gqa=True,
+    )
     for bm, tile, nw, ns in ((64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 3)):
         name = f"attention_{bm}x{tile}_w{nw}_s{ns}"
         try:
             with _Patched(ta, BLOCK_M=bm, TILE=tile, NUM_WARPS=nw, NUM_STAGES=ns):
                 same = torch.equal(kern.attention(q, kk, v, pos, pos, scale), base_a)
-                out[name] = {"bits_equal_contract": same,
-                             "prefill_ratio": bench(kern.attention, q, kk, v, pos, pos, scale) / t_plain,
-                             "decode_b32_ctx4096_ratio": bench(kern.attention_pooled, qd, qpos, kp, vp, slots, 4096,
-                                                               scale) / t_plain_dec}
+                out[name] = {
+                    "bits_equal_contract": same,
+                    "prefill_ratio": bench(kern.attention, q, kk, v, pos, pos, scale) / t_plain,
+                    "decode_b32_ctx4096_ratio": bench(kern.attention_pooled, qd, qpos, kp, vp, slots, 4096, scale)
+                    / t_plain_dec,
+                }
         except Exception as e:  # noqa: BLE001
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     return out
@@ -335,8 +401,11 @@ def main() -> None:
         torch.cuda.set_device(0)
     import triton
 
-    REPORT["env"] = {"torch": torch.__version__, "triton": triton.__version__,
-                     "gpu": torch.cuda.is_available() and torch.cuda.get_device_name()}
+    REPORT["env"] = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "gpu": torch.cuda.is_available() and torch.cuda.get_device_name(),
+    }
     stages = a.stages.split(",")
     root = Path(tempfile.mkdtemp())
     for name in stages:  # timing before model: a timeout then costs the slower stage

@@ -10,8 +10,15 @@ import time
 from pathlib import Path
 
 # Short steps on the copy task (graded rewards vary within a group, so every step has a gradient).
-FAST = ["experiment.prompts_per_step=2", "experiment.samples_per_prompt=4", "experiment.max_prompt_len=12",
-        "experiment.max_new_tokens=6", "task=digit_copy", "task.graded_tokens=6", "logger=none"]
+FAST = [
+    "experiment.prompts_per_step=2",
+    "experiment.samples_per_prompt=4",
+    "experiment.max_prompt_len=12",
+    "experiment.max_new_tokens=6",
+    "task=digit_copy",
+    "task.graded_tokens=6",
+    "logger=none",
+]
 
 
 def tonpolicy_argv(run_dir: Path, *overrides: str) -> list[str]:
@@ -20,15 +27,27 @@ def tonpolicy_argv(run_dir: Path, *overrides: str) -> list[str]:
 
 def run_job(tmp_path: Path, *overrides: str, timeout: float = 400, env: dict[str, str] | None = None):
     run_dir = tmp_path / "run"
-    proc = subprocess.run(tonpolicy_argv(run_dir, *overrides), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        tonpolicy_argv(run_dir, *overrides),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     return proc, run_dir
 
 
 def start_job(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(tonpolicy_argv(run_dir, *overrides), cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        tonpolicy_argv(run_dir, *overrides),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     return proc, run_dir
 
 

@@ -25,8 +25,9 @@ for argv in json.load(sys.stdin):
     ServerArgs.add_cli_args(parser)
     try:
         ns, unknown = parser.parse_known_args(argv)
-        results.append({"ok": not unknown, "unknown": unknown, "tp_size": ns.tp_size,
-                        "attention_backend": ns.attention_backend})
+        results.append(
+            {"ok": not unknown, "unknown": unknown, "tp_size": ns.tp_size, "attention_backend": ns.attention_backend}
+        )
     except (argparse.ArgumentError, SystemExit) as exc:
         results.append({"ok": False, "error": str(exc)})
 print(json.dumps(results))

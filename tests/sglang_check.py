@@ -26,9 +26,7 @@ def generate(url: str, ids: list[int], seed: int, temperature: float, max_new: i
         "return_logprob": True,
         "sampling_params": {"max_new_tokens": max_new, "temperature": temperature, "sampling_seed": seed},
     }
-    req = urllib.request.Request(
-        f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
     return json.loads(urllib.request.urlopen(req, timeout=300).read())
 
 
@@ -55,22 +53,14 @@ def main() -> None:
     worst = 0.0
     for prompt, out in zip(prompts, outs, strict=True):
         response = out["output_ids"]
-        served = torch.tensor(
-            [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float32
-        )
+        served = torch.tensor([lp for lp, *_ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float32)
         logits = model(torch.tensor(prompt + response))
-        ours = model.kernels.logprobs(
-            logits[len(prompt) - 1 : -1], torch.tensor(response), cfg.vocab_size, temperature
-        )
+        ours = model.kernels.logprobs(logits[len(prompt) - 1 : -1], torch.tensor(response), cfg.vocab_size, temperature)
         tokens += len(response)
         mismatched += int((ours.view(torch.int32) != served.view(torch.int32)).sum())
         worst = max(worst, float((ours - served).abs().max()))
         cached += out["meta_info"].get("cached_tokens", 0)
-    print(
-        json.dumps(
-            {"tokens": tokens, "mismatched": mismatched, "max_abs_diff": worst, "cached_tokens": cached}
-        )
-    )
+    print(json.dumps({"tokens": tokens, "mismatched": mismatched, "max_abs_diff": worst, "cached_tokens": cached}))
 
 
 if __name__ == "__main__":

@@ -29,9 +29,7 @@ def sglang_env_python() -> str:
     TONPOLICY_SKIP_SGLANG=1 says to skip them, and the skip is then reported as such."""
     py = sglang_python(compose_config(["rollout=sglang"]))
     # .venv carries SGLang's argument parser only (--no-deps); the SGLang environment is another one.
-    probe = subprocess.run(
-        [py, "-c", "import sys, sglang; print(sys.prefix)"], capture_output=True, text=True
-    )
+    probe = subprocess.run([py, "-c", "import sys, sglang; print(sys.prefix)"], capture_output=True, text=True)
     if probe.returncode != 0 or probe.stdout.strip() == sys.prefix:
         message = f"no SGLang environment at {py}: run `bash scripts/setup_sglang.sh`"
         if os.environ.get("TONPOLICY_SKIP_SGLANG") == "1":

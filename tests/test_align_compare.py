@@ -30,7 +30,11 @@ def _dump(seed: int = 0, positions: list[int] | None = None) -> Dump:
 def test_names_round_trip_and_order() -> None:
     for ck in [checkpoint(-1, "embed", 4), checkpoint(2, "q_rope", 4), checkpoint(0, "logprobs", 4)]:
         assert parse_name(ck.name, 4) == ck
-    assert checkpoint(1, "mlp_act", 4).sort_key() < checkpoint(1, "residual", 4).sort_key() < checkpoint(2, "input_norm", 4).sort_key()
+    assert (
+        checkpoint(1, "mlp_act", 4).sort_key()
+        < checkpoint(1, "residual", 4).sort_key()
+        < checkpoint(2, "input_norm", 4).sort_key()
+    )
     with pytest.raises(ValueError):
         checkpoint(4, "q", 4)
     # Megatron's fused QKV (per group: its q heads, then k, then v) splits back into HF order.
@@ -80,8 +84,14 @@ def test_dump_files(tmp_path: Path) -> None:
     d = save_dump(_dump(), tmp_path / "d")
     manifest = json.loads((d / "manifest.json").read_text())
     entry = next(e for e in manifest["checkpoints"] if e["name"] == "layers.1.mlp_up")
-    assert entry == {"name": "layers.1.mlp_up", "layer": 1, "op": "mlp_up", "shape": [6, 8], "dtype": "bfloat16",
-                     "positions": [0, 1, 2, 3, 4, 5]}
+    assert entry == {
+        "name": "layers.1.mlp_up",
+        "layer": 1,
+        "op": "mlp_up",
+        "shape": [6, 8],
+        "dtype": "bfloat16",
+        "positions": [0, 1, 2, 3, 4, 5],
+    }
     assert (d / "tensors.safetensors").exists()
     back = load_dump(d)
     assert all(torch.equal(back.tensors[ck], t) for ck, t in _dump().tensors.items())
@@ -95,8 +105,9 @@ def test_cli_compare_two_saved_dirs(tmp_path: Path) -> None:
     diff = save_dump(other, tmp_path / "diff")
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "tonpolicy.align", "compare", *args], capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "tonpolicy.align", "compare", *args], capture_output=True, text=True, timeout=120
+        )
 
     ok = cli(str(a), str(same))
     assert ok.returncode == 0, ok.stderr

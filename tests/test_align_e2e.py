@@ -26,8 +26,13 @@ def _before(report: dict, name: str) -> list[dict]:
 
 def test_cli_align_tp1_matches_and_dumps_compare_offline(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "tonpolicy", "mode=align", *SMALL, "align.sample=3",
-                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tonpolicy", "mode=align", *SMALL, "align.sample=3", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "MATCH: every compared bit is identical" in proc.stdout
     report = _report(run_dir)
@@ -37,15 +42,26 @@ def test_cli_align_tp1_matches_and_dumps_compare_offline(tmp_path: Path) -> None
     rollout, trainer = run_dir / "align" / "rollout", run_dir / "align" / "trainer"
     manifest = json.loads((trainer / "manifest.json").read_text())
     assert manifest["side"] == "trainer" and manifest["meta"]["layout"]["tp"] == 1
-    offline = subprocess.run([sys.executable, "-m", "tonpolicy.align", "compare", str(rollout), str(trainer)],
-                             capture_output=True, text=True, timeout=120)
+    offline = subprocess.run(
+        [sys.executable, "-m", "tonpolicy.align", "compare", str(rollout), str(trainer)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert offline.returncode == 0, offline.stdout + offline.stderr
 
 
 def test_tp2_trainer_side_perturbation_is_found_at_its_row_parallel_op(tmp_path: Path) -> None:
     # fp32: the plain F.linear + sum reduction then differs from the contract's tiled canonical shards.
-    cfg = compose_config(["mode=align", "parallel=tp2", "contract.dtype=float32", *SMALL,
-                          "align.perturb=trainer:layers.2.o_proj:default"])
+    cfg = compose_config(
+        [
+            "mode=align",
+            "parallel=tp2",
+            "contract.dtype=float32",
+            *SMALL,
+            "align.perturb=trainer:layers.2.o_proj:default",
+        ]
+    )
     assert run(cfg, tmp_path) == 1
     report = _report(tmp_path)
     first = report["first_divergence"]
@@ -55,8 +71,9 @@ def test_tp2_trainer_side_perturbation_is_found_at_its_row_parallel_op(tmp_path:
 
 
 def test_cp2_ring_rollout_side_perturbation_with_bounded_layers(tmp_path: Path) -> None:
-    cfg = compose_config(["mode=align", "parallel=cp2_ring", *SMALL, "align.layers=[0,1]",
-                          "align.perturb=layers.1.mlp_act:default"])
+    cfg = compose_config(
+        ["mode=align", "parallel=cp2_ring", *SMALL, "align.layers=[0,1]", "align.perturb=layers.1.mlp_act:default"]
+    )
     assert run(cfg, tmp_path) == 1
     report = _report(tmp_path)
     first = report["first_divergence"]
@@ -70,8 +87,16 @@ def test_cp2_ring_rollout_side_perturbation_with_bounded_layers(tmp_path: Path) 
 def test_full_forward_reference_and_align_config_errors(tmp_path: Path) -> None:
     from tonpolicy.config.validate import ConfigError
 
-    cfg = compose_config(["mode=align", *SMALL, "align.reference=full_forward", "align.prompt=[3,12,13,4]",
-                          "align.perturb=layers.3.q_norm:default", "align.ops=[q,q_norm,k_norm,logprobs]"])
+    cfg = compose_config(
+        [
+            "mode=align",
+            *SMALL,
+            "align.reference=full_forward",
+            "align.prompt=[3,12,13,4]",
+            "align.perturb=layers.3.q_norm:default",
+            "align.ops=[q,q_norm,k_norm,logprobs]",
+        ]
+    )
     assert run(cfg, tmp_path / "ff") == 1
     report = _report(tmp_path / "ff")
     assert report["first_divergence"]["name"] == "layers.3.q_norm"
@@ -79,8 +104,15 @@ def test_full_forward_reference_and_align_config_errors(tmp_path: Path) -> None:
     assert set(layer3) == {"q", "q_norm", "k_norm"} and layer3["q"] == layer3["k_norm"] == 0 < layer3["q_norm"]
     dump = json.loads((tmp_path / "ff" / "align" / "rollout" / "manifest.json").read_text())
     assert dump["tokens"][:4] == [3, 12, 13, 4] and dump["prompt_len"] == 4
-    bad = compose_config(["mode=align", *SMALL, "align.layers=[7]", "align.reference=megatron",
-                          "align.perturb=layers.0.residual:default"])
+    bad = compose_config(
+        [
+            "mode=align",
+            *SMALL,
+            "align.layers=[7]",
+            "align.reference=megatron",
+            "align.perturb=layers.0.residual:default",
+        ]
+    )
     try:
         run(bad, tmp_path / "bad")
     except ConfigError as exc:

@@ -55,11 +55,18 @@ def test_decode_matches_full_forward_and_engine_logprobs(chunk: int | None) -> N
     assert len(report.checkpoints) == 1 + 17 * CFG.num_layers + 3
 
 
-@pytest.mark.parametrize(("dtype", "layer", "op"), [
-    (torch.bfloat16, 2, "input_norm"), (torch.bfloat16, 1, "k_rope"), (torch.bfloat16, 3, "attn_out"),
-    (torch.bfloat16, 0, "mlp_act"), (torch.float32, 2, "v"), (torch.float32, 1, "o_proj"),
-    (torch.float32, 0, "logits"),
-])
+@pytest.mark.parametrize(
+    ("dtype", "layer", "op"),
+    [
+        (torch.bfloat16, 2, "input_norm"),
+        (torch.bfloat16, 1, "k_rope"),
+        (torch.bfloat16, 3, "attn_out"),
+        (torch.bfloat16, 0, "mlp_act"),
+        (torch.float32, 2, "v"),
+        (torch.float32, 1, "o_proj"),
+        (torch.float32, 0, "logits"),
+    ],
+)
 def test_perturbed_op_is_reported_at_exactly_that_layer_and_op(dtype: torch.dtype, layer: int, op: str) -> None:
     model = _model(dtype=dtype)
     target = checkpoint(layer, op, CFG.num_layers)
@@ -84,6 +91,14 @@ def test_selection_bounds_what_is_kept() -> None:
     sel = Selection(layers={1}, positions={0, p - 1, p + 1}, ops={"embed", "q", "mlp_act", "residual", "logprobs"})
     dump, _, _ = decode_dump(model, _request(), sel)
     names = {ck.name: pos for ck, pos in dump.positions.items()}
-    assert names == {"embed": [0, p - 1, p + 1], "layers.1.q": [0, p - 1, p + 1], "layers.1.mlp_act": [0, p - 1, p + 1],
-                     "layers.1.residual": [0, p - 1, p + 1], "logprobs": [p - 1, p + 1]}
-    assert sum(t.numel() for t in dump.tensors.values()) == 3 * (CFG.hidden_size * 2 + CFG.q_size + CFG.intermediate_size) + 2
+    assert names == {
+        "embed": [0, p - 1, p + 1],
+        "layers.1.q": [0, p - 1, p + 1],
+        "layers.1.mlp_act": [0, p - 1, p + 1],
+        "layers.1.residual": [0, p - 1, p + 1],
+        "logprobs": [p - 1, p + 1],
+    }
+    assert (
+        sum(t.numel() for t in dump.tensors.values())
+        == 3 * (CFG.hidden_size * 2 + CFG.q_size + CFG.intermediate_size) + 2
+    )

@@ -33,9 +33,7 @@ def status(url: str, path: str, key: str | None = None, body: dict | None = None
 
 def test_the_embedded_server_checks_the_key(tmp_path: Path) -> None:
     ckpt = save_checkpoint(tmp_path / "ckpt", seed=0)
-    srv = ServerProc(
-        tmp_path, "keyed", ["--model-path", str(ckpt), "--dtype", DTYPE, "--api-key", KEY, *IDENTITY]
-    )
+    srv = ServerProc(tmp_path, "keyed", ["--model-path", str(ckpt), "--dtype", DTYPE, "--api-key", KEY, *IDENTITY])
     try:
         srv.wait_port()
         url = f"http://127.0.0.1:{srv.port}"
@@ -58,9 +56,7 @@ def test_remote_binding_needs_opt_in_and_a_key(monkeypatch: pytest.MonkeyPatch) 
         with pytest.raises(ConfigError, match="rollout.require_api_key=true"):
             validate(compose_config(overrides))
     remote = ["rollout.host=0.0.0.0", "rollout.allow_remote=true", "rollout.require_api_key=true"]
-    with pytest.raises(
-        ConfigError, match=r"rollout.require_api_key=True: needs the key in \$TONPOLICY_API_KEY"
-    ):
+    with pytest.raises(ConfigError, match=r"rollout.require_api_key=True: needs the key in \$TONPOLICY_API_KEY"):
         validate(compose_config(remote))
     monkeypatch.setenv("TONPOLICY_API_KEY", KEY)
     validate(compose_config(remote))

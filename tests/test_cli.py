@@ -10,14 +10,21 @@ from pathlib import Path
 
 
 def tonpolicy(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tonpolicy", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "tonpolicy", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_plan_mode_writes_plan_and_script(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = tonpolicy("mode=plan", "contract=qwen3_dense_v1", "model=qwen3_4b", "parallel=tp2_pp2",
-                     f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    proc = tonpolicy(
+        "mode=plan",
+        "contract=qwen3_dense_v1",
+        "model=qwen3_4b",
+        "parallel=tp2_pp2",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     plan = json.loads((run_dir / "launch_plan.json").read_text())
     assert plan["layout"] == "tp2_pp2" and plan["model"] == "qwen3_4b"
@@ -46,8 +53,9 @@ def test_cfg_job_and_help(tmp_path: Path) -> None:
 
 def test_multirun_sweep_one_dir_per_job(tmp_path: Path) -> None:
     layouts = ["tp1", "tp2", "tp4", "pp2", "tp2_pp2", "cp2_ulysses", "cp2_ring"]
-    proc = tonpolicy("-m", "mode=plan", f"parallel={','.join(layouts)}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-                     cwd=tmp_path)
+    proc = tonpolicy(
+        "-m", "mode=plan", f"parallel={','.join(layouts)}", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     plans = sorted((tmp_path / "sweep").glob("*/launch_plan.json"))
     assert sorted(json.loads(p.read_text())["layout"] for p in plans) == sorted(layouts)
@@ -60,12 +68,21 @@ def test_rendered_launch_script_runs_the_job(tmp_path: Path) -> None:
     from tonpolicy.ports import free_port
 
     run_dir = tmp_path / "run"
-    proc = tonpolicy("mode=plan", "parallel=tp2", "experiment.steps=1", *FAST, f"rollout.port={free_port()}",
-                     f"trainer.master_port={free_port()}", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    proc = tonpolicy(
+        "mode=plan",
+        "parallel=tp2",
+        "experiment.steps=1",
+        *FAST,
+        f"rollout.port={free_port()}",
+        f"trainer.master_port={free_port()}",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(run_dir / "launch.sh")], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env=env)
+    proc = subprocess.run(
+        ["bash", str(run_dir / "launch.sh")], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (rec,) = records(run_dir)
     assert rec["tokens_scored"] > 0 and rec["mismatched_tokens"] == 0
@@ -75,8 +92,16 @@ def test_sweep_goes_on_past_a_failed_job_and_exits_non_zero(tmp_path: Path) -> N
     from e2e_common import FAST
 
     sweep = tmp_path / "sweep"
-    proc = tonpolicy("-m", "mode=run", "experiment.steps=1", *FAST, "parallel=tp1", "parallel.tp=1,3",
-                     f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    proc = tonpolicy(
+        "-m",
+        "mode=run",
+        "experiment.steps=1",
+        *FAST,
+        "parallel=tp1",
+        "parallel.tp=1,3",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     statuses = sorted(json.loads(p.read_text())["status"] for p in sweep.glob("*/summary.json"))
     assert statuses == ["invalid_config", "ok"]

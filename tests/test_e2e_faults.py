@@ -93,8 +93,14 @@ def test_server_never_healthy(tmp_path: Path) -> None:
     fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import time; time.sleep(600)'\n")
     fake.chmod(0o755)
     t0 = time.monotonic()
-    proc, run_dir = run_job(tmp_path, "rollout=sglang", "trainer.device=cuda", f"rollout.python={fake}",
-                            "rollout.health_timeout_s=3", timeout=120)
+    proc, run_dir = run_job(
+        tmp_path,
+        "rollout=sglang",
+        "trainer.device=cuda",
+        f"rollout.python={fake}",
+        "rollout.health_timeout_s=3",
+        timeout=120,
+    )
     assert proc.returncode == 5, proc.stderr[-3000:]
     assert "not healthy after 3s" in proc.stderr and "rollout.health_timeout_s" in proc.stderr
     assert time.monotonic() - t0 < 60
@@ -113,7 +119,9 @@ def test_port_already_taken(tmp_path: Path) -> None:
 
 def test_full_disk_shows_the_root_cause(tmp_path: Path) -> None:
     """A rank that hits ENOSPC: the user sees that exception line (not torchrun's ChildFailedError) and the log."""
-    proc, run_dir = run_job(tmp_path, "parallel=tp1", "experiment.steps=3", env={"TONPOLICY_FAULT": "rank_disk_full:0:1"})
+    proc, run_dir = run_job(
+        tmp_path, "parallel=tp1", "experiment.steps=3", env={"TONPOLICY_FAULT": "rank_disk_full:0:1"}
+    )
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert "trainer exited with 1: OSError: [Errno 28] No space left on device" in proc.stderr, proc.stderr[-3000:]
     assert f"full log: {run_dir / 'logs' / 'trainer.log'}" in proc.stderr

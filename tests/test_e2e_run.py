@@ -49,9 +49,23 @@ def test_sweep_over_layouts_exact_zero(tmp_path: Path) -> None:
     """`-m parallel=...`: each layout's job proves exact zero; the sweep writes a table and a chart."""
     layouts = ["tp2", "pp2", "cp2_ulysses", "cp2_ring"]
     sweep = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "-m", "tonpolicy", "-m", "mode=run", *FAST, "experiment.steps=1",
-                           f"parallel={','.join(layouts)}", f"hydra.sweep.dir={sweep}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tonpolicy",
+            "-m",
+            "mode=run",
+            *FAST,
+            "experiment.steps=1",
+            f"parallel={','.join(layouts)}",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
     assert sorted(summary(j)["layout"] for j in jobs) == sorted(layouts)

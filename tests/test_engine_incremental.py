@@ -40,15 +40,17 @@ def workload(seed: int, n: int = 6) -> tuple[list[GenRequest], list[int], int, i
     reqs, arrivals = [], []
     for i in range(n):
         plen = rng.choice([1, 2, 31, 33, rng.randrange(3, 70)])
-        reqs.append(GenRequest(
-            prompt_ids=[rng.randrange(CFG.vocab_size) for _ in range(plen)],
-            max_new_tokens=rng.randrange(4, 20),
-            temperature=rng.choice([1.0, 0.8, 0.0]),
-            top_p=rng.choice([1.0, 0.9]),
-            top_k=rng.choice([-1, 50]),
-            seed=rng.randrange(10**6),
-            stop_token_ids=tuple(rng.sample(range(CFG.vocab_size), 10)),
-        ))
+        reqs.append(
+            GenRequest(
+                prompt_ids=[rng.randrange(CFG.vocab_size) for _ in range(plen)],
+                max_new_tokens=rng.randrange(4, 20),
+                temperature=rng.choice([1.0, 0.8, 0.0]),
+                top_p=rng.choice([1.0, 0.9]),
+                top_k=rng.choice([-1, 50]),
+                seed=rng.randrange(10**6),
+                stop_token_ids=tuple(rng.sample(range(CFG.vocab_size), 10)),
+            )
+        )
         arrivals.append(0 if i == 0 else rng.randrange(1, 14))
     return reqs, arrivals, rng.randrange(2, n + 1), rng.choice([None, 7, 24])
 
@@ -80,7 +82,9 @@ def mismatches(kernels: str, dtype: torch.dtype, seed: int) -> tuple[int, int, i
     bad_full = bad_alone = 0
     for q, r in zip(reqs, res, strict=True):
         assert r.output_logprobs.dtype == torch.float32 and 1 <= len(r.output_ids) <= q.max_new_tokens
-        bad_full += int(not torch.equal(r.output_logprobs, score_logprobs(m, q.prompt_ids, r.output_ids, q.temperature)))
+        bad_full += int(
+            not torch.equal(r.output_logprobs, score_logprobs(m, q.prompt_ids, r.output_ids, q.temperature))
+        )
         alone = Engine(m, max_running_requests=1).generate([q])[0]
         bad_alone += int(alone.output_ids != r.output_ids or not torch.equal(alone.output_logprobs, r.output_logprobs))
     return bad_full, bad_alone, joined

@@ -25,6 +25,8 @@ def _one_thread():
     # invariance is proven op by op in the kernel tests (1 vs 2 threads) and by the test below.
     with num_threads(1):
         yield
+
+
 _MODELS: dict[tuple[str, torch.dtype], Qwen3] = {}
 
 
@@ -41,16 +43,18 @@ def workload(seed: int, n: int) -> tuple[list[GenRequest], int, int | None]:
     for _ in range(n):
         plen = rng.choice([1, 2, 31, 33, 63, rng.randrange(3, 90)])
         temp = rng.choice([1.0, 0.8, 0.0, 1.3])
-        reqs.append(GenRequest(
-            prompt_ids=[rng.randrange(CFG.vocab_size) for _ in range(plen)],
-            max_new_tokens=rng.randrange(1, 24),
-            temperature=temp,
-            top_p=rng.choice([1.0, 0.9]),
-            top_k=rng.choice([-1, 50]),
-            seed=rng.randrange(10**6),
-            stop_token_ids=tuple(rng.sample(range(CFG.vocab_size), 20)),
-            arrival_step=rng.randrange(0, 12),
-        ))
+        reqs.append(
+            GenRequest(
+                prompt_ids=[rng.randrange(CFG.vocab_size) for _ in range(plen)],
+                max_new_tokens=rng.randrange(1, 24),
+                temperature=temp,
+                top_p=rng.choice([1.0, 0.9]),
+                top_k=rng.choice([-1, 50]),
+                seed=rng.randrange(10**6),
+                stop_token_ids=tuple(rng.sample(range(CFG.vocab_size), 20)),
+                arrival_step=rng.randrange(0, 12),
+            )
+        )
     cap = rng.randrange(1, n + 1)
     chunk = rng.choice([None, 7, 24, 64])
     return reqs, cap, chunk

@@ -44,7 +44,9 @@ def test_seeded_sampling_reproducible_regardless_of_batch(m):
     others = [GenRequest([i + 1] * (i + 3), 9, seed=i, arrival_step=i % 3) for i in range(5)]
     alone = Engine(m, max_running_requests=1).generate([target])[0]
     for cap, chunk in [(6, None), (2, 4), (3, 16)]:
-        res = Engine(m, max_running_requests=cap, chunked_prefill_size=chunk).generate(others[:2] + [target] + others[2:])
+        res = Engine(m, max_running_requests=cap, chunked_prefill_size=chunk).generate(
+            others[:2] + [target] + others[2:]
+        )
         assert res[2].output_ids == alone.output_ids
         assert torch.equal(res[2].output_logprobs, alone.output_logprobs)
     other_seed = Engine(m, max_running_requests=1).generate([GenRequest(PROMPT, 12, temperature=1.2, seed=78)])[0]

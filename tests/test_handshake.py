@@ -17,12 +17,23 @@ def test_handshake_refuses_foreign_fingerprint_and_accepts_ours(tmp_path: Path) 
     cfg = compose_config()
     ckpt = save_checkpoint(tmp_path / "ckpt", seed=0)
     ours = identity(cfg.contract)
-    own = ["--contract-name", ours.name, "--contract-version", str(ours.version), "--contract-fingerprint", ours.fingerprint]
-    runtime = runtime_identity(get_kernels(cfg.contract.kernels, **kernel_params(cfg.contract)), cfg.contract.dtype, "cpu")
-    servers = [ServerProc(tmp_path, "foreign", ["--model-path", str(ckpt), *IDENTITY]),
-               ServerProc(tmp_path, "own", ["--model-path", str(ckpt), *own]),
-               # Our contract's label, but built in another dtype: only the runtime fingerprint tells.
-               ServerProc(tmp_path, "fp32", ["--model-path", str(ckpt), *own, "--dtype", "float32"])]
+    own = [
+        "--contract-name",
+        ours.name,
+        "--contract-version",
+        str(ours.version),
+        "--contract-fingerprint",
+        ours.fingerprint,
+    ]
+    runtime = runtime_identity(
+        get_kernels(cfg.contract.kernels, **kernel_params(cfg.contract)), cfg.contract.dtype, "cpu"
+    )
+    servers = [
+        ServerProc(tmp_path, "foreign", ["--model-path", str(ckpt), *IDENTITY]),
+        ServerProc(tmp_path, "own", ["--model-path", str(ckpt), *own]),
+        # Our contract's label, but built in another dtype: only the runtime fingerprint tells.
+        ServerProc(tmp_path, "fp32", ["--model-path", str(ckpt), *own, "--dtype", "float32"]),
+    ]
     try:
         foreign, own_client, fp32 = (s.start_healthy() for s in servers)
         refusal = handshake(cfg, foreign, runtime)

@@ -16,8 +16,11 @@ HEADS = [(8, 4, 32), (4, 4, 64), (16, 2, 128)]  # (Hq, Hkv, D): tiny profile, MH
 
 
 def _qkv(n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
-    return (randn(n, hq, d, dtype=dtype, seed=seed), randn(n, hkv, d, dtype=dtype, seed=seed + 1),
-            randn(n, hkv, d, dtype=dtype, seed=seed + 2))
+    return (
+        randn(n, hq, d, dtype=dtype, seed=seed),
+        randn(n, hkv, d, dtype=dtype, seed=seed + 1),
+        randn(n, hkv, d, dtype=dtype, seed=seed + 2),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -63,7 +63,9 @@ def test_row_parallel_canonical_shards(dtype):
         for tp in (1, 2, 4):
             c = kk // tp
             parts = [
-                k.linear_partials(x[:, r * c : (r + 1) * c].contiguous(), w[:, r * c : (r + 1) * c].contiguous(), 4 // tp)
+                k.linear_partials(
+                    x[:, r * c : (r + 1) * c].contiguous(), w[:, r * c : (r + 1) * c].contiguous(), 4 // tp
+                )
                 for r in range(tp)
             ]
             gathered = torch.cat(parts, dim=0)
@@ -71,10 +73,19 @@ def test_row_parallel_canonical_shards(dtype):
             assert torch.equal(k.combine_partials(gathered, dtype), ref), (kk, n, tp)
             assert torch.equal(k.combine_partials(gathered, torch.float32), ref32)
             # strided (non-contiguous) rank slices give the same partials
-            strided = [k.linear_partials(x[:, r * c : (r + 1) * c], w[:, r * c : (r + 1) * c], 4 // tp) for r in range(tp)]
+            strided = [
+                k.linear_partials(x[:, r * c : (r + 1) * c], w[:, r * c : (r + 1) * c], 4 // tp) for r in range(tp)
+            ]
             assert torch.equal(torch.cat(strided), gathered)
-            assert torch.equal(torch.cat([k.linear_partials(x[:1, r * c : (r + 1) * c], w[:, r * c : (r + 1) * c],
-                                                            4 // tp) for r in range(tp)]), gathered[:, :1])
+            assert torch.equal(
+                torch.cat(
+                    [
+                        k.linear_partials(x[:1, r * c : (r + 1) * c], w[:, r * c : (r + 1) * c], 4 // tp)
+                        for r in range(tp)
+                    ]
+                ),
+                gathered[:, :1],
+            )
 
 
 def test_combine_tree_order():
@@ -103,7 +114,7 @@ def test_linear_accuracy_fp32_accumulation():
     k = get_kernels("contract")
     x = randn(9, 1024, dtype=torch.bfloat16, seed=1)
     w = randn(512, 1024, dtype=torch.bfloat16, seed=2, std=0.03)
-    exact = (x.double() @ w.double().T)
+    exact = x.double() @ w.double().T
     got = k.linear(x, w).double()
     # one bf16 rounding of an fp32-accumulated result: within half a bf16 ulp plus fp32 noise
     assert ((got - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
@@ -152,8 +163,14 @@ def test_linear_autograd_and_weight_cache():
 def test_fused_weights_equal_separate(dtype):
     """The model runs Q/K/V and gate/up as one wide linear; each block equals its own linear."""
     k = get_kernels("contract")
-    layouts = [(128, [256, 128, 128]), (128, [384, 384]), (1024, [1024, 512, 512]), (1024, [3072, 3072]),
-               (2560, [4096, 1024, 1024]), (256, [96, 32, 32])]
+    layouts = [
+        (128, [256, 128, 128]),
+        (128, [384, 384]),
+        (1024, [1024, 512, 512]),
+        (1024, [3072, 3072]),
+        (2560, [4096, 1024, 1024]),
+        (256, [96, 32, 32]),
+    ]
     for li, (kk, widths) in enumerate(layouts):
         ws = [randn(n, kk, dtype=dtype, seed=li * 10 + j, std=kk**-0.5) for j, n in enumerate(widths)]
         for m in (1, 19):
@@ -172,7 +189,9 @@ def test_linear_qwen3_4b_shapes():
         assert torch.equal(k.linear(x[17:18], w), full[17:18])
         assert torch.equal(k.linear(x[3:36], w), full[3:36])
         c = kk // 2
-        parts = torch.cat([k.linear_partials(x[:, r * c : (r + 1) * c], w[:, r * c : (r + 1) * c], 2) for r in range(2)])
+        parts = torch.cat(
+            [k.linear_partials(x[:, r * c : (r + 1) * c], w[:, r * c : (r + 1) * c], 2) for r in range(2)]
+        )
         assert torch.equal(k.combine_partials(parts, torch.bfloat16), full)
         assert torch.equal(k.linear(x, w[: n // 2]), full[:, : n // 2])
         with num_threads(1):

@@ -42,7 +42,7 @@ def test_rms_norm_rows(dtype, width):
     # many rows so the op crosses the parallel grain; odd row count so vector tails move around
     x = randn(1 + 70000 // width, width, dtype=dtype, seed=2)
     _row_invariant(lambda t: K.rms_norm(t, w, 1e-6), x, rng)
-    ref = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double())
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
     assert _close(K.rms_norm(x, w, 1e-6), ref)
 
 

@@ -62,8 +62,9 @@ def test_linear_column_shards_and_tp_shards(dtype: torch.dtype) -> None:
         assert torch.equal(tlin.linear(x, w[lo:hi], 4, dtype), full[:, lo:hi])
     for tp in (1, 2, 4):  # each rank: its K columns, its share of the canonical shards; rank order
         ks = K // tp
-        stack = torch.cat([tlin.partials(x[:, r * ks:(r + 1) * ks], w[:, r * ks:(r + 1) * ks], 4 // tp)
-                           for r in range(tp)])
+        stack = torch.cat(
+            [tlin.partials(x[:, r * ks : (r + 1) * ks], w[:, r * ks : (r + 1) * ks], 4 // tp) for r in range(tp)]
+        )
         assert torch.equal(tlin.fold(stack, dtype), full), tp
     assert torch.allclose(full.float(), x.float() @ w.float().T, atol=2e-2 if dtype == torch.float16 else 1e-4)
 
@@ -88,7 +89,9 @@ def test_attention_prefill_chunked_decode_one_structure(dtype: torch.dtype) -> N
     q, k, v = _attn_data(n, dtype)
     pos = torch.arange(n)
     full = kern.attention(q, k, v, pos, pos, scale)
-    assert torch.allclose(full.float(), _reference_attention(q, k, v, scale), atol=2e-3 if dtype == torch.float16 else 1e-5)
+    assert torch.allclose(
+        full.float(), _reference_attention(q, k, v, scale), atol=2e-3 if dtype == torch.float16 else 1e-5
+    )
     # Chunked prefill: queries [100, 150) over every key.
     assert torch.equal(kern.attention(q[100:], k, v, pos[100:], pos, scale), full[100:])
     # Paged decode from a 2-slot pool (slot 1 holds this sequence; stale NaN rows past its end), batched
@@ -114,7 +117,7 @@ def test_attention_ring_tiles_merge_to_the_single_device_result() -> None:
     q, k, v = _attn_data(n, torch.float32)
     pos = torch.arange(n)
     full = kern.attention(q, k, v, pos, pos, scale)
-    parts = [kern.attention_tile(q, k[t:t + 64], v[t:t + 64], pos, pos[t:t + 64], scale) for t in range(0, n, 64)]
+    parts = [kern.attention_tile(q, k[t : t + 64], v[t : t + 64], pos, pos[t : t + 64], scale) for t in range(0, n, 64)]
     acc = parts[0]
     for p in parts[1:]:
         acc = kern.merge(acc, p)
@@ -130,8 +133,17 @@ def test_negative_control_misaligned_key_tiles_change_bits() -> None:
     acc = None
     for t in range(0, n, 48):
         idx = torch.arange(48)[None]
-        p = ta.attention_indexed(q[None], pos[None], k[t:t + 48], v[t:t + 48], idx, pos[None, t:t + 48],
-                                 torch.tensor([48]), scale, partial=True)
+        p = ta.attention_indexed(
+            q[None],
+            pos[None],
+            k[t : t + 48],
+            v[t : t + 48],
+            idx,
+            pos[None, t : t + 48],
+            torch.tensor([48]),
+            scale,
+            partial=True,
+        )
         acc = p if acc is None else ta.merge(acc, p)
     misaligned = ta.finalize(acc[1], acc[2], torch.float32)[0]
     assert torch.allclose(misaligned, aligned, atol=1e-5)

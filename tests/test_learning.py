@@ -19,8 +19,14 @@ STEPS = ["logger=none"]  # the default experiment as it is
 
 def _run(tmp_path: Path, env: dict[str, str] | None = None) -> tuple[list[float], Path]:
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "tonpolicy", *STEPS, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, "-m", "tonpolicy", *STEPS, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mismatched_tokens"] == 0 and summary["task"] == "first_parity"

@@ -36,8 +36,9 @@ def test_built_model_equals_plan(overrides: list[str], tmp_path: Path) -> None:
 def test_launcher_fills_only_launch_time_values(tmp_path: Path) -> None:
     plan = launch_plan(compose_config([]), tmp_path)
     cmd = plan["trainer_command"]
-    argv = with_flags(cmd, {"--master-port": 1234, "--server-url": "http://127.0.0.1:9", "--checkpoint": "/w"},
-                      python="/py")
+    argv = with_flags(
+        cmd, {"--master-port": 1234, "--server-url": "http://127.0.0.1:9", "--checkpoint": "/w"}, python="/py"
+    )
     changed = [i for i, (a, b) in enumerate(zip(cmd, argv, strict=True)) if a != b]
     assert [cmd[i - 1] for i in changed[1:]] == ["--master-port", "--server-url", "--checkpoint"] and changed[0] == 0
     with pytest.raises(ValueError, match="--nope"):

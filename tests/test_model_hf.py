@@ -21,9 +21,17 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 0.25}
 
 def _hf_model(tied: bool, dtype: torch.dtype):
     cfg = transformers.Qwen3Config(
-        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tied,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(cfg).eval()
@@ -64,13 +72,30 @@ def test_hf_logits_match(tmp_path, tied, dtype, kernels):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_save_hf_loads_in_transformers(tmp_path, tied):
-    cfg = ModelConfig(num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=300,
-                      num_attention_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=tied, init_std=0.2)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=300,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=tied,
+        init_std=0.2,
+    )
     sd = init_state_dict(cfg, torch.float32, seed=3)
     save_hf(sd, cfg, tmp_path)
     cfg2, sd2 = load_hf(tmp_path)
     assert sd2.keys() == sd.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
-    for f in ("num_layers", "hidden_size", "num_kv_heads", "head_dim", "vocab_size", "rope_theta", "tie_word_embeddings"):
+    for f in (
+        "num_layers",
+        "hidden_size",
+        "num_kv_heads",
+        "head_dim",
+        "vocab_size",
+        "rope_theta",
+        "tie_word_embeddings",
+    ):
         assert getattr(cfg2, f) == getattr(cfg, f)
     hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = torch.arange(0, 300, 7)
@@ -98,8 +123,17 @@ def test_sharded_index_cannot_point_outside_the_checkpoint(tmp_path) -> None:
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(_json.dumps({"num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 1,
-                                                  "intermediate_size": 8, "vocab_size": 8}))
+    (ckpt / "config.json").write_text(
+        _json.dumps(
+            {
+                "num_hidden_layers": 1,
+                "hidden_size": 8,
+                "num_attention_heads": 1,
+                "intermediate_size": 8,
+                "vocab_size": 8,
+            }
+        )
+    )
     (ckpt / "model.safetensors.index.json").write_text(_json.dumps({"weight_map": {"w": "../secret.safetensors"}}))
     with _pytest.raises(ValueError, match="outside the checkpoint directory"):
         _load(ckpt)

@@ -45,8 +45,7 @@ def test_two_nodes_are_exact(tmp_path: Path, layout: str) -> None:
     recs = records(d0)
     assert [r["step"] for r in recs] == [0, 1]
     assert all(
-        r["tokens_scored"] > 0 and r["mismatched_tokens"] == 0 and r["max_abs_logprob_diff"] == 0.0
-        for r in recs
+        r["tokens_scored"] > 0 and r["mismatched_tokens"] == 0 and r["max_abs_logprob_diff"] == 0.0 for r in recs
     )
     assert not records(d1)  # node 1 holds no rank 0: it writes no step records
     assert summary(d1)["status"] == "ok"

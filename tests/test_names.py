@@ -26,8 +26,13 @@ def test_an_override_renames_the_layout(tmp_path: Path) -> None:
 
 
 def test_run_dir_follows_the_resolved_layout(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "tonpolicy", "mode=plan", "parallel=tp1", "parallel.tp=2", "logger=none"],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-m", "tonpolicy", "mode=plan", "parallel=tp1", "parallel.tp=2", "logger=none"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     (run_dir,) = (tmp_path / "outputs").glob("*/*")
     assert run_dir.name.endswith("_qwen3_dense_v1_tp2"), run_dir

@@ -13,21 +13,46 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_ships_every_config_and_composes(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = (tmp_path / "dist").glob("tonpolicy-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     yamls = {f"tonpolicy/conf/{p.relative_to(CONF_DIR)}" for p in CONF_DIR.rglob("*.yaml")}
     assert yamls and yamls <= names, yamls - names
 
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     code = "import tonpolicy, sys; print(tonpolicy.__file__)"
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
     where = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert where.stdout.startswith(str(target)), where.stdout + where.stderr
-    proc = subprocess.run([sys.executable, "-m", "tonpolicy", "--cfg", "job", "model=qwen3_4b", "parallel=tp2_pp2"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tonpolicy", "--cfg", "job", "model=qwen3_4b", "parallel=tp2_pp2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "name: qwen3_4b" in proc.stdout and "name: tp2_pp2" in proc.stdout

@@ -29,10 +29,20 @@ GOLDEN_CASES = {
     "tiny_tp2_cpu": ["parallel=tp2", "trainer.device=cpu"],
     "tiny_off_policy_cp2_ulysses_cpu": ["contract=off_policy", "parallel=cp2_ulysses", "trainer.device=cpu"],
     # Two nodes of 8 GPUs: the trainer at TP 8 x PP 2 across them, one SGLang server (TP 16) spanning both.
-    "qwen3_8b_2x8_sglang": ["mode=plan", "model=qwen3_8b", "parallel.tp=8", "parallel.pp=2", "trainer.device=cuda",
-                            "trainer.nnodes=2", "trainer.master_addr=10.0.0.1", "rollout=sglang",
-                            "parallel.rollout_tp=16", "rollout.nnodes=2", "rollout.dist_init_addr=10.0.0.1:20000",
-                            "rollout.weight_sync=distributed"],
+    "qwen3_8b_2x8_sglang": [
+        "mode=plan",
+        "model=qwen3_8b",
+        "parallel.tp=8",
+        "parallel.pp=2",
+        "trainer.device=cuda",
+        "trainer.nnodes=2",
+        "trainer.master_addr=10.0.0.1",
+        "rollout=sglang",
+        "parallel.rollout_tp=16",
+        "rollout.nnodes=2",
+        "rollout.dist_init_addr=10.0.0.1:20000",
+        "rollout.weight_sync=distributed",
+    ],
 }
 
 
@@ -41,8 +51,16 @@ def test_fingerprint_tracks_every_numerics_field() -> None:
     base = fingerprint(c)
     assert base == fingerprint(compose_config().contract), "fingerprint must be deterministic"
     changes = {
-        "family": "qwen3_moe", "kernels": "default", "dtype": "float32", "accumulate_dtype": "float64",
-        "attention_tile": 64, "row_tile": 32, "prefill_row_tile": 64, "attention_row_tile": 16, "canonical_shards": 8, "logprob_recipe": "other",
+        "family": "qwen3_moe",
+        "kernels": "default",
+        "dtype": "float32",
+        "accumulate_dtype": "float64",
+        "attention_tile": 64,
+        "row_tile": 32,
+        "prefill_row_tile": 64,
+        "attention_row_tile": 16,
+        "canonical_shards": 8,
+        "logprob_recipe": "other",
     }
     assert set(changes) == set(NUMERICS_FIELDS)
     seen = {base}
@@ -50,8 +68,12 @@ def test_fingerprint_tracks_every_numerics_field() -> None:
         fp = fingerprint(dataclasses.replace(c, **{field: value}))
         assert fp not in seen, field
         seen.add(fp)
-    for field, value in {"attention_backend": "triton", "enable_deterministic_inference": True,
-                         "rl_on_policy_target": "fsdp", "model_package": None}.items():
+    for field, value in {
+        "attention_backend": "triton",
+        "enable_deterministic_inference": True,
+        "rl_on_policy_target": "fsdp",
+        "model_package": None,
+    }.items():
         changed = dataclasses.replace(c, sglang=dataclasses.replace(c.sglang, **{field: value}))
         assert fingerprint(changed) != base, field
     # Labels and layout gates do not change the numerics.
@@ -70,7 +92,9 @@ def test_golden_plan(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     path = GOLDEN / f"{name}.json"
     if os.environ.get("TONPOLICY_UPDATE_GOLDEN"):
         path.write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")
-    assert plan == json.loads(path.read_text()), f"plan changed; rerun with TONPOLICY_UPDATE_GOLDEN=1 if intended: {path}"
+    assert plan == json.loads(path.read_text()), (
+        f"plan changed; rerun with TONPOLICY_UPDATE_GOLDEN=1 if intended: {path}"
+    )
 
 
 def test_plan_contents() -> None:
@@ -102,23 +126,34 @@ def test_plan_contents() -> None:
 def test_rendered_sglang_flags_exist_in_sglang() -> None:
     """Every flag we render must be accepted by released SGLang's own argument parser."""
     argvs = []
-    for overrides in [*GOLDEN_CASES.values(), ["contract=off_policy", "rollout=sglang", "trainer.device=cuda",
-                                               "rollout.chunked_prefill_size=256"]]:
+    for overrides in [
+        *GOLDEN_CASES.values(),
+        ["contract=off_policy", "rollout=sglang", "trainer.device=cuda", "rollout.chunked_prefill_size=256"],
+    ]:
         argv = sglang_argv(compose_config(overrides), "/ckpt")
         assert argv[1:3] in (["-m", "sglang.launch_server"], ["-m", "tonpolicy.rollout.sglang_server"])
         # The shell's part: launch.sh expands the node rank (and the API key) before SGLang parses them.
         argvs.append([{NODE_RANK_PLACEHOLDER: "1", API_KEY_PLACEHOLDER: "key"}.get(a, a) for a in argv[3:]])
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "sglang_argcheck.py")],
-                          input=json.dumps(argvs), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "sglang_argcheck.py")],
+        input=json.dumps(argvs),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(r["ok"] for r in results), results
     assert results[2]["attention_backend"] == "torch_native"  # tiny_tp2_cpu: SGLang's CPU engine
     # A flag that does not exist is refused: the check can fail.
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "sglang_argcheck.py")],
-                          input=json.dumps([["--model-path", "x", "--true-on-policy-contract", "v1"]]),
-                          capture_output=True, text=True, timeout=300)
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) [0]["ok"] is False
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "sglang_argcheck.py")],
+        input=json.dumps([["--model-path", "x", "--true-on-policy-contract", "v1"]]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert json.loads(proc.stdout.strip().splitlines()[-1])[0]["ok"] is False
 
 
 def test_multi_node_launch_sh_runs_on_every_node() -> None:
@@ -136,8 +171,11 @@ def test_multi_node_launch_sh_runs_on_every_node() -> None:
 
 def test_names_rendered_into_launch_sh_cannot_inject_commands(tmp_path: Path) -> None:
     cfg = compose_config()
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, name="tp1\ntouch /tmp/pwned"),
-                              contract=dataclasses.replace(cfg.contract, name="c\nrm -rf ~"))
+    cfg = dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(cfg.parallel, name="tp1\ntouch /tmp/pwned"),
+        contract=dataclasses.replace(cfg.contract, name="c\nrm -rf ~"),
+    )
     script = launch_script(launch_plan(cfg, RUN_DIR))
     assert "\ntouch /tmp/pwned" not in script and "\nrm -rf ~" not in script
     path = tmp_path / "launch.sh"

@@ -52,9 +52,7 @@ def client(server: ServerProc) -> RolloutClient:
     return RolloutClient(f"http://127.0.0.1:{server.port}")
 
 
-def http(
-    client: RolloutClient, method: str, path: str, body: Any = None, raw: bytes | None = None
-) -> tuple[int, Any]:
+def http(client: RolloutClient, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(client.base_url + path, data=data, method=method)
     req.add_header("Content-Type", "application/json")
@@ -123,16 +121,12 @@ def test_generate_single_and_batch_shapes(client: RolloutClient) -> None:
     assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
     assert all(t[2] is None and isinstance(t[0], float) for t in meta["output_token_logprobs"])
 
-    status, outs = http(
-        client, "PUT", "/generate", {"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 2}}
-    )
+    status, outs = http(client, "PUT", "/generate", {"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 2}})
     assert status == 200 and isinstance(outs, list) and len(outs) == 3
     assert all("output_token_logprobs" not in o["meta_info"] for o in outs)  # return_logprob not set
     assert [o["meta_info"]["prompt_tokens"] for o in outs] == [len(p) for p in PROMPTS]
 
-    status, out = http(
-        client, "POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}}
-    )
+    status, out = http(client, "POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}})
     assert status == 200 and out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
 
 
@@ -160,9 +154,7 @@ def test_logprobs_bit_identical_to_the_engine(client: RolloutClient, ckpts: dict
     expected = local_engine(ckpts["a"]).generate(requests_for(PROMPTS, SEEDS))
     for out, exp in zip(outs, expected, strict=True):
         assert out["output_ids"] == exp.output_ids
-        assert torch.equal(
-            torch.tensor(out["output_logprobs"], dtype=torch.float32), exp.output_logprobs.float()
-        )
+        assert torch.equal(torch.tensor(out["output_logprobs"], dtype=torch.float32), exp.output_logprobs.float())
         assert out["finish_reason"] == exp.finish_reason == "length"
 
 
@@ -178,9 +170,7 @@ def test_concurrent_requests_share_engine_batches(client: RolloutClient, ckpts: 
     def one(i: int) -> None:
         try:
             barrier.wait()
-            results[i] = client.generate(
-                [prompts[i]], {"max_new_tokens": MAX_NEW, "sampling_seed": seeds[i]}
-            )[0]
+            results[i] = client.generate([prompts[i]], {"max_new_tokens": MAX_NEW, "sampling_seed": seeds[i]})[0]
         except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
             errors.append(e)
 
@@ -261,8 +251,14 @@ def _raw_request(server: ServerProc, head: str, body: bytes = b"") -> tuple[int,
         while True:
             head_end = data.find(b"\r\n\r\n")
             if head_end >= 0:
-                length = next((int(line.split(b":")[1]) for line in data[:head_end].split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in data[:head_end].split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
                 if len(data) >= head_end + 4 + length:
                     break
             chunk = sock.recv(65536)
@@ -294,26 +290,39 @@ def test_a_bad_seed_is_refused_at_admission_and_fails_no_one_else(client: Rollou
 
     t = threading.Thread(target=good)
     t.start()
-    status, body = http(client, "POST", "/generate", {"input_ids": [[4, 5], [6, 7]], "return_logprob": True,
-                                                      "sampling_params": [{"max_new_tokens": MAX_NEW},
-                                                                          {"max_new_tokens": MAX_NEW, "sampling_seed": 2**64}]})
+    status, body = http(
+        client,
+        "POST",
+        "/generate",
+        {
+            "input_ids": [[4, 5], [6, 7]],
+            "return_logprob": True,
+            "sampling_params": [{"max_new_tokens": MAX_NEW}, {"max_new_tokens": MAX_NEW, "sampling_seed": 2**64}],
+        },
+    )
     t.join(timeout=120)
     assert status == 400 and "sampling_seed must be in [0, 2**63)" in body["error"]["message"]
     assert len(results["good"][0]["output_ids"]) == MAX_NEW
 
 
-_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
-                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                     max_leaves=12)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 _FIELDS = ["input_ids", "sampling_params", "return_logprob", "rid", "stream", "text", "lora_path"]
 _SAMPLING = ["max_new_tokens", "temperature", "top_p", "top_k", "sampling_seed", "stop_token_ids", "n"]
 _BODIES = st.one_of(
     _JSON,  # anything JSON at all
-    st.fixed_dictionaries({"input_ids": st.lists(st.integers(-3, 2100), max_size=6)},
-                          optional={k: _JSON for k in _FIELDS[1:]}),
-    st.fixed_dictionaries({"input_ids": st.just([1, 2, 3]),
-                           "sampling_params": st.dictionaries(st.sampled_from(_SAMPLING), _JSON | st.integers(-5, 40),
-                                                              max_size=4)}),
+    st.fixed_dictionaries(
+        {"input_ids": st.lists(st.integers(-3, 2100), max_size=6)}, optional={k: _JSON for k in _FIELDS[1:]}
+    ),
+    st.fixed_dictionaries(
+        {
+            "input_ids": st.just([1, 2, 3]),
+            "sampling_params": st.dictionaries(st.sampled_from(_SAMPLING), _JSON | st.integers(-5, 40), max_size=4),
+        }
+    ),
 )
 
 

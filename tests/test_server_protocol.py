@@ -157,8 +157,14 @@ def test_output_meta_info_matches_sglang_names() -> None:
     assert "output_token_logprobs" not in no_lp["meta_info"]
     # with a tokenizer: text, and prompt/top logprobs in SGLang's triples (first prompt token: null)
     item = GenerateItem("y", (7, 8, 9), item.sampling, True, logprob_start_len=0, top_logprobs_num=1)
-    res = GenResult([4], torch.tensor([-0.5]), "stop", output_top_logprobs=[[(-0.5, 4)]],
-                    prompt_logprobs={1: -2.0, 2: -3.0}, prompt_top_logprobs={1: [(-1.0, 5)], 2: [(-1.5, 6)]})
+    res = GenResult(
+        [4],
+        torch.tensor([-0.5]),
+        "stop",
+        output_top_logprobs=[[(-0.5, 4)]],
+        prompt_logprobs={1: -2.0, 2: -3.0},
+        prompt_top_logprobs={1: [(-1.0, 5)], 2: [(-1.5, 6)]},
+    )
     out = build_generate_output("y", item, res, "w", lambda ids: " ".join(map(str, ids)), True)
     assert out["text"] == " 4" and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 4}
     assert out["meta_info"]["input_token_logprobs"] == [[None, 7, "7"], [-2.0, 8, "8"], [-3.0, 9, "9"]]
@@ -193,7 +199,4 @@ def test_client_parses_a_real_sglang_text_mode_answer() -> None:
     }
     parsed = parse_generate_output(answer)
     assert parsed["output_ids"] == [12366, 13] and parsed["finish_reason"] == "stop"
-    assert (
-        parsed["output_logprobs"][0] == -0.0123
-        and parsed["output_logprobs"][1] != parsed["output_logprobs"][1]
-    )
+    assert parsed["output_logprobs"][0] == -0.0123 and parsed["output_logprobs"][1] != parsed["output_logprobs"][1]

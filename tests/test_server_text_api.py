@@ -53,9 +53,7 @@ def call(url: str, path: str, body: Any = None) -> tuple[int, Any]:
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             raw = r.read().decode()
-            return r.status, (
-                events(raw) if r.headers["Content-Type"] == "text/event-stream" else json.loads(raw)
-            )
+            return r.status, (events(raw) if r.headers["Content-Type"] == "text/event-stream" else json.loads(raw))
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
 
@@ -121,9 +119,7 @@ def test_n_samples_per_prompt(url: str) -> None:
     assert [o["meta_info"]["prompt_tokens"] for o in outs] == [2, 2, 2, 3, 3, 3]  # prompt-major
     assert len({o["meta_info"]["id"] for o in outs}) == 6
     assert len({tuple(o["output_ids"]) for o in outs[:3]}) > 1, "n samples of one prompt should differ"
-    status, one = call(
-        url, "/generate", {"input_ids": [3, 11], "sampling_params": {"n": 2, "max_new_tokens": 2}}
-    )
+    status, one = call(url, "/generate", {"input_ids": [3, 11], "sampling_params": {"n": 2, "max_new_tokens": 2}})
     assert status == 200 and isinstance(one, list) and len(one) == 2
 
 
@@ -141,12 +137,10 @@ def test_openai_models_and_completions(url: str, ckpt: Path) -> None:
     status, out = call(url, "/v1/completions", body)
     assert status == 200 and out["object"] == "text_completion"
     choice = out["choices"][0]
-    _, native = call(url, "/generate", {"text": "copy 4 5", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
-                                        "return_logprob": True})  # fmt: skip
+    sampling = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    _, native = call(url, "/generate", {"text": "copy 4 5", "sampling_params": sampling, "return_logprob": True})
     assert choice["text"] == native["text"] and choice["finish_reason"] == "length"
-    assert choice["logprobs"]["token_logprobs"] == [
-        lp for lp, _, _ in native["meta_info"]["output_token_logprobs"]
-    ]
+    assert choice["logprobs"]["token_logprobs"] == [lp for lp, _, _ in native["meta_info"]["output_token_logprobs"]]
     assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"])
     assert out["usage"] == {
         "prompt_tokens": 3,
@@ -155,13 +149,9 @@ def test_openai_models_and_completions(url: str, ckpt: Path) -> None:
         "reasoning_tokens": 0,
     }
     # token-id prompts, n, and a stream whose text deltas add up to the whole
-    status, out = call(
-        url, "/v1/completions", {"model": "m", "prompt": [[3, 11], [3, 12]], "max_tokens": 3, "n": 2}
-    )
+    status, out = call(url, "/v1/completions", {"model": "m", "prompt": [[3, 11], [3, 12]], "max_tokens": 3, "n": 2})
     assert status == 200 and len(out["choices"]) == 4 and out["usage"]["prompt_tokens"] == 4
-    status, chunks = call(
-        url, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
-    )
+    status, chunks = call(url, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks[:-1]) == choice["text"]
     assert chunks[-1]["usage"]["completion_tokens"] == 4
 
@@ -221,13 +211,9 @@ def test_a_server_without_tokenizer_refuses_text_clearly(tmp_path: Path, ckpt: P
         base = f"http://127.0.0.1:{srv.port}"
         status, out = call(base, "/generate", {"text": "copy 1"})
         assert status == 400 and "no tokenizer" in out["error"]["message"]
-        status, out = call(
-            base, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-        )
+        status, out = call(base, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]})
         assert status == 400 and "chat template" in out["error"]["message"]
-        status, out = call(
-            base, "/generate", {"input_ids": [3, 11], "sampling_params": {"max_new_tokens": 2}}
-        )
+        status, out = call(base, "/generate", {"input_ids": [3, 11], "sampling_params": {"max_new_tokens": 2}})
         assert status == 200 and "text" not in out  # SGLang's --skip-tokenizer-init shape
     finally:
         srv.stop()

@@ -68,9 +68,7 @@ def test_openai_client_completes(sglang_py: str, url: str, ckpt: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
-    _, native = call(
-        url, "/generate", {"text": "copy 1 2 3", "sampling_params": params, "return_logprob": True}
-    )
+    _, native = call(url, "/generate", {"text": "copy 1 2 3", "sampling_params": params, "return_logprob": True})
     assert got["model"] == str(ckpt)
     assert got["text"] == native["text"] == got["streamed_text"] and got["finish_reason"] == "length"
     assert got["token_logprobs"] == [lp for lp, _, _ in native["meta_info"]["output_token_logprobs"]]

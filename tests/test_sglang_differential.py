@@ -38,9 +38,7 @@ def request_stream(vocab: int) -> list[dict[str, Any]]:
     bodies: list[dict[str, Any]] = []
     for n, length in enumerate((1, 5, 33, 70, 150)):
         ids = shared[:length] if n % 2 else [rng.randrange(10, vocab) for _ in range(length)]
-        bodies.append(
-            {"input_ids": ids, "logprob_start_len": 0 if length < 100 else 60, "top_logprobs_num": 2}
-        )
+        bodies.append({"input_ids": ids, "logprob_start_len": 0 if length < 100 else 60, "top_logprobs_num": 2})
         bodies.append({"input_ids": ids, "sampling_params": {"n": 2}, "top_logprobs_num": 2})
     bodies.append(
         {
@@ -61,9 +59,7 @@ def send_all(url: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every request at once (continuous batching); answers flattened to items, in request order."""
 
     def one(body: dict[str, Any]) -> list[dict[str, Any]]:
-        req = urllib.request.Request(
-            f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
+        req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
         try:
             out = json.loads(urllib.request.urlopen(req, timeout=600).read())
         except urllib.error.HTTPError as e:
@@ -75,16 +71,11 @@ def send_all(url: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def bits(triples: list[list[Any]]) -> list[int | None]:
-    return [
-        None if lp is None else int(torch.tensor(lp, dtype=torch.float32).view(torch.int32))
-        for lp, *_ in triples
-    ]
+    return [None if lp is None else int(torch.tensor(lp, dtype=torch.float32).view(torch.int32)) for lp, *_ in triples]
 
 
 def top_bits(tops: list[Any]) -> list[Any]:
-    return [
-        None if top is None else [(t, b) for (_, t, _), b in zip(top, bits(top), strict=True)] for top in tops
-    ]
+    return [None if top is None else [(t, b) for (_, t, _), b in zip(top, bits(top), strict=True)] for top in tops]
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +89,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def embedded(
-    tmp_path_factory: pytest.TempPathFactory, ckpt: Path, sglang_py: str
-) -> Iterator[list[dict[str, Any]]]:
+def embedded(tmp_path_factory: pytest.TempPathFactory, ckpt: Path, sglang_py: str) -> Iterator[list[dict[str, Any]]]:
     ident = identity(compose_config([f"contract.dtype={DTYPE}"]).contract)
     args = ["--model-path", str(ckpt), "--dtype", DTYPE, "--kernels", "contract", "--max-running-requests", "32",
             "--chunked-prefill-size", "64", "--contract-name", ident.name, "--contract-version", str(ident.version),

@@ -29,9 +29,7 @@ def run(path: str, chunks: list[bytes]) -> tuple[list[dict], bytes | None]:
         seen["body"] = body
         await send({"type": "http.response.start", "status": 200, "headers": []})
 
-    incoming = [
-        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
-    ]
+    incoming = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
     sent: list[dict] = []
 
     async def receive() -> dict:

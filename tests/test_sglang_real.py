@@ -99,8 +99,7 @@ def test_run_through_real_sglang_is_exact_with_weight_sync(tmp_path: Path, sglan
     recs, s = _run(tmp_path, "parallel=tp2")
     assert [r["step"] for r in recs] == [0, 1, 2] and s["status"] == "ok"
     assert all(
-        r["tokens_scored"] > 0 and r["mismatched_tokens"] == 0 and r["max_abs_logprob_diff"] == 0.0
-        for r in recs
+        r["tokens_scored"] > 0 and r["mismatched_tokens"] == 0 and r["max_abs_logprob_diff"] == 0.0 for r in recs
     )
 
 

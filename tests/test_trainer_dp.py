@@ -51,8 +51,15 @@ def test_dp2_trains_on_shares_with_dp1_grad_norm(setup: tuple[dict, dict]) -> No
     ck, ro = cks["float32"], ros[("float32", "contract")]
 
     def job(layout: Layout) -> dict:
-        return dict(layout=layout, dtype="float32", contract="contract", checkpoint=ck, rollout=ro, temperature=T,
-                    advantages=ADV)
+        return dict(
+            layout=layout,
+            dtype="float32",
+            contract="contract",
+            checkpoint=ck,
+            rollout=ro,
+            temperature=T,
+            advantages=ADV,
+        )
 
     (dp1,) = spawn(pc.ppo_worker, 1, [job(Layout())])
     (dp2,) = spawn(pc.ppo_worker, 2, [job(Layout(dp=2))])

@@ -39,9 +39,13 @@ def _worker() -> dict[str, float]:
     init_distributed(Layout(tp=2))
     stock_norm, stock_lp = _loss_grad_norm(cfg, hf, stock_gather=True)
     narrow_norm, narrow_lp = _loss_grad_norm(cfg, hf, stock_gather=False)
-    return {"tp1": ref_norm, "tp2_stock": stock_norm, "tp2_narrow": narrow_norm,
-            "lp_equal_stock_narrow": float(torch.equal(stock_lp, narrow_lp)),
-            "lp_max_diff_tp1": float((narrow_lp - ref_lp).abs().max())}
+    return {
+        "tp1": ref_norm,
+        "tp2_stock": stock_norm,
+        "tp2_narrow": narrow_norm,
+        "lp_equal_stock_narrow": float(torch.equal(stock_lp, narrow_lp)),
+        "lp_max_diff_tp1": float((narrow_lp - ref_lp).abs().max()),
+    }
 
 
 def test_stock_gather_inflates_grad_norm_and_narrow_matches_tp1() -> None:

@@ -49,11 +49,23 @@ def test_packed_microbatches(setup: tuple[dict, dict]) -> None:
 
 def test_ppo_step_with_microbatches_matches_one_sample_per_microbatch(setup: tuple[dict, dict]) -> None:
     cks, ros = setup
-    job = dict(layout=Layout(), dtype="float32", contract="contract", checkpoint=cks["float32"],
-               rollout=ros[("float32", "contract")], temperature=T, advantages=[1.0, -0.5, 0.7, -1.2])
-    runs = {name: spawn(pc.ppo_worker, 1, [dict(job, trainer=tr)])[0]
-            for name, tr in (("one", {}), ("padded", {"micro_batch_size": 2}),
-                             ("packed", {"micro_batch_size": 4, "pack_sequences": True}))}
+    job = dict(
+        layout=Layout(),
+        dtype="float32",
+        contract="contract",
+        checkpoint=cks["float32"],
+        rollout=ros[("float32", "contract")],
+        temperature=T,
+        advantages=[1.0, -0.5, 0.7, -1.2],
+    )
+    runs = {
+        name: spawn(pc.ppo_worker, 1, [dict(job, trainer=tr)])[0]
+        for name, tr in (
+            ("one", {}),
+            ("padded", {"micro_batch_size": 2}),
+            ("packed", {"micro_batch_size": 4, "pack_sequences": True}),
+        )
+    }
     for name, r in runs.items():
         assert r["old_vs_rollout"]["equal"] == 1.0 and r["first_forward_mismatched"] == 0, name
         assert r["update_successful"] == 1.0, name

@@ -25,13 +25,20 @@ def batch(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, dict, st
     ck, ck16 = str(root / "fp32"), str(root / "bf16")
     save_hf(init_state_dict(cfg, torch.float32, 11), cfg, ck)
     save_hf(init_state_dict(cfg, torch.bfloat16, 11), cfg, ck16)
-    return (ck, pc.rollout(ck, "contract", 4, 40, 12, T), pc.rollout(ck, "default", 4, 40, 12, T),
-            ck16, pc.rollout(ck16, "contract", 4, 40, 12, T))
+    return (
+        ck,
+        pc.rollout(ck, "contract", 4, 40, 12, T),
+        pc.rollout(ck, "default", 4, 40, 12, T),
+        ck16,
+        pc.rollout(ck16, "contract", 4, 40, 12, T),
+    )
 
 
 def _jobs(ck: str, ro: dict, layouts: list[Layout], contract: str = "contract", dtype: str = "float32") -> list[dict]:
-    return [dict(layout=lay, dtype=dtype, contract=contract, checkpoint=ck, rollout=ro, temperature=T,
-                 advantages=ADV) for lay in layouts]
+    return [
+        dict(layout=lay, dtype=dtype, contract=contract, checkpoint=ck, rollout=ro, temperature=T, advantages=ADV)
+        for lay in layouts
+    ]
 
 
 def _on_policy(r: dict) -> None:
@@ -47,10 +54,14 @@ def _on_policy(r: dict) -> None:
 def test_ppo_step_two_ranks(batch: tuple) -> None:
     ck, ro, ro_off, ck16, ro16 = batch
     layouts = [Layout(tp=1), Layout(tp=2), Layout(pp=2), Layout(cp=2, cp_mode="ulysses"), Layout(cp=2, cp_mode="ring")]
-    res = spawn(pc.ppo_worker, 2, _jobs(ck, ro, layouts) + _jobs(ck16, ro16, [Layout(tp=2)], dtype="bfloat16")
-                + _jobs(ck, ro_off, [Layout(tp=1)], "off_policy")
-                + [dict(_jobs(ck, ro_off, [Layout(tp=1)], "off_policy")[0], old_from_rollout=True,
-                        exact_first_forward=True)])
+    res = spawn(
+        pc.ppo_worker,
+        2,
+        _jobs(ck, ro, layouts)
+        + _jobs(ck16, ro16, [Layout(tp=2)], dtype="bfloat16")
+        + _jobs(ck, ro_off, [Layout(tp=1)], "off_policy")
+        + [dict(_jobs(ck, ro_off, [Layout(tp=1)], "off_policy")[0], old_from_rollout=True, exact_first_forward=True)],
+    )
     bf16, off, refused = res[-3], res[-2], res[-1]
     res = res[:-3]
     ref = res[0]

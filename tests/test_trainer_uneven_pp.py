@@ -21,8 +21,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     cks3, ros3 = pc.checkpoints_and_rollouts(root, ModelConfig(num_layers=3), 3, 3, 30, 6, T, prefix="3_")
     cks4, ros4 = pc.checkpoints_and_rollouts(root, ModelConfig(num_layers=4), 3, 3, 30, 6, T, prefix="4_")
     three = [Layout(pp=2, pp_layers=(2, 1)), Layout(pp=2, pp_layers=(1, 2))]
-    return (pc.layout_jobs(three, cks3, ros3, T)
-            + pc.layout_jobs([Layout(pp=2, pp_layers=(3, 1))], {"float32": cks4["float32"]}, ros4, T))
+    return pc.layout_jobs(three, cks3, ros3, T) + pc.layout_jobs(
+        [Layout(pp=2, pp_layers=(3, 1))], {"float32": cks4["float32"]}, ros4, T
+    )
 
 
 def test_uneven_stages_exact(jobs: list[dict]) -> None:

@@ -34,9 +34,10 @@ def test_qkv_is_fused_per_query_group() -> None:
     q = hf["model.layers.0.self_attn.q_proj.weight"]
     k = hf["model.layers.0.self_attn.k_proj.weight"]
     assert qkv.shape == (2 * block, cfg.hidden_size)
-    assert torch.equal(qkv[:per * d], q[2 * per * d:3 * per * d])  # group 2's query heads
-    assert torch.equal(qkv[per * d:(per + 1) * d], k[2 * d:3 * d])  # then group 2's key head
+    assert torch.equal(qkv[: per * d], q[2 * per * d : 3 * per * d])  # group 2's query heads
+    assert torch.equal(qkv[per * d : (per + 1) * d], k[2 * d : 3 * d])  # then group 2's key head
     emb = sd["embedding.word_embeddings.weight"]
-    assert emb.shape == (1024, cfg.hidden_size) and torch.equal(emb[:1024 - (2048 - cfg.vocab_size)],
-                                                                   hf["model.embed_tokens.weight"][1024:])
-    assert not emb[1024 - (2048 - cfg.vocab_size):].any()  # vocab padding rows are zero
+    assert emb.shape == (1024, cfg.hidden_size) and torch.equal(
+        emb[: 1024 - (2048 - cfg.vocab_size)], hf["model.embed_tokens.weight"][1024:]
+    )
+    assert not emb[1024 - (2048 - cfg.vocab_size) :].any()  # vocab padding rows are zero

@@ -18,6 +18,19 @@ def test_every_triton_kernel_compiles_for_sm90() -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     count = int(re.search(r"compiled (\d+) kernel variants", res.stdout).group(1))
     names = set(re.findall(r"B  (_\w+)", res.stdout))
-    assert count >= 20 and {"_attention_kernel", "_fused_kernel", "_partials_kernel", "_fold_kernel", "_merge_kernel",
-                            "_finalize_kernel", "_rms_norm_kernel", "_swiglu_kernel", "_rope_kernel",
-                            "_logprob_kernel"} <= names, res.stdout
+    assert (
+        count >= 20
+        and {
+            "_attention_kernel",
+            "_fused_kernel",
+            "_partials_kernel",
+            "_fold_kernel",
+            "_merge_kernel",
+            "_finalize_kernel",
+            "_rms_norm_kernel",
+            "_swiglu_kernel",
+            "_rope_kernel",
+            "_logprob_kernel",
+        }
+        <= names
+    ), res.stdout

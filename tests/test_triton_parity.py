@@ -25,8 +25,10 @@ MODEL = ModelConfig(num_layers=2)
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     ck = str(tmp_path_factory.mktemp("ckpt") / "float32")
     save_hf(init_state_dict(MODEL, torch.float32, 5), MODEL, ck)
-    ros = {("float32", c): pc.rollout(ck, k, 3, 40, 6, TEMPERATURE)
-           for c, k in (("triton", "triton"), ("off_policy", "default"))}
+    ros = {
+        ("float32", c): pc.rollout(ck, k, 3, 40, 6, TEMPERATURE)
+        for c, k in (("triton", "triton"), ("off_policy", "default"))
+    }
     return {"float32": ck}, ros
 
 

@@ -45,9 +45,7 @@ def expected(ckpt: Path) -> list[list[float]]:
     return [r.output_logprobs.tolist() for r in results]
 
 
-def test_weights_broadcast_over_a_group_are_served_bit_for_bit(
-    client: RolloutClient, ckpts: dict[str, Path]
-) -> None:
+def test_weights_broadcast_over_a_group_are_served_bit_for_bit(client: RolloutClient, ckpts: dict[str, Path]) -> None:
     before = [o["output_logprobs"] for o in client.generate(PROMPTS, PARAMS)]
     assert before == expected(ckpts["a"])
     pusher = WeightPusher(client, engine_ranks=1, backend="gloo", timeout_s=60)
@@ -94,9 +92,7 @@ def test_a_refused_announcement_does_not_leave_the_sender_waiting(client: Rollou
             return getattr(client, name)
 
         def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version=None):  # noqa: ANN001, ANN201
-            return client.update_weights_from_distributed(
-                names, dtypes, shapes, "another_group", weight_version
-            )
+            return client.update_weights_from_distributed(names, dtypes, shapes, "another_group", weight_version)
 
     pusher = WeightPusher(WrongGroup(), engine_ranks=1, backend="gloo", timeout_s=60)
     try:

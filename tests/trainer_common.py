@@ -22,12 +22,19 @@ def random_hf(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, t
         sd["lm_head.weight"] = r(cfg.vocab_size, H)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        sd.update({
-            p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
-            p + "self_attn.q_proj.weight": r(cfg.q_size, H), p + "self_attn.k_proj.weight": r(cfg.kv_size, H),
-            p + "self_attn.v_proj.weight": r(cfg.kv_size, H), p + "self_attn.o_proj.weight": r(H, cfg.q_size),
-            p + "self_attn.q_norm.weight": norm(D), p + "self_attn.k_norm.weight": norm(D),
-            p + "mlp.gate_proj.weight": r(F, H), p + "mlp.up_proj.weight": r(F, H),
-            p + "mlp.down_proj.weight": r(H, F),
-        })
+        sd.update(
+            {
+                p + "input_layernorm.weight": norm(H),
+                p + "post_attention_layernorm.weight": norm(H),
+                p + "self_attn.q_proj.weight": r(cfg.q_size, H),
+                p + "self_attn.k_proj.weight": r(cfg.kv_size, H),
+                p + "self_attn.v_proj.weight": r(cfg.kv_size, H),
+                p + "self_attn.o_proj.weight": r(H, cfg.q_size),
+                p + "self_attn.q_norm.weight": norm(D),
+                p + "self_attn.k_norm.weight": norm(D),
+                p + "mlp.gate_proj.weight": r(F, H),
+                p + "mlp.up_proj.weight": r(F, H),
+                p + "mlp.down_proj.weight": r(H, F),
+            }
+        )
     return sd

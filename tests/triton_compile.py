@@ -20,8 +20,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
-         torch.int32: "*i32"}
+TYPES = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+}
 OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 compiled: dict[str, int] = {}
 

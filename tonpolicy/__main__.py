@@ -32,8 +32,15 @@ def main(dcfg: DictConfig) -> None:
         print(f"tonpolicy: {exc}", file=sys.stderr)
         code = 2
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(run_dir / "summary.json", {"status": "invalid_config", "layout": layout_label(cfg.parallel),
-                                                     "contract": cfg.contract.name, "error": str(exc)})
+        write_json_atomic(
+            run_dir / "summary.json",
+            {
+                "status": "invalid_config",
+                "layout": layout_label(cfg.parallel),
+                "contract": cfg.contract.name,
+                "error": str(exc),
+            },
+        )
     if code and hc.mode == RunMode.MULTIRUN:
         # One failed job must not stop the sweep; the sweep summary reports it and sets the exit code.
         print(f"tonpolicy: job {hc.job.num} ({hc.job.override_dirname}) exited {code}", file=sys.stderr)

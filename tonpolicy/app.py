@@ -42,5 +42,3 @@ def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) ->
     from tonpolicy.parity.align_job import run_align
 
     return run_align(cfg, run_dir)
-
-

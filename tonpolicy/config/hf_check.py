@@ -36,8 +36,9 @@ def _rope_theta(hf: dict[str, Any]) -> Any:
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
-def hf_config_mismatches(model: ModelConfig, path: str | Path | None = None,
-                         key: str = "model.hf_config") -> list[tuple[str, Any, str]]:
+def hf_config_mismatches(
+    model: ModelConfig, path: str | Path | None = None, key: str = "model.hf_config"
+) -> list[tuple[str, Any, str]]:
     """(dotted key, value, rule) for every field where config.json (`path`, default model.hf_config;
     `key` names the config key it came from) disagrees with the profile."""
     path = Path(str(path if path is not None else model.hf_config))
@@ -54,11 +55,19 @@ def hf_config_mismatches(model: ModelConfig, path: str | Path | None = None,
     archs = hf.get("architectures") or []
     moe = [k for k in MOE_KEYS if hf.get(k)]
     if model.architecture not in archs:
-        kind = " (a MoE architecture: use a MoE profile)" if any(m in str(a) for a in archs for m in MOE_MARKERS) else ""
+        kind = (
+            " (a MoE architecture: use a MoE profile)" if any(m in str(a) for a in archs for m in MOE_MARKERS) else ""
+        )
         out.append(("model.architecture", model.architecture, f"{key} declares {archs}{kind}"))
     elif moe:
-        out.append(("model.architecture", model.architecture, f"{key} has {moe[0]}={hf[moe[0]]!r}: a mixture-of-"
-                    "experts model, which the dense profiles do not describe"))
+        out.append(
+            (
+                "model.architecture",
+                model.architecture,
+                f"{key} has {moe[0]}={hf[moe[0]]!r}: a mixture-of-"
+                "experts model, which the dense profiles do not describe",
+            )
+        )
     for field, hf_key in HF_FIELDS.items():
         theirs = _rope_theta(hf) if field == "rope_theta" else hf.get(hf_key)
         if field == "tie_word_embeddings" and theirs is None:

@@ -60,8 +60,13 @@ _NOT_ARCHITECTURE = {"name", "family", "hf_config", "checkpoint", "init_seed", "
 def check_same_architecture(expected: ModelConfig, loaded: ModelConfig, path: str) -> None:
     """Refuse a checkpoint whose architecture is not the expected one, naming every differing field.
     Both engines call this on what they load, so a wrong path can never serve or train another model."""
-    diff = {f.name: (getattr(expected, f.name), getattr(loaded, f.name)) for f in fields(expected)
-            if f.name not in _NOT_ARCHITECTURE and getattr(expected, f.name) != getattr(loaded, f.name)}
+    diff = {
+        f.name: (getattr(expected, f.name), getattr(loaded, f.name))
+        for f in fields(expected)
+        if f.name not in _NOT_ARCHITECTURE and getattr(expected, f.name) != getattr(loaded, f.name)
+    }
     if diff:
-        raise ValueError(f"checkpoint {path} has another architecture than model {expected.name} "
-                         f"(field: (profile, checkpoint)): {diff}")
+        raise ValueError(
+            f"checkpoint {path} has another architecture than model {expected.name} "
+            f"(field: (profile, checkpoint)): {diff}"
+        )

@@ -17,18 +17,26 @@ def check_sglang(cfg: Config, bad: Any) -> None:
     """Rules for released SGLang: what the contract needs inside it, what its CPU engine accepts."""
     c, pol = cfg.contract, cfg.contract.sglang
     if c.kernels in INVARIANT_KERNEL_SETS and pol.model_package != CONTRACT_SGLANG_PACKAGE:
-        bad("contract.sglang.model_package", f"contract {c.name} runs its kernels inside SGLang only through "
-            f"{CONTRACT_SGLANG_PACKAGE!r}; SGLang's own kernels cannot reproduce its bits")
+        bad(
+            "contract.sglang.model_package",
+            f"contract {c.name} runs its kernels inside SGLang only through "
+            f"{CONTRACT_SGLANG_PACKAGE!r}; SGLang's own kernels cannot reproduce its bits",
+        )
     if c.kernels not in INVARIANT_KERNEL_SETS and pol.model_package:
         bad("contract.sglang.model_package", f"kernel set {c.kernels!r} is stock SGLang's: must be null")
     if pol.model_package:
         if pol.enable_deterministic_inference:
-            bad("contract.sglang.enable_deterministic_inference", "must be false with the model package: its "
+            bad(
+                "contract.sglang.enable_deterministic_inference",
+                "must be false with the model package: its "
                 "kernels are invariant by construction, and SGLang's deterministic mode swaps the sampler, "
-                "turns the radix cache off and refuses the CPU attention backend")
+                "turns the radix cache off and refuses the CPU attention backend",
+            )
         if pol.rl_on_policy_target is not None:
-            bad("contract.sglang.rl_on_policy_target", "must be null with the model package: SGLang would "
-                "round the returned logprobs to bf16")
+            bad(
+                "contract.sglang.rl_on_policy_target",
+                "must be null with the model package: SGLang would round the returned logprobs to bf16",
+            )
     device = cfg.trainer.device
     if device == "auto":  # as the launch plan resolves it
         import torch
@@ -36,8 +44,10 @@ def check_sglang(cfg: Config, bad: Any) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         if pol.attention_backend not in (None, "torch_native"):
-            bad("contract.sglang.attention_backend", "SGLang's CPU engine on a CPU without AMX runs only "
-                "torch_native (or null)")
+            bad(
+                "contract.sglang.attention_backend",
+                "SGLang's CPU engine on a CPU without AMX runs only torch_native (or null)",
+            )
         if pol.enable_deterministic_inference:
             bad("contract.sglang.enable_deterministic_inference", "SGLang's deterministic mode needs an accelerator")
     if cfg.mode == "run":
@@ -45,5 +55,8 @@ def check_sglang(cfg: Config, bad: Any) -> None:
 
         py = sglang_python(cfg)
         if os.sep in py and not os.access(py, os.X_OK):
-            bad("rollout.python", f"{py} is not an executable interpreter; make the SGLang environment with "
-                "`bash scripts/setup_sglang.sh` or point rollout.python at one")
+            bad(
+                "rollout.python",
+                f"{py} is not an executable interpreter; make the SGLang environment with "
+                "`bash scripts/setup_sglang.sh` or point rollout.python at one",
+            )

@@ -109,8 +109,11 @@ def unknown_keys(composed: Any) -> list[ConfigIssue]:
             elif isinstance(value, dict) and isinstance(ref[key], dict):
                 walk(value, ref[key], dotted + ".")
 
-    walk(OmegaConf.to_container(composed, resolve=False),
-         OmegaConf.to_container(OmegaConf.structured(Config), resolve=False), "")
+    walk(
+        OmegaConf.to_container(composed, resolve=False),
+        OmegaConf.to_container(OmegaConf.structured(Config), resolve=False),
+        "",
+    )
     return found
 
 
@@ -128,13 +131,32 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
 
     m, p = cfg.model, cfg.parallel
     positive = [
-        "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_kv_heads",
-        "model.head_dim", "model.intermediate_size", "model.vocab_size", "model.max_position_embeddings",
-        "parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp", "parallel.rollout_tp",
-        "parallel.rollout_dp", "contract.attention_tile",
-        "contract.row_tile", "contract.prefill_row_tile", "contract.attention_row_tile", "contract.canonical_shards", "experiment.steps",
-        "experiment.prompts_per_step", "experiment.samples_per_prompt", "experiment.max_prompt_len",
-        "experiment.max_new_tokens", "rollout.max_running_requests", "trainer.nnodes",
+        "model.num_layers",
+        "model.hidden_size",
+        "model.num_attention_heads",
+        "model.num_kv_heads",
+        "model.head_dim",
+        "model.intermediate_size",
+        "model.vocab_size",
+        "model.max_position_embeddings",
+        "parallel.tp",
+        "parallel.pp",
+        "parallel.cp",
+        "parallel.dp",
+        "parallel.rollout_tp",
+        "parallel.rollout_dp",
+        "contract.attention_tile",
+        "contract.row_tile",
+        "contract.prefill_row_tile",
+        "contract.attention_row_tile",
+        "contract.canonical_shards",
+        "experiment.steps",
+        "experiment.prompts_per_step",
+        "experiment.samples_per_prompt",
+        "experiment.max_prompt_len",
+        "experiment.max_new_tokens",
+        "rollout.max_running_requests",
+        "trainer.nnodes",
         "trainer.micro_batch_size",
     ]
     if p.num_microbatches is not None:
@@ -187,8 +209,11 @@ def _check_layout(cfg: Config, bad: Any) -> None:
         if sum(p.pp_layers) != m.num_layers or min(p.pp_layers, default=0) < 1:
             bad("parallel.pp_layers", f"stages must each hold >= 1 layer and sum to model.num_layers={m.num_layers}")
         if len(set(p.pp_layers[1:-1])) > 1:
-            bad("parallel.pp_layers", "Megatron sizes uneven stages by the first and the last: the stages between "
-                "them must hold equal layer counts")
+            bad(
+                "parallel.pp_layers",
+                "Megatron sizes uneven stages by the first and the last: the stages between "
+                "them must hold equal layer counts",
+            )
     elif m.num_layers % p.pp:
         bad("parallel.pp", f"must divide model.num_layers={m.num_layers} (or declare parallel.pp_layers)")
     # Megatron's batch arithmetic: batch = dp * num_microbatches * micro_batch_size.
@@ -196,19 +221,30 @@ def _check_layout(cfg: Config, bad: Any) -> None:
     mbs = cfg.trainer.micro_batch_size
     if p.dp >= 1 and mbs >= 1:
         if batch % (p.dp * mbs):
-            bad("trainer.micro_batch_size", f"parallel.dp*micro_batch_size={p.dp * mbs} must divide the batch "
-                f"(experiment.prompts_per_step*samples_per_prompt={batch}): every replica runs whole microbatches")
+            bad(
+                "trainer.micro_batch_size",
+                f"parallel.dp*micro_batch_size={p.dp * mbs} must divide the batch "
+                f"(experiment.prompts_per_step*samples_per_prompt={batch}): every replica runs whole microbatches",
+            )
         else:
             n_mb = microbatches_per_replica(cfg)
             if p.num_microbatches is not None and p.num_microbatches != n_mb:
-                bad("parallel.num_microbatches", f"is batch/(dp*micro_batch_size)={n_mb} here: set that, or null "
-                    "to derive it")
+                bad(
+                    "parallel.num_microbatches",
+                    f"is batch/(dp*micro_batch_size)={n_mb} here: set that, or null to derive it",
+                )
             if p.pp > 1 and n_mb < p.pp:
-                bad("trainer.micro_batch_size", f"leaves {n_mb} microbatches per replica, fewer than parallel.pp="
-                    f"{p.pp} stages: the pipeline never fills")
+                bad(
+                    "trainer.micro_batch_size",
+                    f"leaves {n_mb} microbatches per replica, fewer than parallel.pp="
+                    f"{p.pp} stages: the pipeline never fills",
+                )
     if cfg.trainer.pack_sequences and p.cp > 1:
-        bad("trainer.pack_sequences", "packed rows are not split for context parallelism (each sample would need "
-            "its own zigzag): use padded rows (false) with parallel.cp > 1")
+        bad(
+            "trainer.pack_sequences",
+            "packed rows are not split for context parallelism (each sample would need "
+            "its own zigzag): use padded rows (false) with parallel.cp > 1",
+        )
 
     # Context parallelism.
     if p.cp > 1 and p.cp_type == "none":
@@ -221,7 +257,10 @@ def _check_layout(cfg: Config, bad: Any) -> None:
                 bad("parallel.cp", f"Ulysses CP needs model.{key}={heads} divisible by tp*cp={p.tp * p.cp}")
     pad = seq_pad_multiple(cfg)
     if p.cp > 1 and p.cp_type == "ring" and pad % (2 * p.cp * c.attention_tile):
-        bad("trainer.seq_pad_multiple", f"ring CP needs sequences padded to a multiple of 2*cp*attention_tile={2 * p.cp * c.attention_tile}")
+        bad(
+            "trainer.seq_pad_multiple",
+            f"ring CP needs sequences padded to a multiple of 2*cp*attention_tile={2 * p.cp * c.attention_tile}",
+        )
 
     # World size against the declared resources.
     ws = world_size(cfg)
@@ -231,8 +270,10 @@ def _check_layout(cfg: Config, bad: Any) -> None:
         bad("trainer.nnodes", f"must divide the world size tp*pp*cp*dp={ws}")
     t = cfg.trainer
     if t.nnodes > 1 and cfg.mode == "plan" and t.master_addr in LOOPBACK:
-        bad("trainer.master_addr", f"is loopback, which the other {t.nnodes - 1} node(s) cannot reach: "
-            "give node 0's address")
+        bad(
+            "trainer.master_addr",
+            f"is loopback, which the other {t.nnodes - 1} node(s) cannot reach: give node 0's address",
+        )
     if t.nnodes > 1 and cfg.mode == "run":  # every node's launcher must agree on these
         if not cfg.model.checkpoint:
             bad("model.checkpoint", "several nodes start from one checkpoint every node can read: give its path")
@@ -246,7 +287,10 @@ def _check_layout(cfg: Config, bad: Any) -> None:
     elif r.nnodes > 1 and p.rollout_tp % r.nnodes:
         bad("rollout.nnodes", f"must divide parallel.rollout_tp={p.rollout_tp} (SGLang splits TP ranks over nodes)")
     if r.nnodes > 1 and r.nnodes != t.nnodes:
-        bad("rollout.nnodes", f"a server spanning nodes runs on every node of the plan: must equal trainer.nnodes={t.nnodes}")
+        bad(
+            "rollout.nnodes",
+            f"a server spanning nodes runs on every node of the plan: must equal trainer.nnodes={t.nnodes}",
+        )
     if r.nnodes > 1 and cfg.mode == "run":
         bad("rollout.nnodes", "a server spanning nodes is started by the plan's launch.sh on each node: use mode=plan")
     if r.nnodes > 1 and not r.dist_init_addr:
@@ -255,9 +299,15 @@ def _check_layout(cfg: Config, bad: Any) -> None:
         _check_triton(cfg, bad)
     if c.kernels in INVARIANT_KERNEL_SETS:
         if c.canonical_shards % p.tp:
-            bad("parallel.tp", f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}")
+            bad(
+                "parallel.tp",
+                f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}",
+            )
         if c.canonical_shards % rtp:
-            bad("parallel.rollout_tp", f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}")
+            bad(
+                "parallel.rollout_tp",
+                f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}",
+            )
 
 
 def _check_triton(cfg: Config, bad: Any) -> None:
@@ -269,8 +319,11 @@ def _check_triton(cfg: Config, bad: Any) -> None:
         bad("contract.attention_tile", f"the triton kernel set uses {TRITON_ATTENTION_TILE}-key tiles")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if cfg.trainer.device == "cpu" and not interpreted:
-        bad("trainer.device", f"contract {c.name} runs Triton kernels on CUDA GPUs: set trainer.device=cuda "
-            "(on a CPU only under TRITON_INTERPRET=1, which is for tests)")
+        bad(
+            "trainer.device",
+            f"contract {c.name} runs Triton kernels on CUDA GPUs: set trainer.device=cuda "
+            "(on a CPU only under TRITON_INTERPRET=1, which is for tests)",
+        )
     if cfg.trainer.device == "auto" and not interpreted and not _cuda_available():
         bad("trainer.device", f"contract {c.name} runs Triton kernels on CUDA GPUs and this machine has none")
 
@@ -293,7 +346,10 @@ def _check_contract(cfg: Config, bad: Any) -> None:
     if cfg.trainer.backend not in c.supported_trainer_backends:
         bad("trainer.backend", f"contract {c.name} supports trainer backends {c.supported_trainer_backends}")
     if c.sglang.enable_deterministic_inference and c.sglang.attention_backend not in SGLANG_DETERMINISTIC_BACKENDS:
-        bad("contract.sglang.attention_backend", f"SGLang deterministic inference accepts only {list(SGLANG_DETERMINISTIC_BACKENDS)}")
+        bad(
+            "contract.sglang.attention_backend",
+            f"SGLang deterministic inference accepts only {list(SGLANG_DETERMINISTIC_BACKENDS)}",
+        )
     if c.sglang.rl_on_policy_target not in (None, "fsdp"):
         bad("contract.sglang.rl_on_policy_target", "released SGLang accepts only 'fsdp' (or null to omit the flag)")
 
@@ -304,32 +360,47 @@ def _check_ranges(cfg: Config, bad: Any) -> None:
     if not 0 <= e.seed <= SEED_MAX:
         bad("experiment.seed", f"must be in [0, {SEED_MAX}] (it is PYTHONHASHSEED and seeds every generator)")
     if not (math.isfinite(e.temperature) and e.temperature >= MIN_TEMPERATURE):
-        bad("experiment.temperature", f"must be finite and >= {MIN_TEMPERATURE} (logprobs are log_softmax(logits / "
-            "temperature); both rollout servers treat smaller values as greedy)")
+        bad(
+            "experiment.temperature",
+            f"must be finite and >= {MIN_TEMPERATURE} (logprobs are log_softmax(logits / "
+            "temperature); both rollout servers treat smaller values as greedy)",
+        )
     if not (math.isfinite(e.top_p) and 0 < e.top_p <= 1):
         bad("experiment.top_p", "must be in (0, 1]")
     if e.top_k != -1 and e.top_k < 1:
         bad("experiment.top_k", "must be -1 (off) or >= 1")
     if e.max_prompt_len >= 1 and e.max_new_tokens >= 1 and padded_seq_len(cfg) > cfg.model.max_position_embeddings:
-        bad("experiment.max_new_tokens", f"max_prompt_len + max_new_tokens (padded to {seq_pad_multiple(cfg)}) = "
-            f"{padded_seq_len(cfg)} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}")
+        bad(
+            "experiment.max_new_tokens",
+            f"max_prompt_len + max_new_tokens (padded to {seq_pad_multiple(cfg)}) = "
+            f"{padded_seq_len(cfg)} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}",
+        )
     for key, port in (("rollout.port", r.port), ("trainer.master_port", t.master_port)):
         if not 0 <= port <= 65535:
             bad(key, "must be in [0, 65535] (0 picks a free port)")
-    for key, seconds in (("rollout.health_timeout_s", r.health_timeout_s), ("trainer.timeout_s", t.timeout_s),
-                         ("rollout.liveness_timeout_s", r.liveness_timeout_s)):
+    for key, seconds in (
+        ("rollout.health_timeout_s", r.health_timeout_s),
+        ("trainer.timeout_s", t.timeout_s),
+        ("rollout.liveness_timeout_s", r.liveness_timeout_s),
+    ):
         if not (math.isfinite(seconds) and seconds > 0):
             bad(key, "must be a positive number of seconds")
-    for key, value in (("rollout.chunked_prefill_size", r.chunked_prefill_size),
-                       ("rollout.max_total_tokens", r.max_total_tokens),
-                       ("trainer.nproc_per_node", t.nproc_per_node), ("trainer.seq_pad_multiple", t.seq_pad_multiple)):
+    for key, value in (
+        ("rollout.chunked_prefill_size", r.chunked_prefill_size),
+        ("rollout.max_total_tokens", r.max_total_tokens),
+        ("trainer.nproc_per_node", t.nproc_per_node),
+        ("trainer.seq_pad_multiple", t.seq_pad_multiple),
+    ):
         if value is not None and value < 1:
             bad(key, "must be a positive integer (or null)")
     if r.host not in LOOPBACK and not (r.allow_remote and r.require_api_key):
-        bad("rollout.host", "binds a non-loopback address, exposing /generate and the weight endpoints to "
+        bad(
+            "rollout.host",
+            "binds a non-loopback address, exposing /generate and the weight endpoints to "
             "other hosts; set rollout.allow_remote=true to mean it and rollout.require_api_key=true (with "
             f"${API_KEY_ENV}) so only the trainer is served (torchrun's store listens on all interfaces "
-            "either way)")
+            "either way)",
+        )
     if r.require_api_key and cfg.mode != "plan" and not os.environ.get(API_KEY_ENV):
         bad("rollout.require_api_key", f"needs the key in ${API_KEY_ENV} (it is never written to the config)")
     if r.weight_sync not in WEIGHT_SYNC_MODES:
@@ -337,12 +408,20 @@ def _check_ranges(cfg: Config, bad: Any) -> None:
     if r.weight_sync_backend not in (None, "gloo", "nccl"):
         bad("rollout.weight_sync_backend", "must be gloo, nccl or null (gloo on CPU, nccl on CUDA)")
     if r.weight_sync == "distributed" and cfg.parallel.rollout_dp != 1:
-        bad("rollout.weight_sync", "distributed sync sends to one engine replica: needs parallel.rollout_dp=1 "
-            "(or rollout.weight_sync=disk)")
+        bad(
+            "rollout.weight_sync",
+            "distributed sync sends to one engine replica: needs parallel.rollout_dp=1 (or rollout.weight_sync=disk)",
+        )
     if r.mem_fraction_static is not None and not 0 < r.mem_fraction_static < 1:
         bad("rollout.mem_fraction_static", "must be in (0, 1) (or null)")
-    positive_reals = ("trainer.lr", "trainer.clip_grad", "trainer.clip_eps", "trainer.clip_eps_high",
-                      "model.rope_theta", "model.rms_norm_eps")
+    positive_reals = (
+        "trainer.lr",
+        "trainer.clip_grad",
+        "trainer.clip_eps",
+        "trainer.clip_eps_high",
+        "model.rope_theta",
+        "model.rms_norm_eps",
+    )
     for key in positive_reals:
         value = _get(cfg, key)
         if not (math.isfinite(value) and value > 0):
@@ -359,9 +438,12 @@ def _check_task(cfg: Config, bad: Any) -> None:
     if task.graded_tokens < 1:
         bad("task.graded_tokens", "must be a positive integer (the reward grades that many response tokens)")
     elif task.graded_tokens > cfg.experiment.max_new_tokens >= 1:
-        bad("task.graded_tokens", f"grades more tokens than experiment.max_new_tokens={cfg.experiment.max_new_tokens} "
+        bad(
+            "task.graded_tokens",
+            f"grades more tokens than experiment.max_new_tokens={cfg.experiment.max_new_tokens} "
             "lets a response have (the reward could never reach 1): raise experiment.max_new_tokens to "
-            f"{task.graded_tokens} or lower task.graded_tokens")
+            f"{task.graded_tokens} or lower task.graded_tokens",
+        )
     if not 0 <= task.target_digit <= 9:
         bad("task.target_digit", "must be a digit in [0, 9]")
     if task.lr is not None and not (math.isfinite(task.lr) and task.lr > 0):
@@ -369,8 +451,11 @@ def _check_task(cfg: Config, bad: Any) -> None:
     if task.max_digits is not None and task.max_digits < 1:
         bad("task.max_digits", "must be a positive integer (or null: as many as experiment.max_prompt_len allows)")
     elif task.max_digits is not None and task.max_digits + 2 > cfg.experiment.max_prompt_len:
-        bad("task.max_digits", f"a prompt of {task.max_digits} digits and two words exceeds "
-            f"experiment.max_prompt_len={cfg.experiment.max_prompt_len}")
+        bad(
+            "task.max_digits",
+            f"a prompt of {task.max_digits} digits and two words exceeds "
+            f"experiment.max_prompt_len={cfg.experiment.max_prompt_len}",
+        )
 
 
 def _check_checkpoint(cfg: Config, issues: list[ConfigIssue]) -> None:

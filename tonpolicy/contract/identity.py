@@ -78,11 +78,18 @@ def build_info(device: str) -> dict[str, Any]:
     import torch
 
     config = torch.__config__.show()
-    libs = [line.strip(" -") for line in config.splitlines()
-            if any(lib in line for lib in ("Math Kernel Library", "MKL-DNN", "oneDNN", "OpenBLAS"))
-            and "Build settings" not in line]
-    info: dict[str, Any] = {"torch": torch.__version__, "device": device, "blas": libs,
-                            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    libs = [
+        line.strip(" -")
+        for line in config.splitlines()
+        if any(lib in line for lib in ("Math Kernel Library", "MKL-DNN", "oneDNN", "OpenBLAS"))
+        and "Build settings" not in line
+    ]
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "device": device,
+        "blas": libs,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
     if device == "cuda":
         info["cuda"] = torch.version.cuda
         info["gpu"] = torch.cuda.get_device_name()

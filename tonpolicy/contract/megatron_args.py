@@ -11,8 +11,15 @@ from tonpolicy.config.model import ModelConfig, pipeline_stage_layers
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, padded_vocab_size
 
 
-def transformer_kwargs(model: ModelConfig, dtype: str, tp: int, pp: int, cp: int,
-                       pp_layers: list[int] | tuple[int, ...] | None, exact_zero: bool) -> dict[str, Any]:
+def transformer_kwargs(
+    model: ModelConfig,
+    dtype: str,
+    tp: int,
+    pp: int,
+    cp: int,
+    pp_layers: list[int] | tuple[int, ...] | None,
+    exact_zero: bool,
+) -> dict[str, Any]:
     """TransformerConfig arguments (numerics and layout)."""
     stages = pipeline_stage_layers(model.num_layers, pp, pp_layers)
     uneven = pp > 1 and len(set(stages)) > 1

@@ -27,7 +27,6 @@ SGLANG_DEFAULT_PORT = 30000
 # Megatron's cp_comm_type names for our CP modes (we implement both inside the contract attention).
 
 
-
 API_KEY_PLACEHOLDER = "${TONPOLICY_API_KEY}"
 NODE_RANK_PLACEHOLDER = "${NODE_RANK}"
 
@@ -48,21 +47,38 @@ def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: i
     device = device or resolve_device(cfg)
     entry = "tonpolicy.rollout.sglang_server" if c.sglang.model_package else "sglang.launch_server"
     argv = [
-        sglang_python(cfg), "-m", entry,
-        "--model-path", model_path,
-        "--host", r.host,
-        "--port", str(port or rollout_port(cfg)),
-        "--tp-size", str(p.rollout_tp),
-        "--dp-size", str(p.rollout_dp),
-        "--dtype", c.dtype,
-        "--random-seed", str(cfg.experiment.seed),
-        "--max-running-requests", str(r.max_running_requests),
+        sglang_python(cfg),
+        "-m",
+        entry,
+        "--model-path",
+        model_path,
+        "--host",
+        r.host,
+        "--port",
+        str(port or rollout_port(cfg)),
+        "--tp-size",
+        str(p.rollout_tp),
+        "--dp-size",
+        str(p.rollout_dp),
+        "--dtype",
+        c.dtype,
+        "--random-seed",
+        str(cfg.experiment.seed),
+        "--max-running-requests",
+        str(r.max_running_requests),
         "--skip-server-warmup",
     ]
     if r.skip_tokenizer_init:  # the trainer sends token ids; a checkpoint needs no tokenizer
         argv += ["--skip-tokenizer-init"]
     if r.nnodes > 1:  # the server spans nodes: launch.sh runs it on each with that node's rank
-        argv += ["--nnodes", str(r.nnodes), "--node-rank", NODE_RANK_PLACEHOLDER, "--dist-init-addr", str(r.dist_init_addr)]
+        argv += [
+            "--nnodes",
+            str(r.nnodes),
+            "--node-rank",
+            NODE_RANK_PLACEHOLDER,
+            "--dist-init-addr",
+            str(r.dist_init_addr),
+        ]
     if r.require_api_key:  # a placeholder: the launcher (or launch.sh's shell) puts the key in at exec
         argv += ["--api-key", API_KEY_PLACEHOLDER]
     if device == "cpu":
@@ -149,11 +165,30 @@ def torchrun_argv(cfg: Config, run_dir: Path, model_path: str) -> list[str]:
     # $NODE_RANK or SLURM's $SLURM_NODEID); static rendezvous keeps global rank 0 on node 0.
     nodes = ["--node-rank", NODE_RANK_PLACEHOLDER] if t.nnodes > 1 else []
     return [
-        py, "-m", "torch.distributed.run", "--nnodes", str(t.nnodes), "--nproc-per-node", str(nproc), *nodes,
-        "--master-addr", t.master_addr, "--master-port", str(t.master_port or 29500), "--max-restarts", "0",
-        "-m", "tonpolicy.launch.trainer_main", "--config", str(run_dir / "resolved_config.yaml"),
-        "--run-dir", str(run_dir), "--server-url", f"http://{cfg.rollout.host}:{rollout_port(cfg)}",
-        "--checkpoint", model_path,
+        py,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(t.nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        *nodes,
+        "--master-addr",
+        t.master_addr,
+        "--master-port",
+        str(t.master_port or 29500),
+        "--max-restarts",
+        "0",
+        "-m",
+        "tonpolicy.launch.trainer_main",
+        "--config",
+        str(run_dir / "resolved_config.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--server-url",
+        f"http://{cfg.rollout.host}:{rollout_port(cfg)}",
+        "--checkpoint",
+        model_path,
     ]
 
 
@@ -183,15 +218,29 @@ def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         plan["rollout"]["environment"] = server_environment(cfg, device, ident.fingerprint)
     else:
         plan["rollout"]["command"] = [
-            "python", "-m", "tonpolicy.rollout.server", "--config", str(run_dir / "resolved_config.yaml"),
-            "--model-path", model_path, "--host", cfg.rollout.host, "--port", str(rollout_port(cfg)),
+            "python",
+            "-m",
+            "tonpolicy.rollout.server",
+            "--config",
+            str(run_dir / "resolved_config.yaml"),
+            "--model-path",
+            model_path,
+            "--host",
+            cfg.rollout.host,
+            "--port",
+            str(rollout_port(cfg)),
         ]
     # The SGLang command is always rendered so a GPU user can take it to a cluster.
     plan["sglang_command"] = sglang_argv(cfg, model_path, device)
     if not cfg.model.checkpoint:  # a seeded random init, written before the engines start
         plan["init_checkpoint_command"] = [
-            "python", "-m", "tonpolicy.launch.init_checkpoint", "--config", str(run_dir / "resolved_config.yaml"),
-            "--out", model_path,
+            "python",
+            "-m",
+            "tonpolicy.launch.init_checkpoint",
+            "--config",
+            str(run_dir / "resolved_config.yaml"),
+            "--out",
+            model_path,
         ]
     return plan
 
@@ -223,18 +272,19 @@ def launch_script(plan: dict[str, Any]) -> str:
     init_line = f"\n# Initial weights (seeded random init in HF format).\n{node0}{_shell(init)}{fi}\n" if init else ""
     server_guard, server_end = (node0, fi) if nodes["rollout"] == 1 else ("", "")
     c = plan["contract"]
+    contract = f"{json.dumps(c['name'])} v{c['version']} ({c['fingerprint'][:16]})"
     return f"""#!/usr/bin/env bash
-# tonpolicy launch plan: contract {json.dumps(c['name'])} v{c['version']} ({c['fingerprint'][:16]}), layout {json.dumps(plan['layout'])}
+# tonpolicy launch plan: contract {contract}, layout {json.dumps(plan["layout"])}
 # Run it from an environment with tonpolicy installed; PYTHON picks the interpreter.
 set -euo pipefail
 PY="${{PYTHON:-python}}"
 {node_line}{env}
 {init_line}
-# Rollout server ({json.dumps(plan['rollout']['backend'])}); the trainer waits for its /health.
-{server_guard}{_server_env(plan)}{_shell(plan['rollout']['command'])} &
+# Rollout server ({json.dumps(plan["rollout"]["backend"])}); the trainer waits for its /health.
+{server_guard}{_server_env(plan)}{_shell(plan["rollout"]["command"])} &
 ROLLOUT_PID=$!{server_end}
 trap 'kill ${{ROLLOUT_PID:-}} 2>/dev/null || true' EXIT
 
-# Trainer ranks ({plan['dist_backend']}).
-{_shell(plan['trainer_command'])}
+# Trainer ranks ({plan["dist_backend"]}).
+{_shell(plan["trainer_command"])}
 """

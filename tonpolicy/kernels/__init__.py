@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from tonpolicy.kernels.base import AttnPartial, KernelSet
 
-__all__ = ["AttnPartial", "INVARIANT_KERNEL_SETS", "KernelSet", "TRITON_ATTENTION_TILE", "get_kernels", "padded_vocab_size"]
+__all__ = [
+    "AttnPartial",
+    "INVARIANT_KERNEL_SETS",
+    "KernelSet",
+    "TRITON_ATTENTION_TILE",
+    "get_kernels",
+    "padded_vocab_size",
+]
 
 # Kernel sets that keep the contract's invariances (the others are negative controls).
 INVARIANT_KERNEL_SETS = ("contract", "triton")
@@ -42,15 +49,20 @@ def get_kernels(
         from tonpolicy.kernels.contract import ContractKernels
 
         return ContractKernels(
-            attention_tile=attention_tile, canonical_shards=canonical_shards, row_tile=row_tile,
-            attention_row_tile=attention_row_tile, prefill_row_tile=prefill_row_tile,
+            attention_tile=attention_tile,
+            canonical_shards=canonical_shards,
+            row_tile=row_tile,
+            attention_row_tile=attention_row_tile,
+            prefill_row_tile=prefill_row_tile,
         )
     if name == "triton":
         # Fixed tiles of its own (64-key attention tiles); only the canonical shard count is a choice.
         from tonpolicy.kernels.triton_set import TritonKernels
 
         if attention_tile != TRITON_ATTENTION_TILE:
-            raise ValueError(f"the triton kernel set uses {TRITON_ATTENTION_TILE}-key tiles, got attention_tile={attention_tile}")
+            raise ValueError(
+                f"the triton kernel set uses {TRITON_ATTENTION_TILE}-key tiles, got attention_tile={attention_tile}"
+            )
         return TritonKernels(canonical_shards=canonical_shards)
     if name == "default":
         from tonpolicy.kernels.default import DefaultKernels

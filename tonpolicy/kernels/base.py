@@ -56,9 +56,7 @@ class KernelSet(Protocol):
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
 
-    def rope_cos_sin(
-        self, positions: torch.Tensor, head_dim: int, theta: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_cos_sin(self, positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos/sin [len(positions), head_dim] for HF-style rotate-half RoPE."""
 
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,14 +77,25 @@ class KernelSet(Protocol):
         in q.dtype. Keys must be in ascending position order, starting at position 0."""
 
     def attention_batched(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
         """`attention` over a batch of independent sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D]."""
 
     def attention_pooled(
-        self, q: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-        slots: torch.Tensor, num_keys: int, scale: float,
+        self,
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+        num_keys: int,
+        scale: float,
     ) -> torch.Tensor:
         """`attention` of q [B, Nq, Hq, D] straight over a KV pool [slots, cap, Hkv, D] (decode path)."""
 
@@ -111,8 +120,6 @@ class KernelSet(Protocol):
     def finalize(self, p: AttnPartial, dtype: torch.dtype) -> torch.Tensor: ...
 
     # --- logprobs -------------------------------------------------------------------------------
-    def logprobs(
-        self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float
-    ) -> torch.Tensor:
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
         """fp32 log_softmax(logits[..., :vocab_size] / temperature) gathered at `tokens`.
         `logits` may carry TP vocab padding; it is truncated to the real vocab before softmax."""

@@ -77,9 +77,7 @@ class ContractKernels:
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return cp.swiglu(gate, up)
 
-    def rope_cos_sin(
-        self, positions: torch.Tensor, head_dim: int, theta: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_cos_sin(self, positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
         return cp.rope_cos_sin(positions, head_dim, theta)
 
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -121,8 +119,15 @@ class ContractKernels:
         n, cap, hkv, d = k_pool.shape
         kpos = torch.arange(cap, device=q.device).view(1, cap // t, t).expand(n, -1, -1)
         return ca.attention_stores(
-            q, q_pos, k_pool.view(n, cap // t, t, hkv, d), v_pool.view(n, cap // t, t, hkv, d), kpos,
-            slots, -(-num_keys // t), scale, self.attention_row_tile,
+            q,
+            q_pos,
+            k_pool.view(n, cap // t, t, hkv, d),
+            v_pool.view(n, cap // t, t, hkv, d),
+            kpos,
+            slots,
+            -(-num_keys // t),
+            scale,
+            self.attention_row_tile,
         )
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -136,8 +141,9 @@ class ContractKernels:
             raise ValueError(f"attention_tile takes exactly {self.tile_size} keys, got {k.shape[0]}")
         ks, vs, kps, _ = ca.to_store(k[None], v[None], k_pos[None], self.tile_size)
         rt = self.attention_row_tile
-        parts = ca.tile_partials(q[None], q_pos[None], ks, vs, kps, torch.zeros(1, dtype=torch.long, device=q.device), 1,
-                                 scale, rt)
+        parts = ca.tile_partials(
+            q[None], q_pos[None], ks, vs, kps, torch.zeros(1, dtype=torch.long, device=q.device), 1, scale, rt
+        )
         nq = q.shape[0]
         m = ca.unpack_rows(parts.m[0], nq, rt)[0]
         l = ca.unpack_rows(parts.l[0], nq, rt)[0]  # noqa: E741
@@ -151,7 +157,5 @@ class ContractKernels:
         return ca.finalize(p, dtype)
 
     # --- logprobs -------------------------------------------------------------------------------
-    def logprobs(
-        self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float
-    ) -> torch.Tensor:
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
         return cp.logprobs(logits, tokens, vocab_size, temperature)

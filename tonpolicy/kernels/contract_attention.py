@@ -121,8 +121,9 @@ def tile_partials(
     vt = v_store.permute(0, 1, 3, 2, 4)[si, ki].float().reshape(npairs * hkv, tile, d).contiguous()
     acc = torch.bmm(p.reshape(npairs * hkv, r, tile).contiguous(), vt).view(npairs, hkv, r, d)
     if npairs == num_tiles * b * qt:  # every pair visible: the tile-major pair order is the dense order
-        return AttnPartial(m.view(num_tiles, b, qt, hkv, r), l.view(num_tiles, b, qt, hkv, r),
-                           acc.view(num_tiles, b, qt, hkv, r, d))
+        return AttnPartial(
+            m.view(num_tiles, b, qt, hkv, r), l.view(num_tiles, b, qt, hkv, r), acc.view(num_tiles, b, qt, hkv, r, d)
+        )
     # Skipped pairs hold exactly what computing them would give: (-inf, 0, 0).
     m_d = m.new_full((num_tiles, b, qt, hkv, r), NEG_INF)
     l_d = l.new_zeros(num_tiles, b, qt, hkv, r)
@@ -172,8 +173,14 @@ def attention_stores(
 
 
 def attention_batched(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
-    tile: int, row_tile: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    tile: int,
+    row_tile: int,
 ) -> torch.Tensor:
     """q [B, Nq, Hq, D] over k/v [B, Nk, Hkv, D] (positions [B, N]) -> [B, Nq, Hq, D] in q.dtype."""
     ks, vs, kps, kt = to_store(k, v, k_pos, tile)

@@ -24,8 +24,13 @@ class DefaultKernels:
         self.canonical_shards = canonical_shards
 
     def describe(self) -> dict[str, Any]:
-        return {"kernel_set": self.name, "attention_tile": self.tile_size,
-                "canonical_shards": self.canonical_shards, "linear": "F.linear", "attention": "sdpa"}
+        return {
+            "kernel_set": self.name,
+            "attention_tile": self.tile_size,
+            "canonical_shards": self.canonical_shards,
+            "linear": "F.linear",
+            "attention": "sdpa",
+        }
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
@@ -49,10 +54,10 @@ class DefaultKernels:
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
 
-    def rope_cos_sin(
-        self, positions: torch.Tensor, head_dim: int, theta: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    def rope_cos_sin(self, positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
+        )
         freqs = positions.reshape(-1).float()[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
@@ -82,8 +87,14 @@ class DefaultKernels:
         return out.transpose(1, 2)
 
     def attention_pooled(
-        self, q: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-        num_keys: int, scale: float,
+        self,
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+        num_keys: int,
+        scale: float,
     ) -> torch.Tensor:
         """Plain gather of each row's cached keys, then `attention_batched`."""
         nk = -(-num_keys // self.tile_size) * self.tile_size
@@ -122,9 +133,7 @@ class DefaultKernels:
     def finalize(self, p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
         return finalize(p, dtype)
 
-    def logprobs(
-        self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float
-    ) -> torch.Tensor:
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
         x = logits[..., :vocab_size]
         if temperature != 1.0:
             x = x / temperature

@@ -129,9 +129,7 @@ def _attention_kernel(
     else:
         # A row that sees no key (padding) has l = 0 and acc = 0: it returns 0, not NaN.
         out = tl.math.div_rn(acc, tl.where(den == 0.0, 1.0, den)[:, None])
-        tl.store(
-            out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None]
-        )
+        tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit

@@ -135,9 +135,7 @@ def _fused_kernel(
     pm, pn = tl.program_id(0), tl.program_id(1)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = _shard_acc(
-        x_ptr, w_ptr, rm, rn, M, N, 0, k_shard, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE
-    )
+    y = _shard_acc(x_ptr, w_ptr, rm, rn, M, N, 0, k_shard, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
     for s in range(1, shards):
         y = y + _shard_acc(
             x_ptr,
@@ -178,9 +176,7 @@ def _launch_opts() -> dict:
     return {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "enable_fp_fusion": False}
 
 
-def _prepare(
-    x: torch.Tensor, weight: torch.Tensor, num_shards: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _prepare(x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     k = x.shape[-1]
     if weight.shape[1] != k or k % num_shards:
         raise ValueError(f"K={k} must match weight {tuple(weight.shape)} and divide into {num_shards} shards")

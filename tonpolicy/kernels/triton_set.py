@@ -41,10 +41,7 @@ class _KernelForward(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         inputs = ctx.saved_tensors
         with torch.enable_grad():
-            leaves = [
-                t.detach().requires_grad_(need)
-                for t, need in zip(inputs, ctx.needs_input_grad[2:], strict=True)
-            ]
+            leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, ctx.needs_input_grad[2:], strict=True)]
             out = ctx.reference(*leaves)
             wanted = [t for t in leaves if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad))
@@ -103,9 +100,7 @@ class TritonKernels:
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return _run(trow.swiglu, ref.swiglu, gate, up)
 
-    def rope_cos_sin(
-        self, positions: torch.Tensor, head_dim: int, theta: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_cos_sin(self, positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
         return ref.rope_cos_sin(positions, head_dim, theta)
 
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -207,9 +202,7 @@ class TritonKernels:
         return ta.finalize(p.l, p.acc, dtype)
 
     # --- logprobs -------------------------------------------------------------------------------
-    def logprobs(
-        self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float
-    ) -> torch.Tensor:
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
         return _run(
             lambda x: trow.logprobs(x, tokens, vocab_size, temperature),
             lambda x: ref.logprobs(x, tokens, vocab_size, temperature),

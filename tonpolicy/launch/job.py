@@ -124,10 +124,15 @@ def with_flags(command: list[str], values: dict[str, Any], python: str | None = 
     return argv
 
 
-def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, procs: ProcessGroup) -> tuple[Child, str]:
+def start_rollout(
+    cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, procs: ProcessGroup
+) -> tuple[Child, str]:
     host, port = cfg.rollout.host, cfg.rollout.port
     if port and not port_is_free(host, port):
-        raise JobFailed(EXIT_SERVER_UNHEALTHY, f"rollout.port={port}: port already in use on {host}; pick another or use 0 (a free port)")
+        raise JobFailed(
+            EXIT_SERVER_UNHEALTHY,
+            f"rollout.port={port}: port already in use on {host}; pick another or use 0 (a free port)",
+        )
     port_file = run_dir / "rollout.port"
     port_file.unlink(missing_ok=True)
     (run_dir / STATUS_FILE).unlink(missing_ok=True)  # a verdict from an earlier run in this folder
@@ -148,7 +153,9 @@ def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, 
     url = f"http://{host}:{int(port_file.read_text().strip())}"
     if not wait_until(lambda: _health_ok(url), cfg.rollout.health_timeout_s, alive=server):
         state = "exited" if not server.alive() else f"not healthy after {cfg.rollout.health_timeout_s:.0f}s"
-        raise JobFailed(EXIT_SERVER_UNHEALTHY, f"rollout server {state} (rollout.health_timeout_s); log tail:\n{server.tail()}")
+        raise JobFailed(
+            EXIT_SERVER_UNHEALTHY, f"rollout server {state} (rollout.health_timeout_s); log tail:\n{server.tail()}"
+        )
     return server, url
 
 
@@ -174,10 +181,12 @@ def start_trainer(cfg: Config, run_dir: Path, plan: dict[str, Any], url: str, ck
 
 
 def _progress(record: dict[str, Any], steps: int) -> str:
-    return (f"[step {record['step'] + 1}/{steps}] tokens={record['tokens_scored']} "
-            f"mismatched={record['mismatched_tokens']} max|Δlogp|={record['max_abs_logprob_diff']:.3e} "
-            f"reward={record.get('reward_mean', 0.0):.3f} grad_norm={record.get('grad_norm', float('nan')):.5g} "
-            f"(rollout {record.get('rollout_s', 0.0):.1f}s, step {record.get('step_s', 0.0):.1f}s)")
+    return (
+        f"[step {record['step'] + 1}/{steps}] tokens={record['tokens_scored']} "
+        f"mismatched={record['mismatched_tokens']} max|Δlogp|={record['max_abs_logprob_diff']:.3e} "
+        f"reward={record.get('reward_mean', 0.0):.3f} grad_norm={record.get('grad_norm', float('nan')):.5g} "
+        f"(rollout {record.get('rollout_s', 0.0):.1f}s, step {record.get('step_s', 0.0):.1f}s)"
+    )
 
 
 def supervise(cfg: Config, run_dir: Path, server: Child, trainer: Child, url: str) -> int:
@@ -191,19 +200,28 @@ def supervise(cfg: Config, run_dir: Path, server: Child, trainer: Child, url: st
         if not trainer.alive():
             break
         if not server.alive():
-            raise JobFailed(EXIT_CHILD_FAILED, f"rollout server died (exit {server.proc.returncode}); log tail:\n{server.tail()}")
+            raise JobFailed(
+                EXIT_CHILD_FAILED, f"rollout server died (exit {server.proc.returncode}); log tail:\n{server.tail()}"
+            )
         silent = liveness.silent_for()
         if silent > cfg.rollout.liveness_timeout_s:
-            raise JobFailed(EXIT_CHILD_FAILED, f"rollout server stopped answering /health for {silent:.0f}s "
-                            f"(rollout.liveness_timeout_s={cfg.rollout.liveness_timeout_s:g}); log tail:\n{server.tail()}")
+            raise JobFailed(
+                EXIT_CHILD_FAILED,
+                f"rollout server stopped answering /health for {silent:.0f}s "
+                f"(rollout.liveness_timeout_s={cfg.rollout.liveness_timeout_s:g}); log tail:\n{server.tail()}",
+            )
         time.sleep(0.2)
     # The trainer's verdict (ok, gate, handshake) is in its status file; torchrun's exit code only
     # says whether some rank failed, and a rank that died wrote no verdict.
     status_path = run_dir / STATUS_FILE
     if not status_path.exists():
         cause = root_cause(trainer.log_path)
-        raise JobFailed(EXIT_CHILD_FAILED, f"trainer exited with {trainer.proc.returncode}"
-                        + (f": {cause}" if cause else "") + f"\nfull log: {trainer.log_path}\nlog tail:\n{trainer.tail(40)}")
+        raise JobFailed(
+            EXIT_CHILD_FAILED,
+            f"trainer exited with {trainer.proc.returncode}"
+            + (f": {cause}" if cause else "")
+            + f"\nfull log: {trainer.log_path}\nlog tail:\n{trainer.tail(40)}",
+        )
     status = json.loads(status_path.read_text())
     if status["code"]:
         raise JobFailed(status["code"], status["message"])
@@ -217,8 +235,12 @@ def supervise_worker_node(trainer: Child) -> int:
         time.sleep(0.2)
     if trainer.proc.returncode:
         cause = root_cause(trainer.log_path)
-        raise JobFailed(EXIT_CHILD_FAILED, f"trainer exited with {trainer.proc.returncode}"
-                        + (f": {cause}" if cause else "") + f"\nfull log: {trainer.log_path}")
+        raise JobFailed(
+            EXIT_CHILD_FAILED,
+            f"trainer exited with {trainer.proc.returncode}"
+            + (f": {cause}" if cause else "")
+            + f"\nfull log: {trainer.log_path}",
+        )
     return 0
 
 
@@ -244,8 +266,11 @@ def summarize(cfg: Config, run_dir: Path, status: str, wall_s: float) -> dict[st
     }
     write_json_atomic(run_dir / "summary.json", summary)
     if records:
-        reward_curve(records, run_dir / "reward_curve.png",
-                     f"{cfg.task.name}, {cfg.contract.name} {layout_label(cfg.parallel)}: reward and parity")
+        reward_curve(
+            records,
+            run_dir / "reward_curve.png",
+            f"{cfg.task.name}, {cfg.contract.name} {layout_label(cfg.parallel)}: reward and parity",
+        )
         print(step_table(records))
     return summary
 
@@ -288,7 +313,10 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
     summary = summarize(cfg, run_dir, status, time.monotonic() - t0)
-    print(json.dumps({k: summary[k] for k in ("status", "steps_completed", "mismatched_tokens", "wall_s")}), file=sys.stderr)
+    print(
+        json.dumps({k: summary[k] for k in ("status", "steps_completed", "mismatched_tokens", "wall_s")}),
+        file=sys.stderr,
+    )
     if code:
         print(f"tonpolicy: job {status} (exit {code}); logs in {run_dir / 'logs'}", file=sys.stderr)
     return code

@@ -44,15 +44,25 @@ class ProcessGroup:
         registry.parent.mkdir(parents=True, exist_ok=True)
         registry.write_text("")
         self.registry = registry
-        self.watchdog = subprocess.Popen([sys.executable, "-m", "tonpolicy.launch.watchdog", str(registry)],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, start_new_session=True)
+        self.watchdog = subprocess.Popen(
+            [sys.executable, "-m", "tonpolicy.launch.watchdog", str(registry)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def start(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Child:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "ab")  # noqa: SIM115 (the child owns it until it exits)
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         log.close()
         if self.registry is not None:
             with open(self.registry, "a") as f:

@@ -38,5 +38,3 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             break  # a torn last line from a killed writer; earlier lines are complete
     return out
-
-

@@ -16,6 +16,7 @@ from tonpolicy.launch.report import markdown_table
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = []
+
     def job_number(path: Path) -> tuple[int, str]:
         head = path.parent.name.split("_", 1)[0]
         return (int(head) if head.isdigit() else 1 << 30, path.parent.name)
@@ -31,13 +32,37 @@ def write_summary(sweep_dir: Path) -> Path | None:
     rows = collect(sweep_dir)
     if not rows:
         return None
-    headers = ["job", "layout", "rollout", "dtype", "contract", "status", "steps", "tokens", "mismatched",
-               "max|Δlogp|", "grad_norm (last)", "wall_s"]
-    table = [[r["job_dir"], r.get("layout", "?"), r.get("rollout", "?"), r.get("dtype", "?"), r.get("contract", "?"),
-              r.get("status", "?"),
-              str(r.get("steps_completed", "-")), str(r.get("tokens_scored", "-")),
-              str(r.get("mismatched_tokens", "-")), f"{r.get('max_abs_logprob_diff') or 0.0:.3e}",
-              f"{r.get('last_grad_norm') or float('nan'):.6g}", f"{r.get('wall_s') or 0.0:.1f}"] for r in rows]
+    headers = [
+        "job",
+        "layout",
+        "rollout",
+        "dtype",
+        "contract",
+        "status",
+        "steps",
+        "tokens",
+        "mismatched",
+        "max|Δlogp|",
+        "grad_norm (last)",
+        "wall_s",
+    ]
+    table = [
+        [
+            r["job_dir"],
+            r.get("layout", "?"),
+            r.get("rollout", "?"),
+            r.get("dtype", "?"),
+            r.get("contract", "?"),
+            r.get("status", "?"),
+            str(r.get("steps_completed", "-")),
+            str(r.get("tokens_scored", "-")),
+            str(r.get("mismatched_tokens", "-")),
+            f"{r.get('max_abs_logprob_diff') or 0.0:.3e}",
+            f"{r.get('last_grad_norm') or float('nan'):.6g}",
+            f"{r.get('wall_s') or 0.0:.1f}",
+        ]
+        for r in rows
+    ]
     md = sweep_dir / "sweep_summary.md"
     md.write_text("# tonpolicy sweep\n\n" + markdown_table(headers, table) + "\n")
     _chart(rows, sweep_dir / "sweep_summary.png")

@@ -83,8 +83,9 @@ TASKS: dict[str, tuple[Callable[..., list[int]], Callable[..., float]]] = {
 }
 
 
-def make_prompts(task: str, step: int, count: int, *, seed: int, max_prompt_len: int, target: int = 0,
-                 max_digits: int | None = None) -> list[list[int]]:
+def make_prompts(
+    task: str, step: int, count: int, *, seed: int, max_prompt_len: int, target: int = 0, max_digits: int | None = None
+) -> list[list[int]]:
     rng = random.Random(seed * 1_000_003 + step)
     make = TASKS[task][0]
     digits = max_prompt_len - 2 if max_digits is None else min(max_digits, max_prompt_len - 2)

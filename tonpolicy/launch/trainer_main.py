@@ -45,23 +45,42 @@ def grpo_advantages(rewards: list[float], group_size: int) -> list[float]:
 def rollout(cfg: Config, client: Any, step: int) -> dict[str, Any]:
     e = cfg.experiment
     t = cfg.task
-    prompts = make_prompts(t.name, step, e.prompts_per_step, seed=e.seed, max_prompt_len=e.max_prompt_len,
-                           target=t.target_digit, max_digits=t.max_digits)
+    prompts = make_prompts(
+        t.name,
+        step,
+        e.prompts_per_step,
+        seed=e.seed,
+        max_prompt_len=e.max_prompt_len,
+        target=t.target_digit,
+        max_digits=t.max_digits,
+    )
     batch_prompts = [p for p in prompts for _ in range(e.samples_per_prompt)]
-    params = [{"temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k, "max_new_tokens": e.max_new_tokens,
-               "stop_token_ids": [EOS], "sampling_seed": e.seed * 1_000_003 + step * 10_007 + i}
-              for i in range(len(batch_prompts))]
+    params = [
+        {
+            "temperature": e.temperature,
+            "top_p": e.top_p,
+            "top_k": e.top_k,
+            "max_new_tokens": e.max_new_tokens,
+            "stop_token_ids": [EOS],
+            "sampling_seed": e.seed * 1_000_003 + step * 10_007 + i,
+        }
+        for i in range(len(batch_prompts))
+    ]
     outs = client.generate(batch_prompts, params)
     responses = [o["output_ids"] for o in outs]
-    rewards = [reward(t.name, p, r, t.graded_tokens, t.target_digit) for p, r in zip(batch_prompts, responses, strict=True)]
+    rewards = [
+        reward(t.name, p, r, t.graded_tokens, t.target_digit) for p, r in zip(batch_prompts, responses, strict=True)
+    ]
     return {
         "prompts": batch_prompts,
         "responses": responses,
         "rollout_logprobs": [torch.tensor(o["output_logprobs"], dtype=torch.float32) for o in outs],
         "rewards": rewards,
         # Test hook: a deliberately broken update (the learning test's negative control).
-        "advantages": [a * (-1 if os.environ.get("TONPOLICY_FAULT") == "flip_advantages" else 1)
-                       for a in grpo_advantages(rewards, e.samples_per_prompt)],
+        "advantages": [
+            a * (-1 if os.environ.get("TONPOLICY_FAULT") == "flip_advantages" else 1)
+            for a in grpo_advantages(rewards, e.samples_per_prompt)
+        ],
     }
 
 
@@ -82,21 +101,27 @@ def handshake(cfg: Config, client: Any, ours_runtime: dict[str, Any]) -> str | N
         runtime = theirs.get("runtime") or {}
         if runtime.get("fingerprint") != ours_runtime["fingerprint"]:
             diff = runtime_differences(ours_runtime, runtime)
-            return (f"runtime fingerprint mismatch: server {runtime.get('fingerprint')} vs trainer "
-                    f"{ours_runtime['fingerprint']}; differing parts (trainer, server): {diff}")
+            return (
+                f"runtime fingerprint mismatch: server {runtime.get('fingerprint')} vs trainer "
+                f"{ours_runtime['fingerprint']}; differing parts (trainer, server): {diff}"
+            )
         return None
     if cfg.rollout.backend != "sglang" or cfg.contract.sglang.model_package:
         return f"the rollout server reports no tonpolicy contract (expected {ours})"
     info, policy = client.server_info(), cfg.contract.sglang
-    expected = {"enable_deterministic_inference": policy.enable_deterministic_inference,
-                "rl_on_policy_target": policy.rl_on_policy_target}
+    expected = {
+        "enable_deterministic_inference": policy.enable_deterministic_inference,
+        "rl_on_policy_target": policy.rl_on_policy_target,
+    }
     if policy.attention_backend is not None:
         expected["attention_backend"] = policy.attention_backend
     wrong = {k: info.get(k) for k, v in expected.items() if info.get(k) != v}
     if wrong:
         return f"SGLang server args {wrong} differ from contract {cfg.contract.name}'s {expected}"
-    print(f"tonpolicy: stock SGLang's server args match contract {cfg.contract.name}; parity is measured by the gate",
-          file=sys.stderr)
+    print(
+        f"tonpolicy: stock SGLang's server args match contract {cfg.contract.name}; parity is measured by the gate",
+        file=sys.stderr,
+    )
     return None
 
 
@@ -184,9 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         failed_check = "rollout_vs_recompute" if gate_failed else None
         metrics: dict[str, Any] = {}
         if not gate_failed:
-            metrics = worker.ppo_step(batch["prompts"], batch["responses"], old_logprobs=trainer_logprobs,
-                                      rollout_logprobs=batch["rollout_logprobs"], advantages=batch["advantages"],
-                                      exact_first_forward=fail_on_mismatch)
+            metrics = worker.ppo_step(
+                batch["prompts"],
+                batch["responses"],
+                old_logprobs=trainer_logprobs,
+                rollout_logprobs=batch["rollout_logprobs"],
+                advantages=batch["advantages"],
+                exact_first_forward=fail_on_mismatch,
+            )
             if fail_on_mismatch and metrics["first_forward_mismatched"]:  # identical on every rank
                 gate_failed, failed_check = True, "recompute_vs_first_training_forward"
             elif cfg.rollout.weight_sync == "disk":
@@ -195,21 +225,34 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 new_weights = worker.hf_state_dict()  # on rank 0; every rank takes part in the gather
         if rank0:
-            record = {"step": step, **parity.to_dict(), **metrics, "gate": "failed" if gate_failed else "passed",
-                      "gate_check": failed_check,
-                      "reward_mean": sum(batch["rewards"]) / len(batch["rewards"]),
-                      "rollout_s": round(t_rollout, 3), "step_s": round(time.monotonic() - t0, 3)}
+            record = {
+                "step": step,
+                **parity.to_dict(),
+                **metrics,
+                "gate": "failed" if gate_failed else "passed",
+                "gate_check": failed_check,
+                "reward_mean": sum(batch["rewards"]) / len(batch["rewards"]),
+                "rollout_s": round(t_rollout, 3),
+                "step_s": round(time.monotonic() - t0, 3),
+            }
             append_jsonl(run_dir / "metrics.jsonl", record)
-            samples = {"step": step, "prompts": batch["prompts"], "responses": batch["responses"],
-                       "rewards": batch["rewards"]}
+            samples = {
+                "step": step,
+                "prompts": batch["prompts"],
+                "responses": batch["responses"],
+                "rewards": batch["rewards"],
+            }
             if tokenizer is not None:
                 samples["prompt_texts"] = [tokenizer.decode(p, skip_special_tokens=False) for p in batch["prompts"]]
                 samples["response_texts"] = [tokenizer.decode(r, skip_special_tokens=False) for r in batch["responses"]]
             append_jsonl(run_dir / "samples.jsonl", samples)
             logger.log(record)
             logger.log_samples(samples)
-            print(f"step {step}: tokens={parity.tokens_scored} mismatched={parity.mismatched_tokens} "
-                  f"max|Δ|={parity.max_abs_logprob_diff:.3e} grad_norm={metrics.get('grad_norm')}", flush=True)
+            print(
+                f"step {step}: tokens={parity.tokens_scored} mismatched={parity.mismatched_tokens} "
+                f"max|Δ|={parity.max_abs_logprob_diff:.3e} grad_norm={metrics.get('grad_norm')}",
+                flush=True,
+            )
             if not gate_failed and pusher is not None:
                 pusher.push(new_weights, weight_version=f"step_{step + 1}")
             elif not gate_failed:
@@ -218,14 +261,20 @@ def main(argv: list[str] | None = None) -> int:
             code = EXIT_GATE_FAILED
             if rank0:
                 if failed_check == "rollout_vs_recompute":
-                    what = (f"{parity.mismatched_tokens} of {parity.tokens_scored} tokens differ between rollout "
-                            f"and trainer recompute (max |Δlogprob| {parity.max_abs_logprob_diff:.3e})")
+                    what = (
+                        f"{parity.mismatched_tokens} of {parity.tokens_scored} tokens differ between rollout "
+                        f"and trainer recompute (max |Δlogprob| {parity.max_abs_logprob_diff:.3e})"
+                    )
                 else:
-                    what = (f"{metrics['first_forward_mismatched']} tokens differ between the trainer's recompute "
-                            f"and its first training forward (max |Δlogprob| "
-                            f"{metrics['first_forward_max_abs_diff']:.3e})")
-                message = (f"parity gate failed at step {step}: {what}; contract {cfg.contract.name}, "
-                           f"gate.fail_on_mismatch={fail_on_mismatch}; no update was made")
+                    what = (
+                        f"{metrics['first_forward_mismatched']} tokens differ between the trainer's recompute "
+                        f"and its first training forward (max |Δlogprob| "
+                        f"{metrics['first_forward_max_abs_diff']:.3e})"
+                    )
+                message = (
+                    f"parity gate failed at step {step}: {what}; contract {cfg.contract.name}, "
+                    f"gate.fail_on_mismatch={fail_on_mismatch}; no update was made"
+                )
             break
     if pusher is not None:
         pusher.close()

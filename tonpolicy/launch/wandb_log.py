@@ -45,9 +45,10 @@ class MetricsLogger:
 
         prompts = samples.get("prompt_texts") or [str(p) for p in samples["prompts"]]
         responses = samples.get("response_texts") or [str(r) for r in samples["responses"]]
-        table = wandb.Table(columns=["step", "prompt", "response", "reward"],
-                            data=[[samples["step"], p, r, w] for p, r, w in zip(prompts, responses, samples["rewards"],
-                                                                              strict=True)])
+        table = wandb.Table(
+            columns=["step", "prompt", "response", "reward"],
+            data=[[samples["step"], p, r, w] for p, r, w in zip(prompts, responses, samples["rewards"], strict=True)],
+        )
         self.run.log({"samples": table}, step=samples["step"])
 
     def finish(self, exit_code: int) -> None:

@@ -12,8 +12,15 @@ import torch
 
 class KVPool:
     def __init__(
-        self, num_layers: int, slots: int, capacity: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, tile: int, device: torch.device | str = "cpu",
+        self,
+        num_layers: int,
+        slots: int,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        tile: int,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.capacity = -(-capacity // tile) * tile
         self.tile = tile

@@ -39,8 +39,6 @@ class _W(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
-
-
 class Qwen3(nn.Module):
     def __init__(
         self,
@@ -196,7 +194,12 @@ class Qwen3(nn.Module):
                 decode.append(i)
                 continue
             out[sl] = kern.attention_pooled(
-                q[None, sl], pos[None, sl], kv.k[li], kv.v[li], torch.tensor([s.slot], device=q.device), s.start + s.length,
+                q[None, sl],
+                pos[None, sl],
+                kv.k[li],
+                kv.v[li],
+                torch.tensor([s.slot], device=q.device),
+                s.start + s.length,
                 scale,
             )[0]
         if decode:
@@ -205,8 +208,12 @@ class Qwen3(nn.Module):
             assert kv is not None
             rows = torch.tensor([offs[i] for i in decode], device=q.device)
             res = kern.attention_pooled(
-                q.index_select(0, rows)[:, None], pos.index_select(0, rows)[:, None], kv.k[li], kv.v[li],
-                torch.tensor([segments[i].slot for i in decode], device=q.device), max(segments[i].start + 1 for i in decode),
+                q.index_select(0, rows)[:, None],
+                pos.index_select(0, rows)[:, None],
+                kv.k[li],
+                kv.v[li],
+                torch.tensor([segments[i].slot for i in decode], device=q.device),
+                max(segments[i].start + 1 for i in decode),
                 scale,
             )
             out.index_copy_(0, rows, res[:, 0])

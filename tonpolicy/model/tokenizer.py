@@ -28,18 +28,28 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
         vocab.pop(f"<t{DIGIT0 + d}>")
         vocab[str(d)] = DIGIT0 + d
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=WORDS[PAD]))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                 pre_tokenizers.Digits(individual_digits=True)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)]
+    )
     return tok
 
 
 def save_tokenizer(path: str | Path, vocab_size: int) -> None:
     path = Path(path)
     build_tokenizer(vocab_size).save(str(path / TOKENIZER_FILE))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": WORDS[BOS], "eos_token": WORDS[EOS],
-        "pad_token": WORDS[PAD], "unk_token": WORDS[PAD], "model_max_length": 1 << 20,
-    }, indent=2))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": WORDS[BOS],
+                "eos_token": WORDS[EOS],
+                "pad_token": WORDS[PAD],
+                "unk_token": WORDS[PAD],
+                "model_max_length": 1 << 20,
+            },
+            indent=2,
+        )
+    )
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:

@@ -33,8 +33,9 @@ def compare_dirs(a: str | Path, b: str | Path) -> AlignReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tonpolicy.align", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tonpolicy.align", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compare", help="compare two dump directories and report the first divergence")
     c.add_argument("a", help="dump directory (e.g. the rollout's)")

@@ -25,8 +25,10 @@ REFERENCES = ("trainer", "full_forward")
 NOT_KERNEL_OPS = ("embed", "attn_residual", "residual")
 
 
-def parse_perturb(spec: str | None, num_layers: int, kernel_params: dict[str, int]) -> tuple[str, dict[Checkpoint, Any]]:
-    """"[side:]<checkpoint>:<kernel set>" -> (side, {checkpoint: kernel set})."""
+def parse_perturb(
+    spec: str | None, num_layers: int, kernel_params: dict[str, int]
+) -> tuple[str, dict[Checkpoint, Any]]:
+    """ "[side:]<checkpoint>:<kernel set>" -> (side, {checkpoint: kernel set})."""
     from tonpolicy.kernels import get_kernels
 
     if not spec:
@@ -54,7 +56,9 @@ def check(cfg: Config) -> None:
     if a.sample < 0:
         issues.append(ConfigIssue("align.sample", a.sample, "must be >= 0"))
     if a.prompt is not None and (not a.prompt or any(not 0 <= t < cfg.model.vocab_size for t in a.prompt)):
-        issues.append(ConfigIssue("align.prompt", a.prompt, f"must be non-empty token ids in [0, {cfg.model.vocab_size})"))
+        issues.append(
+            ConfigIssue("align.prompt", a.prompt, f"must be non-empty token ids in [0, {cfg.model.vocab_size})")
+        )
     if a.layers is not None and any(not 0 <= x < n for x in a.layers):
         issues.append(ConfigIssue("align.layers", a.layers, f"layers must be in [0, {n})"))
     if a.positions is not None and any(p < 0 for p in a.positions):
@@ -77,11 +81,24 @@ def sample_request(cfg: Config) -> Any:
     e, i = cfg.experiment, cfg.align.sample
     prompt = cfg.align.prompt
     if prompt is None:
-        prompt = make_prompts(cfg.task.name, 0, i // e.samples_per_prompt + 1, seed=e.seed,
-                              max_prompt_len=e.max_prompt_len, target=cfg.task.target_digit,
-                              max_digits=cfg.task.max_digits)[-1]
-    return GenRequest(list(prompt), e.max_new_tokens, e.temperature, e.top_p, e.top_k, seed=e.seed * 1_000_003 + i,
-                      stop_token_ids=(EOS,))
+        prompt = make_prompts(
+            cfg.task.name,
+            0,
+            i // e.samples_per_prompt + 1,
+            seed=e.seed,
+            max_prompt_len=e.max_prompt_len,
+            target=cfg.task.target_digit,
+            max_digits=cfg.task.max_digits,
+        )[-1]
+    return GenRequest(
+        list(prompt),
+        e.max_new_tokens,
+        e.temperature,
+        e.top_p,
+        e.top_k,
+        seed=e.seed * 1_000_003 + i,
+        stop_token_ids=(EOS,),
+    )
 
 
 def run_align(cfg: Config, run_dir: Path) -> int:
@@ -99,18 +116,28 @@ def run_align(cfg: Config, run_dir: Path) -> int:
     side, perturb = parse_perturb(a.perturb, cfg.model.num_layers, params)
     dtype = getattr(torch, cfg.contract.dtype)
     model = Qwen3(cfg.model, get_kernels(cfg.contract.kernels, **params), dtype, _weights(cfg, dtype))
-    selection = Selection(set(a.layers) if a.layers is not None else None,
-                          set(a.positions) if a.positions is not None else None,
-                          set(a.ops) if a.ops is not None else None)
+    selection = Selection(
+        set(a.layers) if a.layers is not None else None,
+        set(a.positions) if a.positions is not None else None,
+        set(a.ops) if a.ops is not None else None,
+    )
     req = sample_request(cfg)
     out = run_dir / "align"
     rollout, response, engine_lps = decode_dump(
-        model, req, selection, chunked_prefill_size=cfg.rollout.chunked_prefill_size,
-        perturb=perturb if side == "rollout" else None, meta={"sample": a.sample, "contract": cfg.contract.name})
+        model,
+        req,
+        selection,
+        chunked_prefill_size=cfg.rollout.chunked_prefill_size,
+        perturb=perturb if side == "rollout" else None,
+        meta={"sample": a.sample, "contract": cfg.contract.name},
+    )
     save_dump(rollout, out / "rollout")
     tokens, prompt_len = rollout.tokens, len(req.prompt_ids)
-    print(f"align: sample {a.sample}: prompt {prompt_len} tokens, response {len(response)} tokens; "
-          f"rollout dump ({len(rollout.tensors)} checkpoints) in {out / 'rollout'}", flush=True)
+    print(
+        f"align: sample {a.sample}: prompt {prompt_len} tokens, response {len(response)} tokens; "
+        f"rollout dump ({len(rollout.tensors)} checkpoints) in {out / 'rollout'}",
+        flush=True,
+    )
     # The reference holds the sample's real tokens only (no padding rows).
     # The reference keeps the sample's real tokens only (the trainer never feeds the last one: it
     # predicts nothing; anything past it is padding).

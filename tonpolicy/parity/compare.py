@@ -17,8 +17,12 @@ import torch
 from tonpolicy.parity.dump import Dump
 from tonpolicy.parity.names import Checkpoint
 
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-             torch.float64: torch.int64}
+_INT_VIEW = {
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float64: torch.int64,
+}
 
 
 @dataclass
@@ -65,8 +69,12 @@ class AlignReport:
     @property
     def match(self) -> bool:
         """Everything both dumps hold agrees bitwise (and there was something to compare)."""
-        return (self.first is None and self.tokens_differ_at is None and self.compared_elements > 0
-                and not any(c.note for c in self.checkpoints))
+        return (
+            self.first is None
+            and self.tokens_differ_at is None
+            and self.compared_elements > 0
+            and not any(c.note for c in self.checkpoints)
+        )
 
     def layer_label(self, layer: int) -> str:
         return "embed" if layer < 0 else "head" if layer >= self.num_layers else str(layer)
@@ -80,12 +88,17 @@ class AlignReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "match": self.match, "a": self.a, "b": self.b, "num_layers": self.num_layers,
-            "compared_checkpoints": len(self.checkpoints), "compared_elements": self.compared_elements,
+            "match": self.match,
+            "a": self.a,
+            "b": self.b,
+            "num_layers": self.num_layers,
+            "compared_checkpoints": len(self.checkpoints),
+            "compared_elements": self.compared_elements,
             "mismatched_elements": sum(c.mismatched_elements for c in self.checkpoints),
             "first_divergence": None if self.first is None else asdict(self.first),
             "tokens_differ_at": self.tokens_differ_at,
-            "only_in_a": self.only_in_a, "only_in_b": self.only_in_b,
+            "only_in_a": self.only_in_a,
+            "only_in_b": self.only_in_b,
             "per_layer_mismatched_elements": self.table(),
             "checkpoints": [asdict(c) for c in self.checkpoints],
         }
@@ -107,8 +120,18 @@ def _compare_one(ck: Checkpoint, a: Dump, b: Dump) -> tuple[CheckpointDiff, list
     note = None
     if ta.shape[1:] != tb.shape[1:]:
         n = len(common)
-        diff = CheckpointDiff(ck.name, ck.layer, ck.op, n, ta.numel(), ta.numel(), n, common[0] if common else None,
-                              float("nan"), f"feature shapes differ: {tuple(ta.shape[1:])} vs {tuple(tb.shape[1:])}")
+        diff = CheckpointDiff(
+            ck.name,
+            ck.layer,
+            ck.op,
+            n,
+            ta.numel(),
+            ta.numel(),
+            n,
+            common[0] if common else None,
+            float("nan"),
+            f"feature shapes differ: {tuple(ta.shape[1:])} vs {tuple(tb.shape[1:])}",
+        )
         return diff, common, torch.full((n,), float("inf"), dtype=torch.float64)
     if ta.dtype != tb.dtype:
         note = f"dtypes differ: {ta.dtype} vs {tb.dtype}"
@@ -118,8 +141,18 @@ def _compare_one(ck: Checkpoint, a: Dump, b: Dump) -> tuple[CheckpointDiff, list
     per_pos = absdiff.reshape(len(common), -1).amax(-1) if common else torch.zeros(0, dtype=torch.float64)
     bad = ne.reshape(len(common), -1).any(-1) if common else torch.zeros(0, dtype=torch.bool)
     first = common[int(bad.nonzero()[0])] if bad.any() else None
-    diff = CheckpointDiff(ck.name, ck.layer, ck.op, len(common), ne.numel(), int(ne.sum()), int(bad.sum()), first,
-                          float(per_pos.max()) if per_pos.numel() else 0.0, note)
+    diff = CheckpointDiff(
+        ck.name,
+        ck.layer,
+        ck.op,
+        len(common),
+        ne.numel(),
+        int(ne.sum()),
+        int(bad.sum()),
+        first,
+        float(per_pos.max()) if per_pos.numel() else 0.0,
+        note,
+    )
     return diff, common, per_pos
 
 
@@ -138,24 +171,33 @@ def compare_dumps(a: Dump, b: Dump, label_a: str = "A", label_b: str = "B") -> A
             continue
         common, per_pos = per[i]
         j = common.index(d.first_position)
-        later = [float(per_pos[j + 1:].max())] if j + 1 < len(common) else []
-        later += [float(p.max()) for _, p in per[i + 1:] if p.numel()]
+        later = [float(per_pos[j + 1 :].max())] if j + 1 < len(common) else []
+        later += [float(p.max()) for _, p in per[i + 1 :] if p.numel()]
         tok = a.tokens[d.first_position] if d.first_position < len(a.tokens) else None
-        first = Divergence(d.name, d.layer, d.op, d.first_position, tok, float(per_pos[j]), d.max_abs_diff,
-                           max(later, default=0.0))
+        first = Divergence(
+            d.name, d.layer, d.op, d.first_position, tok, float(per_pos[j]), d.max_abs_diff, max(later, default=0.0)
+        )
         break
     n = min(len(a.tokens), len(b.tokens))
     tokens_differ = next((p for p in range(n) if a.tokens[p] != b.tokens[p]), None)
     return AlignReport(
-        f"{label_a} ({a.side})", f"{label_b} ({b.side})", a.num_layers, diffs, first, tokens_differ,
-        sorted(c.name for c in set(a.tensors) - set(b.tensors)), sorted(c.name for c in set(b.tensors) - set(a.tensors)),
+        f"{label_a} ({a.side})",
+        f"{label_b} ({b.side})",
+        a.num_layers,
+        diffs,
+        first,
+        tokens_differ,
+        sorted(c.name for c in set(a.tensors) - set(b.tensors)),
+        sorted(c.name for c in set(b.tensors) - set(a.tensors)),
     )
 
 
 def format_report(r: AlignReport) -> str:
     lines = [f"alignment: {r.a} vs {r.b}: {len(r.checkpoints)} checkpoints, {r.compared_elements} elements compared"]
     if r.tokens_differ_at is not None:
-        lines.append(f"WARNING: the dumps hold different token sequences (first difference at position {r.tokens_differ_at})")
+        lines.append(
+            f"WARNING: the dumps hold different token sequences (first difference at position {r.tokens_differ_at})"
+        )
     for side, names in (("A", r.only_in_a), ("B", r.only_in_b)):
         if names:
             lines.append(f"only in {side} (not compared): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
@@ -164,20 +206,30 @@ def format_report(r: AlignReport) -> str:
             lines.append(f"{c.name}: {c.note}")
     f = r.first
     if f is None:
-        lines.append("MATCH: every compared bit is identical" if r.match else "NO DIVERGENCE FOUND in the compared checkpoints")
+        lines.append(
+            "MATCH: every compared bit is identical" if r.match else "NO DIVERGENCE FOUND in the compared checkpoints"
+        )
     else:
-        lines.append(f"FIRST DIVERGENCE: layer {r.layer_label(f.layer)}, op {f.op}, position {f.position} (token {f.token}) "
-                     f"[{f.name}]")
-        lines.append(f"  max|Δ| there {f.max_abs_diff_at_position:.3e} (over the checkpoint {f.max_abs_diff_checkpoint:.3e}), "
-                     f"after it {f.max_abs_diff_after:.3e}")
+        lines.append(
+            f"FIRST DIVERGENCE: layer {r.layer_label(f.layer)}, op {f.op}, position {f.position} (token {f.token}) "
+            f"[{f.name}]"
+        )
+        lines.append(
+            f"  max|Δ| there {f.max_abs_diff_at_position:.3e} (over the checkpoint {f.max_abs_diff_checkpoint:.3e}), "
+            f"after it {f.max_abs_diff_after:.3e}"
+        )
     lp = next((c for c in r.checkpoints if c.op == "logprobs"), None)
     if lp is not None:  # what the parity gate sees
-        lines.append(f"logprobs: {lp.mismatched_positions} of {lp.positions} tokens differ, max|Δ| {lp.max_abs_diff:.3e}")
+        lines.append(
+            f"logprobs: {lp.mismatched_positions} of {lp.positions} tokens differ, max|Δ| {lp.max_abs_diff:.3e}"
+        )
     lines.append(f"{'layer':>6} {'mismatched':>12} {'of':>10}  ops with mismatches")
     rows: dict[str, list[CheckpointDiff]] = {}
     for c in r.checkpoints:
         rows.setdefault(r.layer_label(c.layer), []).append(c)
     for label, cs in rows.items():
         bad = ", ".join(f"{c.op}={c.mismatched_elements}" for c in cs if c.mismatched_elements)
-        lines.append(f"{label:>6} {sum(c.mismatched_elements for c in cs):>12} {sum(c.elements for c in cs):>10}  {bad or '-'}")
+        lines.append(
+            f"{label:>6} {sum(c.mismatched_elements for c in cs):>12} {sum(c.elements for c in cs):>10}  {bad or '-'}"
+        )
     return "\n".join(lines)

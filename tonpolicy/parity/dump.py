@@ -45,8 +45,15 @@ def canonical(ck: Checkpoint, val: torch.Tensor, vocab_size: int) -> torch.Tenso
     return val
 
 
-def make_dump(side: str, tokens: list[int], prompt_len: int, num_layers: int, vocab_size: int,
-              records: dict[Checkpoint, tuple[torch.Tensor, torch.Tensor]], meta: dict[str, Any]) -> Dump:
+def make_dump(
+    side: str,
+    tokens: list[int],
+    prompt_len: int,
+    num_layers: int,
+    vocab_size: int,
+    records: dict[Checkpoint, tuple[torch.Tensor, torch.Tensor]],
+    meta: dict[str, Any],
+) -> Dump:
     tensors = {ck: canonical(ck, v, vocab_size).contiguous() for ck, (_, v) in records.items()}
     positions = {ck: [int(p) for p in pos] for ck, (pos, _) in records.items()}
     return Dump(side, list(tokens), prompt_len, num_layers, tensors, positions, meta)
@@ -58,11 +65,22 @@ def save_dump(dump: Dump, path: str | Path) -> Path:
     order = sorted(dump.tensors, key=Checkpoint.sort_key)
     save_file({ck.name: dump.tensors[ck] for ck in order}, str(path / TENSORS), metadata={"format": FORMAT})
     manifest = {
-        "format": FORMAT, "version": VERSION, "side": dump.side, "tokens": dump.tokens,
-        "prompt_len": dump.prompt_len, "num_layers": dump.num_layers, "meta": dump.meta,
+        "format": FORMAT,
+        "version": VERSION,
+        "side": dump.side,
+        "tokens": dump.tokens,
+        "prompt_len": dump.prompt_len,
+        "num_layers": dump.num_layers,
+        "meta": dump.meta,
         "checkpoints": [
-            {"name": ck.name, "layer": ck.layer, "op": ck.op, "shape": list(dump.tensors[ck].shape),
-             "dtype": str(dump.tensors[ck].dtype).removeprefix("torch."), "positions": dump.positions[ck]}
+            {
+                "name": ck.name,
+                "layer": ck.layer,
+                "op": ck.op,
+                "shape": list(dump.tensors[ck].shape),
+                "dtype": str(dump.tensors[ck].dtype).removeprefix("torch."),
+                "positions": dump.positions[ck],
+            }
             for ck in order
         ],
     }
@@ -84,8 +102,11 @@ def load_dump(path: str | Path) -> Dump:
         ck = parse_name(entry["name"], n)
         t = raw[entry["name"]]
         if list(t.shape) != entry["shape"] or len(entry["positions"]) != t.shape[0]:
-            raise ValueError(f"{path}: {entry['name']} has shape {tuple(t.shape)}, manifest says {entry['shape']} "
-                             f"over {len(entry['positions'])} positions")
+            raise ValueError(
+                f"{path}: {entry['name']} has shape {tuple(t.shape)}, manifest says {entry['shape']} "
+                f"over {len(entry['positions'])} positions"
+            )
         tensors[ck], positions[ck] = t, [int(p) for p in entry["positions"]]
-    return Dump(manifest["side"], manifest["tokens"], manifest["prompt_len"], n, tensors, positions,
-                manifest.get("meta", {}))
+    return Dump(
+        manifest["side"], manifest["tokens"], manifest["prompt_len"], n, tensors, positions, manifest.get("meta", {})
+    )

@@ -21,8 +21,23 @@ from dataclasses import dataclass
 import torch
 
 LAYER_OPS: tuple[str, ...] = (
-    "input_norm", "q", "k", "v", "q_norm", "k_norm", "q_rope", "k_rope", "attn_out", "o_proj",
-    "attn_residual", "post_attn_norm", "mlp_gate", "mlp_up", "mlp_act", "mlp_down", "residual",
+    "input_norm",
+    "q",
+    "k",
+    "v",
+    "q_norm",
+    "k_norm",
+    "q_rope",
+    "k_rope",
+    "attn_out",
+    "o_proj",
+    "attn_residual",
+    "post_attn_norm",
+    "mlp_gate",
+    "mlp_up",
+    "mlp_act",
+    "mlp_down",
+    "residual",
 )
 PRE_OPS: tuple[str, ...] = ("embed",)
 POST_OPS: tuple[str, ...] = ("final_norm", "logits", "logprobs")
@@ -31,8 +46,9 @@ _OP_INDEX = {op: i for i, op in enumerate(ALL_OPS)}
 
 # Ops whose features a tensor-parallel rank holds only a column slice of (heads, FFN columns, vocab):
 # the trainer's shards are concatenated over TP ranks in rank order; every other op is replicated.
-TP_COLUMN_OPS = frozenset({"q", "k", "v", "q_norm", "k_norm", "q_rope", "k_rope", "attn_out",
-                           "mlp_gate", "mlp_up", "mlp_act", "logits"})
+TP_COLUMN_OPS = frozenset(
+    {"q", "k", "v", "q_norm", "k_norm", "q_rope", "k_rope", "attn_out", "mlp_gate", "mlp_up", "mlp_act", "logits"}
+)
 
 
 @dataclass(frozen=True, order=False)
@@ -79,16 +95,27 @@ def parse_name(name: str, num_layers: int) -> Checkpoint:
 
 # --- weight roles: parameter name -> (layer, role) ------------------------------------------------
 _HF_LAYER_ROLES = {
-    "input_layernorm": "input_norm", "self_attn.q_proj": "q", "self_attn.k_proj": "k",
-    "self_attn.v_proj": "v", "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm",
-    "self_attn.o_proj": "o_proj", "post_attention_layernorm": "post_attn_norm",
-    "mlp.gate_proj": "mlp_gate", "mlp.up_proj": "mlp_up", "mlp.down_proj": "mlp_down",
+    "input_layernorm": "input_norm",
+    "self_attn.q_proj": "q",
+    "self_attn.k_proj": "k",
+    "self_attn.v_proj": "v",
+    "self_attn.q_norm": "q_norm",
+    "self_attn.k_norm": "k_norm",
+    "self_attn.o_proj": "o_proj",
+    "post_attention_layernorm": "post_attn_norm",
+    "mlp.gate_proj": "mlp_gate",
+    "mlp.up_proj": "mlp_up",
+    "mlp.down_proj": "mlp_down",
 }
 _MEGATRON_LAYER_ROLES = {
-    "input_layernorm": "input_norm", "self_attention.linear_qkv": "qkv",
-    "self_attention.q_layernorm": "q_norm", "self_attention.k_layernorm": "k_norm",
-    "self_attention.linear_proj": "o_proj", "pre_mlp_layernorm": "post_attn_norm",
-    "mlp.linear_fc1": "gate_up", "mlp.linear_fc2": "mlp_down",
+    "input_layernorm": "input_norm",
+    "self_attention.linear_qkv": "qkv",
+    "self_attention.q_layernorm": "q_norm",
+    "self_attention.k_layernorm": "k_norm",
+    "self_attention.linear_proj": "o_proj",
+    "pre_mlp_layernorm": "post_attn_norm",
+    "mlp.linear_fc1": "gate_up",
+    "mlp.linear_fc2": "mlp_down",
 }
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
 _MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.weight$")

@@ -26,16 +26,25 @@ def save_png(report: AlignReport, path: str | Path) -> Path:
                 grid[i, j] = math.log10(1 + table[r][op])
     fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(ops) + 1.5), max(2.0, 0.3 * len(rows) + 1.2)), dpi=80)
     cmap = plt.get_cmap("Reds").with_extremes(bad="#dddddd")  # grey: no such checkpoint at that layer
-    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=max(1.0, float(np.nanmax(grid, initial=0))),
-                   aspect="auto")
+    im = ax.imshow(
+        np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=max(1.0, float(np.nanmax(grid, initial=0))), aspect="auto"
+    )
     ax.set_xticks(range(len(ops)), ops, rotation=70, fontsize=7)
     ax.set_yticks(range(len(rows)), rows, fontsize=7)
     f = report.first
     title = "match" if report.match else (f"first: {f.name} @ pos {f.position}" if f else "no divergence found")
     ax.set_title(title, fontsize=8)
     if f is not None and report.layer_label(f.layer) in rows and f.op in ops:
-        ax.add_patch(plt.Rectangle((ops.index(f.op) - 0.5, rows.index(report.layer_label(f.layer)) - 0.5), 1, 1,
-                                   fill=False, edgecolor="blue", linewidth=1.5))
+        ax.add_patch(
+            plt.Rectangle(
+                (ops.index(f.op) - 0.5, rows.index(report.layer_label(f.layer)) - 0.5),
+                1,
+                1,
+                fill=False,
+                edgecolor="blue",
+                linewidth=1.5,
+            )
+        )
     fig.colorbar(im, ax=ax, label="log10(1 + mismatched)", shrink=0.8)
     fig.tight_layout()
     path = Path(path)

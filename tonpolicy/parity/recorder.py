@@ -77,8 +77,15 @@ class Role:
 class RecordingKernels:
     """Forwards every KernelSet call to `inner` (or to a perturbing set) and records checkpoints."""
 
-    def __init__(self, inner: Any, num_layers: int, heads_per_group: int, head_dim: int,
-                 selection: Selection | None = None, perturb: dict[Checkpoint, Any] | None = None) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        num_layers: int,
+        heads_per_group: int,
+        head_dim: int,
+        selection: Selection | None = None,
+        perturb: dict[Checkpoint, Any] | None = None,
+    ) -> None:
         self.inner = inner
         self.num_layers = num_layers
         self.heads_per_group, self.head_dim = heads_per_group, head_dim
@@ -113,8 +120,9 @@ class RecordingKernels:
             return
         layers = {r.layer for r in roles}
         if len(layers) == 1:
-            self._roles[id(fused)] = Role(layers.pop(), tuple(r.ops[0] for r in roles), "concat",
-                                          tuple(p.shape[0] for p in parts))
+            self._roles[id(fused)] = Role(
+                layers.pop(), tuple(r.ops[0] for r in roles), "concat", tuple(p.shape[0] for p in parts)
+            )
 
     def set_rows(self, positions: torch.Tensor, logit_positions: torch.Tensor | None = None) -> None:
         """Absolute positions of the token rows of the forward about to run (and of its logits rows,
@@ -266,8 +274,9 @@ class RecordingKernels:
     def attention_batched(self, *args: Any) -> torch.Tensor:
         return self._kern(self._layer, "attn_out").attention_batched(*args)
 
-    def attention_pooled(self, q: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                         *args: Any) -> torch.Tensor:
+    def attention_pooled(
+        self, q: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *args: Any
+    ) -> torch.Tensor:
         k = self._kern(self._layer, "attn_out")
         if k is not self.inner:  # the pool holds the engine's cache dtype; hand the other set its own
             dt = k.kv_cache_dtype(q.dtype)

@@ -25,8 +25,9 @@ from tonpolicy.rollout.types import GenRequest, logprob_temperature
 
 def make_recorder(model: Qwen3, selection: Selection, perturb: dict | None = None) -> RecordingKernels:
     cfg = model.cfg
-    rec = RecordingKernels(model.kernels, cfg.num_layers, cfg.num_attention_heads // cfg.num_kv_heads,
-                           cfg.head_dim, selection, perturb)
+    rec = RecordingKernels(
+        model.kernels, cfg.num_layers, cfg.num_attention_heads // cfg.num_kv_heads, cfg.head_dim, selection, perturb
+    )
     rec.bind_weights(dict(model.named_parameters()), lambda n: hf_weight_role(n, cfg.num_layers))
     return rec
 
@@ -36,8 +37,9 @@ def recording(model: Qwen3, rec: RecordingKernels) -> Iterator[RecordingKernels]
     """Install the proxy (and the row-position wrapper) on `model` for the duration of the block."""
     inner_forward = model.forward_segments
 
-    def forward_segments(input_ids: torch.Tensor, segments: list[Segment], kv: Any = None,
-                         logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_segments(
+        input_ids: torch.Tensor, segments: list[Segment], kv: Any = None, logit_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         pos = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
         rec.set_rows(pos, None if logit_rows is None else pos.index_select(0, logit_rows))
         return inner_forward(input_ids, segments, kv, logit_rows)
@@ -64,8 +66,15 @@ def recording(model: Qwen3, rec: RecordingKernels) -> Iterator[RecordingKernels]
             delattr(model, name)
 
 
-def decode_dump(model: Qwen3, request: GenRequest, selection: Selection, *, chunked_prefill_size: int | None = None,
-                perturb: dict | None = None, meta: dict | None = None) -> tuple[Dump, list[int], torch.Tensor]:
+def decode_dump(
+    model: Qwen3,
+    request: GenRequest,
+    selection: Selection,
+    *,
+    chunked_prefill_size: int | None = None,
+    perturb: dict | None = None,
+    meta: dict | None = None,
+) -> tuple[Dump, list[int], torch.Tensor]:
     """Generate `request` with the embedded engine while recording. Returns the dump, the response
     ids and the engine's own logprobs (which the dump's `logprobs` must equal)."""
     rec = make_recorder(model, selection, perturb)
@@ -73,16 +82,36 @@ def decode_dump(model: Qwen3, request: GenRequest, selection: Selection, *, chun
     with recording(model, rec):
         (result,) = engine.generate([request])
     tokens = list(request.prompt_ids) + list(result.output_ids)
-    info = {"engine": "embedded", "path": "decode", "kernels": rec.inner.name,
-            "perturb": sorted(str(c) for c in (perturb or {})), **(meta or {})}
-    dump = make_dump("rollout", tokens, len(request.prompt_ids), model.cfg.num_layers, model.cfg.vocab_size,
-                     rec.records.collect(), info)
+    info = {
+        "engine": "embedded",
+        "path": "decode",
+        "kernels": rec.inner.name,
+        "perturb": sorted(str(c) for c in (perturb or {})),
+        **(meta or {}),
+    }
+    dump = make_dump(
+        "rollout",
+        tokens,
+        len(request.prompt_ids),
+        model.cfg.num_layers,
+        model.cfg.vocab_size,
+        rec.records.collect(),
+        info,
+    )
     return dump, list(result.output_ids), result.output_logprobs
 
 
 @torch.no_grad()
-def full_forward_dump(model: Qwen3, tokens: list[int], prompt_len: int, temperature: float, selection: Selection,
-                      *, perturb: dict | None = None, meta: dict | None = None) -> Dump:
+def full_forward_dump(
+    model: Qwen3,
+    tokens: list[int],
+    prompt_len: int,
+    temperature: float,
+    selection: Selection,
+    *,
+    perturb: dict | None = None,
+    meta: dict | None = None,
+) -> Dump:
     """One causal forward over prompt+response (no KV cache), logprobs of every next token."""
     rec = make_recorder(model, selection, perturb)
     ids = torch.tensor(tokens, dtype=torch.long)
@@ -90,7 +119,13 @@ def full_forward_dump(model: Qwen3, tokens: list[int], prompt_len: int, temperat
         logits = model(ids)
         rec.set_rows(torch.arange(len(tokens) - 1))  # the last position predicts no token of the sample
         rec.logprobs(logits[:-1], ids[1:], model.cfg.vocab_size, logprob_temperature(temperature))
-    info = {"engine": "embedded", "path": "full_forward", "kernels": rec.inner.name,
-            "perturb": sorted(str(c) for c in (perturb or {})), **(meta or {})}
-    return make_dump("rollout_full", tokens, prompt_len, model.cfg.num_layers, model.cfg.vocab_size,
-                     rec.records.collect(), info)
+    info = {
+        "engine": "embedded",
+        "path": "full_forward",
+        "kernels": rec.inner.name,
+        "perturb": sorted(str(c) for c in (perturb or {})),
+        **(meta or {}),
+    }
+    return make_dump(
+        "rollout_full", tokens, prompt_len, model.cfg.num_layers, model.cfg.vocab_size, rec.records.collect(), info
+    )

@@ -37,8 +37,14 @@ def _logit_positions(pos: torch.Tensor, prompt_len: int, response_len: int) -> t
     return pos[(nxt >= 0) & (nxt < response_len)]
 
 
-def _worker(cfg: Config, tokens: list[int], prompt_len: int, selection: Selection,
-            perturb: dict[Checkpoint, Any], shard_dir: str) -> None:
+def _worker(
+    cfg: Config,
+    tokens: list[int],
+    prompt_len: int,
+    selection: Selection,
+    perturb: dict[Checkpoint, Any],
+    shard_dir: str,
+) -> None:
     """One trainer rank: the trainer's own TrainerWorker (contract layer spec, megatron's schedule,
     response slicing, logprob recipe) with its kernel set swapped for the recording proxy."""
     import torch.distributed as dist
@@ -48,8 +54,9 @@ def _worker(cfg: Config, tokens: list[int], prompt_len: int, selection: Selectio
 
     worker = TrainerWorker(cfg, cfg.model.checkpoint, spec="contract")
     m = worker.model_cfg
-    rec = RecordingKernels(worker.kernels, m.num_layers, m.num_attention_heads // m.num_kv_heads, m.head_dim,
-                           selection, perturb)
+    rec = RecordingKernels(
+        worker.kernels, m.num_layers, m.num_attention_heads // m.num_kv_heads, m.head_dim, selection, perturb
+    )
     for mod in worker.module.modules():  # every layer-spec module holds the set as `kernels`
         if getattr(mod, "kernels", None) is worker.kernels:
             mod.kernels = rec
@@ -73,8 +80,11 @@ def _worker(cfg: Config, tokens: list[int], prompt_len: int, selection: Selectio
         tensors[ck.name] = val.contiguous()
         tensors[ck.name + _POS] = pos.contiguous()
     tensors["trainer_logprobs"] = lps.float().contiguous()  # what the trainer returns, for a cross-check
-    meta = {"tp_rank": str(ps.get_tensor_model_parallel_rank()), "cp_rank": str(ps.get_context_parallel_rank()),
-            "pp_rank": str(ps.get_pipeline_model_parallel_rank())}
+    meta = {
+        "tp_rank": str(ps.get_tensor_model_parallel_rank()),
+        "cp_rank": str(ps.get_context_parallel_rank()),
+        "pp_rank": str(ps.get_pipeline_model_parallel_rank()),
+    }
     save_file(tensors, str(Path(shard_dir) / f"rank{dist.get_rank()}.safetensors"), metadata=meta)
     worker.close()
 
@@ -89,7 +99,9 @@ def assemble(shard_dir: Path, num_layers: int) -> dict[Checkpoint, tuple[torch.T
                 if key.endswith(_POS) or key == "trainer_logprobs":
                     continue
                 ck = parse_name(key, num_layers)
-                by_tp.setdefault(ck, {}).setdefault(tp_rank, Records()).add(ck, sf.get_tensor(key + _POS), sf.get_tensor(key))
+                by_tp.setdefault(ck, {}).setdefault(tp_rank, Records()).add(
+                    ck, sf.get_tensor(key + _POS), sf.get_tensor(key)
+                )
     out = {}
     for ck, ranks in by_tp.items():
         parts = [ranks[r].collect()[ck] for r in sorted(ranks)]
@@ -103,8 +115,16 @@ def assemble(shard_dir: Path, num_layers: int) -> dict[Checkpoint, tuple[torch.T
     return out
 
 
-def trainer_dump(cfg: Config, tokens: list[int], prompt_len: int, selection: Selection, work_dir: Path, *,
-                 perturb: dict[Checkpoint, Any] | None = None, timeout: float = 600.0) -> Dump:
+def trainer_dump(
+    cfg: Config,
+    tokens: list[int],
+    prompt_len: int,
+    selection: Selection,
+    work_dir: Path,
+    *,
+    perturb: dict[Checkpoint, Any] | None = None,
+    timeout: float = 600.0,
+) -> Dump:
     """Dump the trainer's logprob forward of one sample (temperature: cfg.experiment's, as in training)."""
     from tonpolicy.trainer.dist import spawn
 
@@ -112,14 +132,20 @@ def trainer_dump(cfg: Config, tokens: list[int], prompt_len: int, selection: Sel
     shard_dir = work_dir / "trainer_shards"
     shutil.rmtree(shard_dir, ignore_errors=True)
     shard_dir.mkdir(parents=True)
-    spawn(_worker, p.tp * p.pp * p.cp, cfg, tokens, prompt_len, selection, perturb or {}, str(shard_dir),
-          timeout=timeout)
+    spawn(
+        _worker, p.tp * p.pp * p.cp, cfg, tokens, prompt_len, selection, perturb or {}, str(shard_dir), timeout=timeout
+    )
     records = assemble(shard_dir, cfg.model.num_layers)
     _check_trainer_logprobs(shard_dir, records, prompt_len)
     shutil.rmtree(shard_dir, ignore_errors=True)
     layout = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "cp_type": p.cp_type}
-    meta = {"engine": "megatron-core", "path": "full_forward", "kernels": cfg.contract.kernels,
-            "layout": json.loads(json.dumps(layout)), "perturb": sorted(str(c) for c in (perturb or {}))}
+    meta = {
+        "engine": "megatron-core",
+        "path": "full_forward",
+        "kernels": cfg.contract.kernels,
+        "layout": json.loads(json.dumps(layout)),
+        "perturb": sorted(str(c) for c in (perturb or {})),
+    }
     return make_dump("trainer", tokens, prompt_len, cfg.model.num_layers, cfg.model.vocab_size, records, meta)
 
 

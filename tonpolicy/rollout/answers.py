@@ -71,9 +71,7 @@ def build_generate_output(
         meta["input_token_logprobs"] = _triples(
             [(result.prompt_logprobs.get(p), prompt[p]) for p in positions], decode, return_text_in_logprobs
         )
-        meta["output_token_logprobs"] = _triples(
-            list(zip(lps, ids, strict=True)), decode, return_text_in_logprobs
-        )
+        meta["output_token_logprobs"] = _triples(list(zip(lps, ids, strict=True)), decode, return_text_in_logprobs)
         if item.top_logprobs_num > 0:
             meta["input_top_logprobs"] = _tops(
                 [result.prompt_top_logprobs.get(p) for p in positions], decode, return_text_in_logprobs

@@ -32,9 +32,7 @@ class RolloutClient:
 
     # --- transport --------------------------------------------------------------------------
 
-    def _request(
-        self, method: str, path: str, body: Any = None, timeout_s: float | None = None
-    ) -> tuple[int, bytes]:
+    def _request(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> tuple[int, bytes]:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base_url + path, data=data, method=method)
         if data is not None:
@@ -65,9 +63,7 @@ class RolloutClient:
             return False
         return status == 200
 
-    def wait_healthy(
-        self, timeout_s: float, poll_s: float = 0.2, process: subprocess.Popen | None = None
-    ) -> None:
+    def wait_healthy(self, timeout_s: float, poll_s: float = 0.2, process: subprocess.Popen | None = None) -> None:
         """Block until /health answers 200. Raises TimeoutError, or RolloutError as soon as the
         server process (when given) has exited."""
         deadline = time.monotonic() + timeout_s
@@ -75,9 +71,7 @@ class RolloutClient:
             if self.health():
                 return
             if process is not None and process.poll() is not None:
-                raise RolloutError(
-                    f"the rollout server exited with code {process.returncode} before it was healthy"
-                )
+                raise RolloutError(f"the rollout server exited with code {process.returncode} before it was healthy")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{self.base_url} was not healthy after {timeout_s:.0f} s")
             time.sleep(poll_s)
@@ -95,12 +89,8 @@ class RolloutClient:
         batch = [[int(t) for t in p] for p in input_ids_batch]
         if not batch:
             return []
-        sp = (
-            dict(sampling_params) if isinstance(sampling_params, dict) else [dict(s) for s in sampling_params]
-        )
-        outs = self._json(
-            "POST", "/generate", {"input_ids": batch, "sampling_params": sp, "return_logprob": True}
-        )
+        sp = dict(sampling_params) if isinstance(sampling_params, dict) else [dict(s) for s in sampling_params]
+        outs = self._json("POST", "/generate", {"input_ids": batch, "sampling_params": sp, "return_logprob": True})
         if not isinstance(outs, list) or len(outs) != len(batch):
             raise RolloutError(f"/generate answered {type(outs).__name__} for a batch of {len(batch)}")
         return [parse_generate_output(o) for o in outs]
@@ -149,7 +139,12 @@ class RolloutClient:
         return self._weights_call("/update_weights_from_disk", body)
 
     def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
         backend: str,
     ) -> dict[str, Any]:
         body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
@@ -157,7 +152,11 @@ class RolloutClient:
         return self._weights_call("/init_weights_update_group", body)
 
     def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
         weight_version: str | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,

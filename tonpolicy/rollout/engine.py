@@ -187,9 +187,7 @@ class Engine:
 
     # --- scheduling internals -------------------------------------------------------------------
     def _admit(self) -> None:
-        while (
-            self._waiting and len(self._running) < self.max_running and self._waiting[0].visible_at <= self._clock
-        ):
+        while self._waiting and len(self._running) < self.max_running and self._waiting[0].visible_at <= self._clock:
             w = self._waiting.pop(0)
             slot = self._alloc_slot(len(w.req.prompt_ids) + w.req.max_new_tokens)
             self._running.append(_Running(w.handle, w.req, slot, make_generator(w.req.seed)))
@@ -211,8 +209,13 @@ class Engine:
             cap = max(cap, old.capacity * (1 if old.capacity >= positions else 2))
         slots, cap = min(slots, self.max_running), min(cap, cfg.max_position_embeddings)
         pool = KVPool(
-            cfg.num_layers, slots, cap, cfg.num_kv_heads, cfg.head_dim,
-            self.model.kernels.kv_cache_dtype(self.model.dtype), self.model.kernels.tile_size,
+            cfg.num_layers,
+            slots,
+            cap,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.model.kernels.kv_cache_dtype(self.model.dtype),
+            self.model.kernels.tile_size,
             self.model.model.embed_tokens.weight.device,
         )
         if old is not None:
@@ -259,7 +262,9 @@ class Engine:
         if not segments:
             return []
         logits = self.model.forward_segments(
-            torch.tensor(tokens, dtype=torch.long), segments, pool,
+            torch.tensor(tokens, dtype=torch.long),
+            segments,
+            pool,
             torch.tensor(rows + [row for _, row, _ in scored], dtype=torch.long),
         )
         self._score_prompts(logits[len(rows) :], scored)
@@ -276,7 +281,9 @@ class Engine:
             try:  # one request's failure ends that request, not the batch
                 tok = sample_token(sample_rows[j], vocab, q.temperature, q.top_p, q.top_k, r.gen)
                 lp = self.model.kernels.logprobs(
-                    logits[j : j + 1], torch.tensor([tok], device=logits.device), vocab,
+                    logits[j : j + 1],
+                    torch.tensor([tok], device=logits.device),
+                    vocab,
                     logprob_temperature(q.temperature),
                 ).cpu()
             except Exception as e:  # noqa: BLE001 - reported to that request's caller
@@ -310,8 +317,11 @@ class Engine:
     def _result(self, r: _Running) -> GenResult:
         """The request's result; finish_reason is "" while it is still running."""
         lps = torch.cat(r.out_lps).float() if r.out_lps else torch.empty(0, dtype=torch.float32)
-        extras = {"output_top_logprobs": list(r.out_top), "prompt_logprobs": dict(r.in_lps),
-                  "prompt_top_logprobs": dict(r.in_top)}
+        extras = {
+            "output_top_logprobs": list(r.out_top),
+            "prompt_logprobs": dict(r.in_lps),
+            "prompt_top_logprobs": dict(r.in_top),
+        }
         if r.error is not None:
             return GenResult(list(r.out_ids), lps, "error", r.error, **extras)
         stopped = bool(r.out_ids) and self._stops(r.req, r.out_ids[-1])

@@ -72,9 +72,7 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def generate(
-        self, requests: Sequence[Any], on_progress: Callable[[int, Any], None] | None = None
-    ) -> Future:
+    def generate(self, requests: Sequence[Any], on_progress: Callable[[int, Any], None] | None = None) -> Future:
         """Future of a BatchResult: the engine's results for `requests`, in the same order.
         `on_progress(i, result_so_far)` streams them (see _Job.on_progress)."""
         return self._submit(_Job(list(requests), None, on_progress=on_progress))

@@ -68,15 +68,11 @@ def route_models(state: ServerState, body: Any) -> Response:
     }
 
 
-def _native_body(
-    body: dict[str, Any], prompt: Any, max_tokens: Any, top_logprobs: int | None
-) -> dict[str, Any]:
+def _native_body(body: dict[str, Any], prompt: Any, max_tokens: Any, top_logprobs: int | None) -> dict[str, Any]:
     """The /generate request an OpenAI request stands for (SGLang's _convert_to_internal_request)."""
     sampling = {sg: body[oa] for oa, sg in _SAMPLING.items() if body.get(oa) is not None}
     sampling["max_new_tokens"] = 16 if max_tokens is None else max_tokens  # OpenAI's default
-    is_text = isinstance(prompt, str) or (
-        isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str)
-    )
+    is_text = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str))
     return {
         ("text" if is_text else "input_ids"): prompt,
         "sampling_params": sampling,
@@ -124,9 +120,7 @@ def route_chat_completions(state: ServerState, body: Any) -> Response:
             for m in messages
         )
     ):
-        raise ProtocolError(
-            "messages must be a non-empty list of {role, content} objects with string content"
-        )
+        raise ProtocolError("messages must be a non-empty list of {role, content} objects with string content")
     try:
         prompt = tok.apply_chat_template(messages)
     except Exception as e:  # noqa: BLE001 - a template that fails on these messages is the client's 400
@@ -236,9 +230,7 @@ def _completion_choice(state: ServerState, i: int, out: dict[str, Any]) -> dict[
     return {"index": i, "text": out.get("text", ""), "logprobs": _completion_logprobs(meta), **_finish(meta)}
 
 
-def _completion_delta(
-    state: ServerState, i: int, out: dict[str, Any], last: dict[str, Any] | None
-) -> dict[str, Any]:
+def _completion_delta(state: ServerState, i: int, out: dict[str, Any], last: dict[str, Any] | None) -> dict[str, Any]:
     done = len(last["output_ids"]) if last else 0
     text = out.get("text", "")[len(last.get("text", "")) if last else 0 :]
     return {
@@ -273,9 +265,7 @@ def _chat_choice(state: ServerState, i: int, out: dict[str, Any]) -> dict[str, A
     }
 
 
-def _chat_delta(
-    state: ServerState, i: int, out: dict[str, Any], last: dict[str, Any] | None
-) -> dict[str, Any]:
+def _chat_delta(state: ServerState, i: int, out: dict[str, Any], last: dict[str, Any] | None) -> dict[str, Any]:
     done = len(last["output_ids"]) if last else 0
     delta: dict[str, Any] = {"content": out.get("text", "")[len(last.get("text", "")) if last else 0 :]}
     if last is None:

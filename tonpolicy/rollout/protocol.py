@@ -141,9 +141,7 @@ def _neutral(value: Any, neutral: Any) -> bool:
     return value is None or value == neutral or (neutral is None and value in ("", [], {}))
 
 
-def check_fields(
-    d: dict[str, Any], used: set[str], ignored: set[str], neutral: dict[str, Any], what: str
-) -> None:
+def check_fields(d: dict[str, Any], used: set[str], ignored: set[str], neutral: dict[str, Any], what: str) -> None:
     for key, value in d.items():
         if key in used or key in ignored:
             continue

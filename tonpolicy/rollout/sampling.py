@@ -15,7 +15,11 @@ def make_generator(seed: int) -> torch.Generator:
 
 
 def sample_token(
-    logits: torch.Tensor, vocab_size: int, temperature: float, top_p: float, top_k: int,
+    logits: torch.Tensor,
+    vocab_size: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
     generator: torch.Generator,
 ) -> int:
     """Sample from fp32 logits [padded_vocab] over the real vocab; greedy when temperature <= 0."""

@@ -9,9 +9,7 @@ from tonpolicy.rollout.types import logprob_temperature
 
 
 @torch.no_grad()
-def score_logprobs(
-    model: Qwen3, prompt_ids: list[int], response_ids: list[int], temperature: float
-) -> torch.Tensor:
+def score_logprobs(model: Qwen3, prompt_ids: list[int], response_ids: list[int], temperature: float) -> torch.Tensor:
     """fp32 logprob of each response token t, from the logits at position t-1 of prompt+response."""
     if not prompt_ids:
         raise ValueError("prompt must be non-empty")

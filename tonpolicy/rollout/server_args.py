@@ -137,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-requests", action="store_true", default=None, help="log every HTTP request")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` (default: $TONPOLICY_API_KEY, if set)")
     p.add_argument(
-        "--skip-tokenizer-init", action="store_true", default=None,
+        "--skip-tokenizer-init",
+        action="store_true",
+        default=None,
         help="do not load the checkpoint's tokenizer: token ids only (as SGLang's flag)",
     )
     return p

@@ -101,10 +101,7 @@ def run_items(state: ServerState, items: list[GenerateItem], stream: bool = Fals
                 f"prompt ({len(it.input_ids)}) + max_new_tokens ({it.sampling.max_new_tokens}) exceeds "
                 f"the context length {cfg.max_position_embeddings}"
             )
-    seeds = [
-        it.sampling.sampling_seed if it.sampling.sampling_seed is not None else state.next_seed()
-        for it in items
-    ]
+    seeds = [it.sampling.sampling_seed if it.sampling.sampling_seed is not None else state.next_seed() for it in items]
     progress: queue.Queue | None = queue.Queue() if stream else None
     future = state.loop.generate(
         [to_gen_request(it, seed) for it, seed in zip(items, seeds, strict=True)],

@@ -71,9 +71,7 @@ def server_environment(cfg: Config, device: str, fingerprint: str) -> dict[str, 
         cores = max(1, os.cpu_count() or 1)
         env |= {
             "SGLANG_USE_CPU_ENGINE": "1",
-            "PYTHONPATH": os.pathsep.join(
-                [str(CPU_STANDIN_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
-            ),
+            "PYTHONPATH": os.pathsep.join([str(CPU_STANDIN_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]),
             # pynccl would load the CUDA wheel's libnccl and crash on CPU tensors; gloo carries TP.
             "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so",
             # One core set per TP rank (ranks share cores when there are fewer cores than ranks).

@@ -57,9 +57,7 @@ class VocabGuard:
         body = b"".join(chunks)
         refusal = out_of_range(body, field, self.vocab_size)
         if refusal is not None:
-            data = json.dumps(
-                {"error": {"message": refusal, "type": "invalid_request_error", "code": 400}}
-            ).encode()
+            data = json.dumps({"error": {"message": refusal, "type": "invalid_request_error", "code": 400}}).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
             await send({"type": "http.response.start", "status": 400, "headers": headers})
             await send({"type": "http.response.body", "body": data})

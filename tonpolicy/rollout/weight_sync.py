@@ -39,9 +39,7 @@ def init_update_group(
     # of the agent's store (TORCHELASTIC_USE_AGENT_STORE) and nobody would host this one.
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
     store = PrefixStore(group_name, store)  # as SGLang does: one rendezvous may serve several groups
-    pg, _ = _new_process_group_helper(
-        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
-    )
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -59,9 +57,7 @@ def send(group: Any, tensors: Iterable[torch.Tensor], abandon: Callable[[], bool
         work.wait()
 
 
-def receive(
-    group: Any, dtypes: list[str], shapes: list[list[int]], device: str = "cpu"
-) -> list[torch.Tensor]:
+def receive(group: Any, dtypes: list[str], shapes: list[list[int]], device: str = "cpu") -> list[torch.Tensor]:
     """An engine rank's side: the tensors rank 0 broadcasts, allocated from their announced dtypes and shapes."""
     out = []
     for dtype, shape in zip(dtypes, shapes, strict=True):

@@ -66,8 +66,7 @@ def shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
     send_to = dist.get_global_rank(group, (rank + step) % world)
     recv_from = dist.get_global_rank(group, (rank - step) % world)
     out = torch.empty_like(x)
-    ops = [dist.P2POp(dist.isend, x.contiguous(), send_to, group),
-           dist.P2POp(dist.irecv, out, recv_from, group)]
+    ops = [dist.P2POp(dist.isend, x.contiguous(), send_to, group), dist.P2POp(dist.irecv, out, recv_from, group)]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     return out

@@ -79,5 +79,7 @@ def slice_responses(
     """The one slicer for every CP mode: for each sample, (this rank's rows of a per-row tensor such as
     the logits, the matching entries of each per-response-token tensor: targets, loss mask, old
     logprobs, advantages)."""
-    return [(x[s.rows.to(x.device)], {k: v[s.resp] for k, v in y.items()})
-            for x, y, s in zip(per_row, per_response, slices, strict=True)]
+    return [
+        (x[s.rows.to(x.device)], {k: v[s.resp] for k, v in y.items()})
+        for x, y, s in zip(per_row, per_response, slices, strict=True)
+    ]

@@ -20,8 +20,9 @@ from tonpolicy.trainer.fast_backward import KernelAttention
 from tonpolicy.trainer.ring_attention import RingAttention
 
 
-def context_parallel_attention(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               positions: torch.Tensor, scale: float, mode: str) -> torch.Tensor:
+def context_parallel_attention(
+    kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, mode: str
+) -> torch.Tensor:
     """q [s_local, Hq, D], k/v [s_local, Hkv, D] (RoPE applied), positions [s_local] -> [s_local, Hq, D]."""
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1:
@@ -34,8 +35,9 @@ def context_parallel_attention(kernels: Any, q: torch.Tensor, k: torch.Tensor, v
     raise ValueError(f"unknown CP mode {mode!r}")
 
 
-def _attention(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-               scale: float) -> torch.Tensor:
+def _attention(
+    kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
     """`kernels.attention` over one whole sequence (forward), plain attention gradient (backward)."""
 
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -44,8 +46,9 @@ def _attention(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return KernelAttention.apply(q, k, v, positions, scale, fwd)
 
 
-def _ulysses(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cp: int,
-             group: Any) -> torch.Tensor:
+def _ulysses(
+    kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cp: int, group: Any
+) -> torch.Tensor:
     if q.shape[1] % cp or k.shape[1] % cp:
         raise ValueError(f"Ulysses CP={cp} must divide the local query ({q.shape[1]}) and KV ({k.shape[1]}) heads")
     # [s/cp, H, D] -> [s, H/cp, D]; chunks arrive in rank order = sequence order (contiguous layout).
@@ -54,6 +57,14 @@ def _ulysses(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return all_to_all(out, scatter_dim=0, gather_dim=1, group=group)
 
 
-def _ring(kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-          scale: float, cp: int, group: Any) -> torch.Tensor:
+def _ring(
+    kernels: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    cp: int,
+    group: Any,
+) -> torch.Tensor:
     return RingAttention.apply(q, k, v, positions, scale, kernels)

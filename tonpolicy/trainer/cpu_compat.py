@@ -183,10 +183,12 @@ def apply() -> bool:
     # Tied embeddings under PP: the last stage's copy is synced with `weight.data.cuda()`.
     lm = importlib.import_module("megatron.core.models.common.language_module.language_module")
     lm.LanguageModule.setup_embeddings_and_output_layer = _tensor_cuda_is_identity(
-        lm.LanguageModule.setup_embeddings_and_output_layer)
+        lm.LanguageModule.setup_embeddings_and_output_layer
+    )
     # bf16 training: Float16OptimizerWithFloat16Params checks parameter type names at construction.
     opt = importlib.import_module("megatron.core.optimizer.optimizer")
     opt.Float16OptimizerWithFloat16Params.__init__ = _tensor_type_reads_cuda(
-        opt.Float16OptimizerWithFloat16Params.__init__)
+        opt.Float16OptimizerWithFloat16Params.__init__
+    )
     _applied = True
     return True

@@ -77,8 +77,9 @@ def reset_model_parallel() -> None:
 
 
 def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)  # the build machine has 2 shared cores; ranks must not oversubscribe
     try:
         out = fn(*args)

@@ -46,16 +46,22 @@ class KernelLinear(torch.autograd.Function):
 RowParallelKernelLinear = KernelLinear
 
 
-def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def _plain_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
     g = q.shape[1] // k.shape[1]
     if torch.equal(positions, torch.arange(positions.numel(), device=positions.device)):
         mask, causal = None, True  # whole sequence from position 0: the fast causal path
     else:
         mask, causal = positions[None, :] <= positions[:, None], False  # key j visible to query i
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(g, dim=1).transpose(0, 1),
-        v.repeat_interleave(g, dim=1).transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale)
+        q.transpose(0, 1),
+        k.repeat_interleave(g, dim=1).transpose(0, 1),
+        v.repeat_interleave(g, dim=1).transpose(0, 1),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+    )
     return out.transpose(0, 1)
 
 
@@ -63,8 +69,9 @@ class KernelAttention(torch.autograd.Function):
     """Causal attention of one whole sequence: contract kernel forward, SDPA-gradient backward."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                scale: float, fn: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, fn: Any
+    ) -> torch.Tensor:
         ctx.save_for_backward(q, k, v, positions)
         ctx.scale = scale
         return fn(q, k, v, positions)

@@ -48,9 +48,15 @@ def dp_share(num_samples: int, replica: int | None = None) -> list[int]:
     return list(range(ps.get_data_parallel_rank() if replica is None else replica, num_samples, dp))
 
 
-def make_microbatches(prompts: list[list[int]], responses: list[list[int]], cp_mode: str, tile: int,
-                      extras: list[dict[str, torch.Tensor]] | None = None, micro_batch_size: int = 1,
-                      pack: bool = False) -> tuple[list[Microbatch], int]:
+def make_microbatches(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    cp_mode: str,
+    tile: int,
+    extras: list[dict[str, torch.Tensor]] | None = None,
+    micro_batch_size: int = 1,
+    pack: bool = False,
+) -> tuple[list[Microbatch], int]:
     """This rank's microbatches (its DP share, `micro_batch_size` samples each) plus the common padded
     sequence length (the same on every replica: Megatron's pipeline shapes are static)."""
     cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
@@ -59,11 +65,14 @@ def make_microbatches(prompts: list[list[int]], responses: list[list[int]], cp_m
     extras = extras if extras is not None else [{} for _ in prompts]
     lengths = [len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)]  # the last token predicts nothing
     share = dp_share(len(prompts))
-    groups = [share[k:k + micro_batch_size] for k in range(0, len(share), micro_batch_size)]
+    groups = [share[k : k + micro_batch_size] for k in range(0, len(share), micro_batch_size)]
     if pack:  # every replica's rows as long as the longest packed group of the whole batch
         everyone = [dp_share(len(prompts), r) for r in range(ps.get_data_parallel_world_size())]
-        seq_len = max(sum(lengths[i] for i in g[k:k + micro_batch_size])
-                      for g in everyone for k in range(0, len(g), micro_batch_size))
+        seq_len = max(
+            sum(lengths[i] for i in g[k : k + micro_batch_size])
+            for g in everyone
+            for k in range(0, len(g), micro_batch_size)
+        )
     else:
         seq_len = cp_layout.padded_len(max(lengths), cp, cp_mode, tile)
     local = cp_layout.local_positions(seq_len, cp, rank, cp_mode)
@@ -79,21 +88,43 @@ def make_microbatches(prompts: list[list[int]], responses: list[list[int]], cp_m
             pad = seq_len - tokens.numel()  # padding is a segment of its own, starting at position 0
             tokens, pos = torch.cat([tokens, tokens.new_zeros(pad)]), torch.cat([pos, torch.arange(pad)])
             starts = torch.tensor([0, *[lengths[i] for i in g]]).cumsum(0)
-            slices = [cp_layout.shift(cp_layout.response_slice(torch.arange(lengths[i]), len(prompts[i]),
-                                                               len(responses[i])), int(starts[k]))
-                      for k, i in enumerate(g)]
-            mbs.append(Microbatch(g, tokens[None], pos[None], [0] * len(g), slices,
-                                  [torch.tensor(responses[i], dtype=torch.long) for i in g], [extras[i] for i in g]))
+            slices = [
+                cp_layout.shift(
+                    cp_layout.response_slice(torch.arange(lengths[i]), len(prompts[i]), len(responses[i])),
+                    int(starts[k]),
+                )
+                for k, i in enumerate(g)
+            ]
+            mbs.append(
+                Microbatch(
+                    g,
+                    tokens[None],
+                    pos[None],
+                    [0] * len(g),
+                    slices,
+                    [torch.tensor(responses[i], dtype=torch.long) for i in g],
+                    [extras[i] for i in g],
+                )
+            )
         else:
             rows = [torch.cat([ids_of(i), torch.zeros(seq_len - lengths[i], dtype=torch.long)])[local] for i in g]
-            mbs.append(Microbatch(g, torch.stack(rows), local.expand(len(g), -1), list(range(len(g))),
-                                  [cp_layout.response_slice(local, len(prompts[i]), len(responses[i])) for i in g],
-                                  [torch.tensor(responses[i], dtype=torch.long) for i in g], [extras[i] for i in g]))
+            mbs.append(
+                Microbatch(
+                    g,
+                    torch.stack(rows),
+                    local.expand(len(g), -1),
+                    list(range(len(g))),
+                    [cp_layout.response_slice(local, len(prompts[i]), len(responses[i])) for i in g],
+                    [torch.tensor(responses[i], dtype=torch.long) for i in g],
+                    [extras[i] for i in g],
+                )
+            )
     return mbs, seq_len
 
 
-def local_logprobs(mb: Microbatch, logits: torch.Tensor, vocab_size: int, temperature: float, kernels: Any,
-                   stock_gather: bool = False) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+def local_logprobs(
+    mb: Microbatch, logits: torch.Tensor, vocab_size: int, temperature: float, kernels: Any, stock_gather: bool = False
+) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """Per sample: fp32 logprobs of the response tokens whose predicting row is on this rank, and its
     per-response-token tensors (targets, extras) sliced to the same tokens. `logits` is this TP rank's
     vocab shard [rows, s_local, V_pad/TP]. One logprob call for the whole microbatch (row-wise kernels:
@@ -123,8 +154,15 @@ def run(model: Any, mbs: list[Microbatch], seq_len: int, loss_fn: LossFn, forwar
     rows = {mb.tokens.shape[0] for mb in mbs}
     if len(rows) > 1:
         raise ValueError(f"microbatches of different sizes {sorted(rows)}: the pipeline's shapes are static")
-    return fb(forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(mbs),
-              seq_length=seq_len, micro_batch_size=rows.pop() if rows else 1, forward_only=forward_only)
+    return fb(
+        forward_step_func=forward_step,
+        data_iterator=it,
+        model=[model],
+        num_microbatches=len(mbs),
+        seq_length=seq_len,
+        micro_batch_size=rows.pop() if rows else 1,
+        forward_only=forward_only,
+    )
 
 
 def assemble(outputs: list[dict], mbs: list[Microbatch], lengths: list[int], key: str = "lp") -> list[torch.Tensor]:
@@ -142,8 +180,9 @@ def assemble(outputs: list[dict], mbs: list[Microbatch], lengths: list[int], key
         if ps.get_context_parallel_world_size() > 1:
             dist.all_reduce(flat, group=ps.get_context_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(flat, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(
+            flat, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
     dp = ps.get_data_parallel_world_size()
     if dp > 1:
         shares = [torch.empty_like(flat) for _ in range(dp)]

@@ -21,5 +21,6 @@ def grads_for_norm(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def grad_norm(model: torch.nn.Module) -> float:
     """L2 norm of all gradients across TP and PP (grads must already be reduced over DP/CP)."""
-    return float(get_grad_norm_fp32(grads_for_norm(model),
-                                    grad_stats_parallel_group=parallel_state.get_model_parallel_group()))
+    return float(
+        get_grad_norm_fp32(grads_for_norm(model), grad_stats_parallel_group=parallel_state.get_model_parallel_group())
+    )

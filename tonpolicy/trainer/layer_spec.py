@@ -37,8 +37,9 @@ from tonpolicy.trainer.fast_backward import KernelLinear, RowParallelKernelLinea
 class ContractColumnParallelLinear(ColumnParallelLinear):
     kernels: Any = None
 
-    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
-                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+    ) -> tuple[torch.Tensor, None]:
         w = self.weight if weight is None else weight
         x = copy_to_tensor_model_parallel_region(input_)  # identity forward, TP all-reduce of dgrad
         return KernelLinear.apply(x, w, self.kernels.linear), None
@@ -66,8 +67,9 @@ class ContractLMHead(ContractColumnParallelLinear):
     """Column-parallel LM head: fp32 logits of the canonical-shard matmul, never rounded to the
     activation dtype (the rollout model's `lm_head` is the same two kernel calls)."""
 
-    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
-                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+    ) -> tuple[torch.Tensor, None]:
         w = self.weight if weight is None else weight
         x = copy_to_tensor_model_parallel_region(input_)
         k = self.kernels
@@ -85,8 +87,9 @@ def _with_kernels(cls: type, kernels: Any) -> type:
 class ContractRMSNorm(MegatronModule):
     """RMSNorm with the kernel's formula; `weight` is named as in megatron's local spec."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, kernels: Any = None,
-                 **_: Any) -> None:
+    def __init__(
+        self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, kernels: Any = None, **_: Any
+    ) -> None:
         super().__init__(config=config)
         self.kernels, self.eps = kernels, eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
@@ -110,16 +113,33 @@ class ContractMLP(MLP):
 class ContractCoreAttention(MegatronModule):
     """RoPE (from the microbatch's absolute positions) + split-KV causal attention, with CP inside."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, kernels: Any = None, rope_theta: float = 1e6, cp_mode: str = "ulysses",
-                 softmax_scale: float | None = None, **_: Any) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        kernels: Any = None,
+        rope_theta: float = 1e6,
+        cp_mode: str = "ulysses",
+        softmax_scale: float | None = None,
+        **_: Any,
+    ) -> None:
         super().__init__(config=config)
         self.kernels, self.theta, self.cp_mode = kernels, rope_theta, cp_mode
         self.head_dim = config.kv_channels
-        self.scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
+        self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
         positions = cp_layout.current_positions()  # [b, s_local]
         k_ = self.kernels
         outs = []
@@ -130,9 +150,16 @@ class ContractCoreAttention(MegatronModule):
             k = k_.apply_rope(key[:, b], cos, sin)
             # A packed row holds several samples, each restarting at position 0: attend within each.
             bounds = [*cp_layout.segment_starts(pos), pos.numel()]
-            outs.append(torch.cat([
-                context_parallel_attention(k_, q[s:e], k[s:e], value[s:e, b], pos[s:e], self.scale, self.cp_mode)
-                for s, e in zip(bounds[:-1], bounds[1:], strict=True)]))
+            outs.append(
+                torch.cat(
+                    [
+                        context_parallel_attention(
+                            k_, q[s:e], k[s:e], value[s:e, b], pos[s:e], self.scale, self.cp_mode
+                        )
+                        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+                    ]
+                )
+            )
         out = torch.stack(outs, dim=1)  # [s, b, h, d]
         return out.reshape(out.shape[0], out.shape[1], -1)
 
@@ -155,15 +182,17 @@ def contract_layer_spec(kernels: Any, rope_theta: float, cp_mode: str) -> Module
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(module=_with_kernels(ContractMLP, kernels),
-                           submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row)),
+            mlp=ModuleSpec(
+                module=_with_kernels(ContractMLP, kernels), submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row)
+            ),
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
-def contract_block_spec(config: TransformerConfig, kernels: Any, rope_theta: float,
-                        cp_mode: str) -> TransformerBlockSubmodules:
+def contract_block_spec(
+    config: TransformerConfig, kernels: Any, rope_theta: float, cp_mode: str
+) -> TransformerBlockSubmodules:
     """This pipeline stage's layers plus the final norm, all on the contract kernels."""
     layer = contract_layer_spec(kernels, rope_theta, cp_mode)
     return TransformerBlockSubmodules(

@@ -17,26 +17,44 @@ from tonpolicy.contract.megatron_args import gpt_model_kwargs, transformer_kwarg
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
-def transformer_config(cfg: ModelConfig, dtype: torch.dtype, pp_layers: tuple[int, ...] | None = None,
-                       exact_zero: bool = True) -> TransformerConfig:
+def transformer_config(
+    cfg: ModelConfig, dtype: torch.dtype, pp_layers: tuple[int, ...] | None = None, exact_zero: bool = True
+) -> TransformerConfig:
     """The plan's TransformerConfig (tonpolicy.contract.megatron_args) at the current layout."""
-    kw = transformer_kwargs(cfg, DTYPE_NAMES[dtype], parallel_state.get_tensor_model_parallel_world_size(),
-                            parallel_state.get_pipeline_model_parallel_world_size(),
-                            parallel_state.get_context_parallel_world_size(), pp_layers, exact_zero)
+    kw = transformer_kwargs(
+        cfg,
+        DTYPE_NAMES[dtype],
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
+        pp_layers,
+        exact_zero,
+    )
     kw.update(activation_func=F.silu, params_dtype=dtype, pipeline_dtype=dtype)
     # Build-only settings (no numerics): initialise on the CPU (then move once); mark TP-sharded
     # params (grad-norm filters need it).
     return TransformerConfig(**kw, use_cpu_initialization=True, perform_initialization=True)
 
 
-def build_gpt(cfg: ModelConfig, dtype: torch.dtype, spec: str, cp_mode: str, kernels: Any, canonical_shards: int,
-              pp_layers: tuple[int, ...] | None = None, exact_zero: bool = True) -> GPTModel:
+def build_gpt(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    spec: str,
+    cp_mode: str,
+    kernels: Any,
+    canonical_shards: int,
+    pp_layers: tuple[int, ...] | None = None,
+    exact_zero: bool = True,
+) -> GPTModel:
     """`spec`: 'contract' (layer spec on the kernel set `kernels`) or 'stock' (megatron's local spec:
     the off-policy negative control). `canonical_shards` is the contract's: it fixes the padded vocab."""
     config = transformer_config(cfg, dtype, pp_layers, exact_zero)
-    common = dict(config=config, pre_process=parallel_state.is_pipeline_first_stage(),
-                  post_process=parallel_state.is_pipeline_last_stage(),
-                  **gpt_model_kwargs(cfg, canonical_shards, spec))
+    common = dict(
+        config=config,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        **gpt_model_kwargs(cfg, canonical_shards, spec),
+    )
     if spec == "contract":
         from tonpolicy.trainer.layer_spec import contract_block_spec, install_contract_head
 

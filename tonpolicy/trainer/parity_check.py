@@ -27,8 +27,9 @@ CONTRACTS = {
 CPU_CONTRACTS = ("contract", "off_policy")
 
 
-def make_config(layout: Layout, dtype: str, contract: str, temperature: float,
-                checkpoint: str | Path | None = None, **trainer: Any) -> Config:
+def make_config(
+    layout: Layout, dtype: str, contract: str, temperature: float, checkpoint: str | Path | None = None, **trainer: Any
+) -> Config:
     """A run config for a layout; the model profile is the checkpoint's own (the trainer refuses a
     checkpoint whose architecture is not the profile's)."""
     from tonpolicy.model.checkpoint import read_config
@@ -37,15 +38,30 @@ def make_config(layout: Layout, dtype: str, contract: str, temperature: float,
     return Config(
         model=read_config(checkpoint) if checkpoint is not None else ModelConfig(),
         contract=ContractConfig(dtype=dtype, **CONTRACTS[contract]),
-        parallel=ParallelConfig(name=str(layout), tp=layout.tp, pp=layout.pp, cp=layout.cp, cp_type=cp_type, dp=layout.dp,
-                                pp_layers=list(layout.pp_layers) if layout.pp_layers else None),
+        parallel=ParallelConfig(
+            name=str(layout),
+            tp=layout.tp,
+            pp=layout.pp,
+            cp=layout.cp,
+            cp_type=cp_type,
+            dp=layout.dp,
+            pp_layers=list(layout.pp_layers) if layout.pp_layers else None,
+        ),
         experiment=ExperimentConfig(temperature=temperature),
         trainer=TrainerConfig(**trainer),
     )
 
 
-def rollout(checkpoint: str | Path, kernels: str, n: int, prompt_len: int, max_new_tokens: int,
-            temperature: float, seed: int = 0, device: str = "cpu") -> dict[str, Any]:
+def rollout(
+    checkpoint: str | Path,
+    kernels: str,
+    n: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int = 0,
+    device: str = "cpu",
+) -> dict[str, Any]:
     """Sample `n` responses (varied prompt lengths) with the embedded engine; decode logprobs."""
     from tonpolicy.kernels import get_kernels
     from tonpolicy.model.checkpoint import load_hf
@@ -61,12 +77,12 @@ def rollout(checkpoint: str | Path, kernels: str, n: int, prompt_len: int, max_n
     prompts = [torch.randint(0, cfg.vocab_size, (prompt_len - 3 * i,), generator=g).tolist() for i in range(n)]
     reqs = [GenRequest(p, max_new_tokens, temperature=temperature, seed=seed * 100 + i) for i, p in enumerate(prompts)]
     res = engine.generate(reqs)
-    return {"prompts": prompts, "responses": [r.output_ids for r in res],
-            "logprobs": [r.output_logprobs for r in res]}
+    return {"prompts": prompts, "responses": [r.output_ids for r in res], "logprobs": [r.output_logprobs for r in res]}
 
 
-def checkpoints_and_rollouts(root: Path, cfg: Any, seed: int, n: int, prompt_len: int, max_new_tokens: int,
-                             temperature: float, prefix: str = "") -> tuple[dict[str, str], dict[tuple[str, str], Any]]:
+def checkpoints_and_rollouts(
+    root: Path, cfg: Any, seed: int, n: int, prompt_len: int, max_new_tokens: int, temperature: float, prefix: str = ""
+) -> tuple[dict[str, str], dict[tuple[str, str], Any]]:
     """An fp32 and a bf16 checkpoint of `cfg` under `root`, each rolled out with the contract and the
     default kernels: ({dtype: path}, {(dtype, contract): rollout}) as `layout_jobs` takes them."""
     from tonpolicy.model.checkpoint import init_state_dict, save_hf
@@ -85,8 +101,12 @@ def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, float]:
     from tonpolicy.parity.gate import compare as gate_compare
 
     rep = gate_compare([torch.as_tensor(x) for x in a], [torch.as_tensor(y) for y in b])
-    return {"equal": float(rep.exact), "mismatched": float(rep.mismatched_tokens), "tokens": float(rep.tokens_scored),
-            "max_abs_diff": rep.max_abs_logprob_diff}
+    return {
+        "equal": float(rep.exact),
+        "mismatched": float(rep.mismatched_tokens),
+        "tokens": float(rep.tokens_scored),
+        "max_abs_diff": rep.max_abs_logprob_diff,
+    }
 
 
 def layouts_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -97,8 +117,14 @@ def layouts_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for job in jobs:
-        cfg = make_config(job["layout"], job["dtype"], job["contract"], job["temperature"], job["checkpoint"],
-                          **job.get("trainer", {}))
+        cfg = make_config(
+            job["layout"],
+            job["dtype"],
+            job["contract"],
+            job["temperature"],
+            job["checkpoint"],
+            **job.get("trainer", {}),
+        )
         t0 = time.perf_counter()
         worker = TrainerWorker(cfg, job["checkpoint"])
         t1 = time.perf_counter()
@@ -107,10 +133,16 @@ def layouts_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         t2 = time.perf_counter()
         verdicts: list[Any] = [None] * dist.get_world_size()  # every rank's own comparison
         dist.all_gather_object(verdicts, compare(lps, ro["logprobs"])["equal"])
-        res = {**{k: v for k, v in job.items() if k not in ("rollout", "checkpoint")}, **compare(lps, ro["logprobs"]),
-               "spec": worker.spec, "build_s": t1 - t0, "logprobs_s": t2 - t1,
-               "export_equal": _export_round_trips(worker, job["checkpoint"]), "stage_layers": worker.stage_layers(),
-               "ranks_equal": verdicts}
+        res = {
+            **{k: v for k, v in job.items() if k not in ("rollout", "checkpoint")},
+            **compare(lps, ro["logprobs"]),
+            "spec": worker.spec,
+            "build_s": t1 - t0,
+            "logprobs_s": t2 - t1,
+            "export_equal": _export_round_trips(worker, job["checkpoint"]),
+            "stage_layers": worker.stage_layers(),
+            "ranks_equal": verdicts,
+        }
         out.append(res)
         worker.close()
         reset_model_parallel()
@@ -128,12 +160,27 @@ def _export_round_trips(worker: Any, checkpoint: str | Path) -> bool | None:
     return hf.keys() == ref.keys() and all(torch.equal(hf[k], ref[k]) for k in ref)
 
 
-def layout_jobs(layouts: list[Layout], checkpoints: dict[str, str], rollouts: dict[tuple[str, str], Any],
-                temperature: float, contracts: tuple[str, ...] = CPU_CONTRACTS) -> list[dict[str, Any]]:
+def layout_jobs(
+    layouts: list[Layout],
+    checkpoints: dict[str, str],
+    rollouts: dict[tuple[str, str], Any],
+    temperature: float,
+    contracts: tuple[str, ...] = CPU_CONTRACTS,
+) -> list[dict[str, Any]]:
     """Every layout x dtype x contract (rollouts keyed by (dtype, contract))."""
-    return [dict(layout=lay, dtype=dt, contract=c, checkpoint=checkpoints[dt], rollout=rollouts[(dt, c)],
-                 temperature=temperature)
-            for lay in layouts for dt in checkpoints for c in contracts]
+    return [
+        dict(
+            layout=lay,
+            dtype=dt,
+            contract=c,
+            checkpoint=checkpoints[dt],
+            rollout=rollouts[(dt, c)],
+            temperature=temperature,
+        )
+        for lay in layouts
+        for dt in checkpoints
+        for c in contracts
+    ]
 
 
 def built_config_worker(configs: list[Config]) -> list[dict[str, Any]]:
@@ -158,8 +205,14 @@ def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for job in jobs:
-        cfg = make_config(job["layout"], job["dtype"], job["contract"], job["temperature"], job["checkpoint"],
-                          **job.get("trainer", {}))
+        cfg = make_config(
+            job["layout"],
+            job["dtype"],
+            job["contract"],
+            job["temperature"],
+            job["checkpoint"],
+            **job.get("trainer", {}),
+        )
         worker = TrainerWorker(cfg, job["checkpoint"], spec=job.get("spec"))
         ro = job["rollout"]
         t0 = time.perf_counter()
@@ -167,15 +220,32 @@ def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if job.get("old_from_rollout"):  # control for the first-forward check: "old" that is not the recompute
             old = [torch.as_tensor(x, dtype=torch.float32) for x in ro["logprobs"]]
         t1 = time.perf_counter()
-        m = worker.ppo_step(ro["prompts"], ro["responses"], old, ro["logprobs"], job["advantages"],
-                            exact_first_forward=job.get("exact_first_forward", False))
+        m = worker.ppo_step(
+            ro["prompts"],
+            ro["responses"],
+            old,
+            ro["logprobs"],
+            job["advantages"],
+            exact_first_forward=job.get("exact_first_forward", False),
+        )
         t2 = time.perf_counter()
         new = worker.logprobs(ro["prompts"], ro["responses"])
         shares: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(shares, worker.last_share)
-        out.append({"layout": job["layout"], "dtype": job["dtype"], "contract": job["contract"], "spec": worker.spec,
-                    **m, "old_vs_rollout": compare(old, ro["logprobs"]), "new_logprobs": new,
-                    "logprobs_s": t1 - t0, "step_s": t2 - t1, "shares": shares})
+        out.append(
+            {
+                "layout": job["layout"],
+                "dtype": job["dtype"],
+                "contract": job["contract"],
+                "spec": worker.spec,
+                **m,
+                "old_vs_rollout": compare(old, ro["logprobs"]),
+                "new_logprobs": new,
+                "logprobs_s": t1 - t0,
+                "step_s": t2 - t1,
+                "shares": shares,
+            }
+        )
         worker.close()
         reset_model_parallel()
     return out

@@ -31,8 +31,14 @@ def token_loss(lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor, cfg: P
     return pg
 
 
-def metrics(lp: list[torch.Tensor], old_lp: list[torch.Tensor], rollout_lp: list[torch.Tensor],
-            adv: list[torch.Tensor], mask: list[torch.Tensor], cfg: PPOConfig) -> dict[str, float]:
+def metrics(
+    lp: list[torch.Tensor],
+    old_lp: list[torch.Tensor],
+    rollout_lp: list[torch.Tensor],
+    adv: list[torch.Tensor],
+    mask: list[torch.Tensor],
+    cfg: PPOConfig,
+) -> dict[str, float]:
     """Batch metrics over loss-masked tokens. `lp` is the training forward's logprobs, `old_lp` the
     trainer's recompute before the step, `rollout_lp` what the rollout engine reported."""
     m = torch.cat(mask).bool()

@@ -27,8 +27,9 @@ def _block_positions(seq_len: int, cp: int, src: int, device: torch.device) -> t
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                scale: float, kernels: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, kernels: Any
+    ) -> torch.Tensor:
         cp, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
         group = parallel_state.get_context_parallel_group()
         tile = kernels.tile_size

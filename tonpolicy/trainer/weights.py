@@ -43,7 +43,13 @@ def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def hf_to_megatron(
-    hf: dict[str, torch.Tensor], cfg: ModelConfig, tp_rank: int, tp: int, pp_rank: int, pp: int, padded_vocab: int,
+    hf: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    tp_rank: int,
+    tp: int,
+    pp_rank: int,
+    pp: int,
+    padded_vocab: int,
     pp_layers: tuple[int, ...] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The GPTModel state dict (megatron names, local layer numbering) of one (tp_rank, pp_rank)."""
@@ -72,21 +78,24 @@ def hf_to_megatron(
         a = h + "self_attn."
         qkv = _fuse_qkv(cfg, hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"])
         gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
-        out.update({
-            m + "input_layernorm.weight": hf[h + "input_layernorm.weight"].clone(),
-            m + "self_attention.linear_qkv.weight": col(qkv),  # groups are contiguous: rows split by group
-            m + "self_attention.q_layernorm.weight": hf[a + "q_norm.weight"].clone(),
-            m + "self_attention.k_layernorm.weight": hf[a + "k_norm.weight"].clone(),
-            m + "self_attention.linear_proj.weight": row(hf[a + "o_proj.weight"]),
-            m + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"].clone(),
-            m + "mlp.linear_fc1.weight": torch.cat([col(gate), col(up)]),
-            m + "mlp.linear_fc2.weight": row(hf[h + "mlp.down_proj.weight"]),
-        })
+        out.update(
+            {
+                m + "input_layernorm.weight": hf[h + "input_layernorm.weight"].clone(),
+                m + "self_attention.linear_qkv.weight": col(qkv),  # groups are contiguous: rows split by group
+                m + "self_attention.q_layernorm.weight": hf[a + "q_norm.weight"].clone(),
+                m + "self_attention.k_layernorm.weight": hf[a + "k_norm.weight"].clone(),
+                m + "self_attention.linear_proj.weight": row(hf[a + "o_proj.weight"]),
+                m + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"].clone(),
+                m + "mlp.linear_fc1.weight": torch.cat([col(gate), col(up)]),
+                m + "mlp.linear_fc2.weight": row(hf[h + "mlp.down_proj.weight"]),
+            }
+        )
     return out
 
 
-def megatron_to_hf(shards: Shards, cfg: ModelConfig, tp: int, pp: int,
-                   pp_layers: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+def megatron_to_hf(
+    shards: Shards, cfg: ModelConfig, tp: int, pp: int, pp_layers: tuple[int, ...] | None = None
+) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron`: merge every rank's state dict into HF names (vocab unpadded)."""
     v = cfg.vocab_size
 
@@ -106,30 +115,44 @@ def megatron_to_hf(shards: Shards, cfg: ModelConfig, tp: int, pp: int,
             q, k, vv = _split_qkv(cfg, cat0(m + "self_attention.linear_qkv.weight", pp_rank))
             fc1 = [shards[(t, pp_rank)][m + "mlp.linear_fc1.weight"].chunk(2) for t in range(tp)]
             first = shards[(0, pp_rank)]
-            hf.update({
-                h + "input_layernorm.weight": first[m + "input_layernorm.weight"],
-                h + "self_attn.q_proj.weight": q,
-                h + "self_attn.k_proj.weight": k,
-                h + "self_attn.v_proj.weight": vv,
-                h + "self_attn.q_norm.weight": first[m + "self_attention.q_layernorm.weight"],
-                h + "self_attn.k_norm.weight": first[m + "self_attention.k_layernorm.weight"],
-                h + "self_attn.o_proj.weight": cat1(m + "self_attention.linear_proj.weight", pp_rank),
-                h + "post_attention_layernorm.weight": first[m + "pre_mlp_layernorm.weight"],
-                h + "mlp.gate_proj.weight": torch.cat([g for g, _ in fc1]),
-                h + "mlp.up_proj.weight": torch.cat([u for _, u in fc1]),
-                h + "mlp.down_proj.weight": cat1(m + "mlp.linear_fc2.weight", pp_rank),
-            })
+            hf.update(
+                {
+                    h + "input_layernorm.weight": first[m + "input_layernorm.weight"],
+                    h + "self_attn.q_proj.weight": q,
+                    h + "self_attn.k_proj.weight": k,
+                    h + "self_attn.v_proj.weight": vv,
+                    h + "self_attn.q_norm.weight": first[m + "self_attention.q_layernorm.weight"],
+                    h + "self_attn.k_norm.weight": first[m + "self_attention.k_layernorm.weight"],
+                    h + "self_attn.o_proj.weight": cat1(m + "self_attention.linear_proj.weight", pp_rank),
+                    h + "post_attention_layernorm.weight": first[m + "pre_mlp_layernorm.weight"],
+                    h + "mlp.gate_proj.weight": torch.cat([g for g, _ in fc1]),
+                    h + "mlp.up_proj.weight": torch.cat([u for _, u in fc1]),
+                    h + "mlp.down_proj.weight": cat1(m + "mlp.linear_fc2.weight", pp_rank),
+                }
+            )
     return hf
 
 
-def load_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], cfg: ModelConfig, padded_vocab: int,
-              pp_layers: tuple[int, ...] | None = None) -> None:
+def load_into(
+    model: torch.nn.Module,
+    hf: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    padded_vocab: int,
+    pp_layers: tuple[int, ...] | None = None,
+) -> None:
     """Load an HF state dict into this rank's GPTModel (strict: every parameter must be covered)."""
     from megatron.core import parallel_state as ps
 
-    sd = hf_to_megatron(hf, cfg, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-                        ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
-                        padded_vocab, pp_layers)
+    sd = hf_to_megatron(
+        hf,
+        cfg,
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+        padded_vocab,
+        pp_layers,
+    )
     own = model.state_dict()
     sd = {k: t.to(own[k].dtype) for k, t in sd.items()}
     extra = {k: own[k] for k in own if k.endswith("_extra_state")}

@@ -31,8 +31,14 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def layout_of(cfg: Config) -> Layout:
     p = cfg.parallel
-    return Layout(tp=p.tp, pp=p.pp, cp=p.cp, cp_mode=p.cp_type if p.cp_type in ("ulysses", "ring") else "ulysses",
-                  pp_layers=tuple(p.pp_layers) if p.pp_layers and p.pp > 1 else None, dp=p.dp)
+    return Layout(
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        cp_mode=p.cp_type if p.cp_type in ("ulysses", "ring") else "ulysses",
+        pp_layers=tuple(p.pp_layers) if p.pp_layers and p.pp > 1 else None,
+        dp=p.dp,
+    )
 
 
 class TrainerWorker:
@@ -40,8 +46,14 @@ class TrainerWorker:
     for the contract kernels; for `default` kernels the stock spec, or at CP > 1 (megatron's own CP
     needs TransformerEngine) the contract spec running the `default` kernels."""
 
-    def __init__(self, cfg: Config, checkpoint: str | Path | None = None, *, spec: str | None = None,
-                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        checkpoint: str | Path | None = None,
+        *,
+        spec: str | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         from tonpolicy.model.checkpoint import init_state_dict, load_hf
 
         self.cfg, self.layout = cfg, layout_of(cfg)
@@ -67,9 +79,16 @@ class TrainerWorker:
             self.model_cfg, hf = cfg.model, init_state_dict(cfg.model, self.dtype, cfg.model.init_seed)
         # TP-independent, so every layout (and the rollout) sees the same logits width.
         self.vocab_padded = padded_vocab_size(self.model_cfg.vocab_size, c.canonical_shards)
-        self.module = build_gpt(self.model_cfg, self.dtype, spec, self.layout.cp_mode, kernels,
-                                canonical_shards=c.canonical_shards, pp_layers=self.layout.pp_layers,
-                                exact_zero=c.exact_zero)
+        self.module = build_gpt(
+            self.model_cfg,
+            self.dtype,
+            spec,
+            self.layout.cp_mode,
+            kernels,
+            canonical_shards=c.canonical_shards,
+            pp_layers=self.layout.pp_layers,
+            exact_zero=c.exact_zero,
+        )
         load_into(self.module, hf, self.model_cfg, self.vocab_padded, self.layout.pp_layers)
         self.tile = kernels.tile_size
         # The rollout reports greedy (temperature <= 0) logprobs at temperature 1; so do we.
@@ -85,11 +104,13 @@ class TrainerWorker:
         lps, _ = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
         return logits.new_zeros(()), {"lp": lps, "resp": [s.resp for s in mb.slices]}
 
-    def _microbatches(self, prompts: list[list[int]], responses: list[list[int]],
-                      extras: list[dict[str, torch.Tensor]] | None = None) -> tuple[list[fw.Microbatch], int]:
+    def _microbatches(
+        self, prompts: list[list[int]], responses: list[list[int]], extras: list[dict[str, torch.Tensor]] | None = None
+    ) -> tuple[list[fw.Microbatch], int]:
         t = self.cfg.trainer
-        return fw.make_microbatches(prompts, responses, self.layout.cp_mode, self.tile, extras,
-                                    t.micro_batch_size, t.pack_sequences)
+        return fw.make_microbatches(
+            prompts, responses, self.layout.cp_mode, self.tile, extras, t.micro_batch_size, t.pack_sequences
+        )
 
     @torch.no_grad()
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
@@ -109,17 +130,31 @@ class TrainerWorker:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         t = self.cfg.trainer
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=False)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
         self.model = DistributedDataParallel(config=self.module.config, ddp_config=ddp_cfg, module=self.module)
-        opt_cfg = OptimizerConfig(optimizer="adam", lr=self.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
-                                  bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype)
+        opt_cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=self.lr,
+            weight_decay=t.weight_decay,
+            clip_grad=t.clip_grad,
+            bf16=self.dtype == torch.bfloat16,
+            params_dtype=self.dtype,
+        )
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
         self.module.config.finalize_model_grads_func = finalize_model_grads
 
-    def ppo_step(self, prompts: list[list[int]], responses: list[list[int]], old_logprobs: list[torch.Tensor],
-                 rollout_logprobs: list[torch.Tensor], advantages: list[float],
-                 loss_masks: list[torch.Tensor] | None = None, exact_first_forward: bool = False) -> dict[str, float]:
+    def ppo_step(
+        self,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        old_logprobs: list[torch.Tensor],
+        rollout_logprobs: list[torch.Tensor],
+        advantages: list[float],
+        loss_masks: list[torch.Tensor] | None = None,
+        exact_first_forward: bool = False,
+    ) -> dict[str, float]:
         """One clipped policy-gradient step over the whole batch (token-mean loss); returns metrics
         including grad_norm (before clipping), computed identically on every rank.
 
@@ -131,8 +166,10 @@ class TrainerWorker:
         self.model.train()
         masks = loss_masks or [torch.ones(len(r)) for r in responses]
         advs = [torch.full((len(r),), float(a)) for r, a in zip(responses, advantages, strict=True)]
-        extras = [{"old": torch.as_tensor(o, dtype=torch.float32), "adv": a, "mask": m.float()}
-                  for o, a, m in zip(old_logprobs, advs, masks, strict=True)]
+        extras = [
+            {"old": torch.as_tensor(o, dtype=torch.float32), "adv": a, "mask": m.float()}
+            for o, a, m in zip(old_logprobs, advs, masks, strict=True)
+        ]
         mbs, seq_len = self._microbatches(prompts, responses, extras)
         total = max(float(sum(m.sum() for m in masks)), 1.0)  # the whole batch's tokens, on every replica
         n_mb, dp = len(mbs), ps.get_data_parallel_world_size()
@@ -140,8 +177,13 @@ class TrainerWorker:
 
         def loss_fn(mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
             lps, exs = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
-            local = sum((token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum()
-                        for lp, ex in zip(lps, exs, strict=True)) / total
+            local = (
+                sum(
+                    (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum()
+                    for lp, ex in zip(lps, exs, strict=True)
+                )
+                / total
+            )
             # megatron's schedule multiplies this by CP and divides it by the microbatch count, and DDP
             # averages gradients over DP x CP: the update is the gradient of the whole batch's token mean.
             return local * n_mb * dp, {"lp": [lp.detach() for lp in lps], "resp": [s.resp for s in mb.slices]}
@@ -156,12 +198,21 @@ class TrainerWorker:
             ok, grad_norm = False, float("nan")
         else:
             ok, grad_norm, _ = self.optimizer.step()
-        out = metrics(new_lp, [e["old"] for e in extras], [torch.as_tensor(r, dtype=torch.float32)
-                                                           for r in rollout_logprobs],
-                      advs, masks, self.ppo)
-        out.update(grad_norm=float(grad_norm), update_successful=float(ok), lr=self.lr,
-                   first_forward_mismatched=first.mismatched_tokens,
-                   first_forward_max_abs_diff=first.max_abs_logprob_diff)
+        out = metrics(
+            new_lp,
+            [e["old"] for e in extras],
+            [torch.as_tensor(r, dtype=torch.float32) for r in rollout_logprobs],
+            advs,
+            masks,
+            self.ppo,
+        )
+        out.update(
+            grad_norm=float(grad_norm),
+            update_successful=float(ok),
+            lr=self.lr,
+            first_forward_mismatched=first.mismatched_tokens,
+            first_forward_max_abs_diff=first.max_abs_logprob_diff,
+        )
         return out
 
     # --- weights ------------------------------------------------------------------------------------
@@ -183,15 +234,29 @@ class TrainerWorker:
         from tonpolicy.trainer.model import DTYPE_NAMES
 
         c, m = self.module.config, self.module
-        names = {"activation_func": c.activation_func.__name__, "params_dtype": DTYPE_NAMES[c.params_dtype],
-                 "pipeline_dtype": DTYPE_NAMES[c.pipeline_dtype]}
+        names = {
+            "activation_func": c.activation_func.__name__,
+            "params_dtype": DTYPE_NAMES[c.params_dtype],
+            "pipeline_dtype": DTYPE_NAMES[c.pipeline_dtype],
+        }
         keys = transformer_kwargs(self.model_cfg, self.cfg.contract.dtype, 1, 1, 1, None, True)
-        gpt = {k: getattr(m, k) for k in ("vocab_size", "max_sequence_length", "position_embedding_type",
-                                          "share_embeddings_and_output_weights", "parallel_output")}
+        gpt = {
+            k: getattr(m, k)
+            for k in (
+                "vocab_size",
+                "max_sequence_length",
+                "position_embedding_type",
+                "share_embeddings_and_output_weights",
+                "parallel_output",
+            )
+        }
         if m.position_embedding_type == "rope":
             gpt["rotary_base"] = m.rotary_base
-        return {"transformer_config": {k: names.get(k, getattr(c, k)) for k in keys}, "gpt_model": gpt,
-                "stage_layers": self.stage_layers()}
+        return {
+            "transformer_config": {k: names.get(k, getattr(c, k)) for k in keys},
+            "gpt_model": gpt,
+            "stage_layers": self.stage_layers(),
+        }
 
     def stage_layers(self) -> list[int]:
         """Transformer layers actually built on each pipeline stage (from the modules, not the config)."""
@@ -211,5 +276,3 @@ class TrainerWorker:
         from tonpolicy.trainer.dist import reset_model_parallel
 
         reset_model_parallel()
-
-

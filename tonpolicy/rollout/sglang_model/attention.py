@@ -47,18 +47,14 @@ class PooledAttention:
         self.key_valid = keys[None, :] < seq_lens[:, None]  # [B, L]
         slots = get_req_to_token_pool().req_to_token[fb.req_pool_indices.long(), :max_keys].long()
         self.slots = torch.where(self.key_valid, slots, torch.zeros_like(slots))
-        self.key_pos = torch.where(
-            self.key_valid, keys[None, :].expand(bsz, -1), torch.full_like(slots, KEY_PAD_POS)
-        )
+        self.key_pos = torch.where(self.key_valid, keys[None, :].expand(bsz, -1), torch.full_like(slots, KEY_PAD_POS))
         j = torch.arange(max_q, device=dev)
         self.query_valid = j[None, :] < q_lens[:, None]  # [B, Q]
         starts = torch.cumsum(q_lens, 0) - q_lens  # each request's first row in the flat token batch
         rows = starts[:, None] + j[None, :]
         self.query_rows = torch.where(self.query_valid, rows, starts[:, None].expand(-1, max_q))
         prefix = (seq_lens - q_lens)[:, None]
-        self.query_pos = torch.where(
-            self.query_valid, prefix + j[None, :], torch.full_like(rows, QUERY_PAD_POS)
-        )
+        self.query_pos = torch.where(self.query_valid, prefix + j[None, :], torch.full_like(rows, QUERY_PAD_POS))
         self.write_loc = KVWriteLoc.for_batch(fb)
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

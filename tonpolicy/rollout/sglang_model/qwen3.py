@@ -67,16 +67,13 @@ class Qwen3ForCausalLM(nn.Module):
         self.q_heads = heads // self.tp_size
         self.kv_heads = max(1, kv_heads // self.tp_size)
         self.kv_first = (
-            self.tp_rank * kv_heads // self.tp_size
-            if kv_heads < self.tp_size
-            else self.tp_rank * self.kv_heads
+            self.tp_rank * kv_heads // self.tp_size if kv_heads < self.tp_size else self.tp_rank * self.kv_heads
         )
         self.inter = cfg.intermediate_size // self.tp_size
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, self.kernels.canonical_shards)
         self.embed_tokens = _empty(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            _Layer(cfg.hidden_size, self.q_heads * d, self.kv_heads * d, d, self.inter)
-            for _ in range(cfg.num_layers)
+            _Layer(cfg.hidden_size, self.q_heads * d, self.kv_heads * d, d, self.inter) for _ in range(cfg.num_layers)
         )
         self.norm = _empty(cfg.hidden_size)
         self.lm_head = nn.Module()
@@ -84,9 +81,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.logits_processor = ContractLogitsProcessor(config, self._logits)
         dtype = self.embed_tokens.dtype
         device = self.embed_tokens.device.type
-        write_report(
-            contract, runtime_identity(self.kernels, _DTYPE_NAMES[dtype], device), self.tp_rank, self.tp_size
-        )
+        write_report(contract, runtime_identity(self.kernels, _DTYPE_NAMES[dtype], device), self.tp_rank, self.tp_size)
 
     # --- parallel pieces ---------------------------------------------------------------------
     def _gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -126,12 +121,8 @@ class Qwen3ForCausalLM(nn.Module):
         for li, layer in enumerate(self.layers):
             x = kern.rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
             q, k, v = kern.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = kern.apply_rope(
-                kern.rms_norm(q.reshape(n, self.q_heads, d), layer.q_norm, cfg.rms_norm_eps), cos, sin
-            )
-            k = kern.apply_rope(
-                kern.rms_norm(k.reshape(n, self.kv_heads, d), layer.k_norm, cfg.rms_norm_eps), cos, sin
-            )
+            q = kern.apply_rope(kern.rms_norm(q.reshape(n, self.q_heads, d), layer.q_norm, cfg.rms_norm_eps), cos, sin)
+            k = kern.apply_rope(kern.rms_norm(k.reshape(n, self.kv_heads, d), layer.k_norm, cfg.rms_norm_eps), cos, sin)
             o = attend(li, q, k, v.reshape(n, self.kv_heads, d))
             h = h + self._row_linear(o.reshape(n, q_size), layer.o_proj)
             x = kern.rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)

@@ -64,6 +64,4 @@ def merged_report(directory: str) -> tuple[int, dict[str, Any]]:
     if len(set(prints.values())) > 1:
         return 500, {"error": {"message": f"TP ranks run different numerics: {prints}"}}
     first = min(reports, key=lambda r: r["tp_rank"])
-    return 200, {k: first[k] for k in ("name", "version", "fingerprint", "runtime")} | {
-        "tp_size": first["tp_size"]
-    }
+    return 200, {k: first[k] for k in ("name", "version", "fingerprint", "runtime")} | {"tp_size": first["tp_size"]}

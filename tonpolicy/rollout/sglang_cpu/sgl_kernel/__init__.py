@@ -34,9 +34,7 @@ def assign_req_to_token_pool_cpu(
     """req_to_token[req_pool_indices[i], start[i]:end[i]] = the next end[i]-start[i] entries of
     out_cache_loc (requests in batch order, like SGLang's Triton kernel)."""
     offset = 0
-    for row, start, end in zip(
-        req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist(), strict=True
-    ):
+    for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist(), strict=True):
         n = end - start
         if n > 0:
             req_to_token[row, start:end] = out_cache_loc[offset : offset + n].to(req_to_token.dtype)
