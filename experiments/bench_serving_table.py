@@ -27,10 +27,10 @@ from bench_sglang import server_command
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.model import ModelConfig
+from tonpolicy.config.sglang_rules import sglang_python
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
 from tonpolicy.ports import free_port
 from tonpolicy.rollout.client import RolloutClient
-from tonpolicy.rollout.sglang_env import sglang_python
 
 KINDS = ("sglang", "sglang+contract", "embedded")
 RESULTS = Path(__file__).resolve().parent / "results"

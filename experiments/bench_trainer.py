@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tonpolicy.config.model import ModelConfig  # noqa: E402
-from tonpolicy.trainer import parity_check as pc  # noqa: E402
+from tonpolicy.parity import harness  # noqa: E402
 from tonpolicy.trainer.dist import Layout, spawn  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int)
     fw.token_logprobs = timed
     out: dict[str, Any] = {"layout": str(layout), "dtype": dtype}
     for spec in ("contract", "stock"):
-        cfg = pc.make_config(layout, dtype, "contract", 1.0, checkpoint)
+        cfg = harness.make_config(layout, dtype, "contract", 1.0, checkpoint)
         w = TrainerWorker(cfg, checkpoint, spec=spec)
         p, r = batch["prompts"], batch["responses"]
         old = w.logprobs(p, r)
@@ -55,7 +55,7 @@ def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int)
             w.ppo_step(p, r, old, old, batch["advantages"])
             dt = time.perf_counter() - t0
             t1 = time.perf_counter()
-            pc.compare(old, [x.clone() for x in old])
+            harness.compare(old, [x.clone() for x in old])
             cmp_s.append(time.perf_counter() - t1)
             if i:
                 times.append(dt)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tonpolicy.trainer import parity_check as pc  # noqa: E402
+from tonpolicy.parity import harness  # noqa: E402
 from tonpolicy.trainer.dist import Layout, reset_model_parallel  # noqa: E402
 
 REPORT: dict[str, Any] = {}
@@ -67,7 +67,7 @@ def env() -> dict:
 def _worker(dtype: str, spec: str, ck: str) -> Any:
     from tonpolicy.trainer.worker import TrainerWorker
 
-    cfg = pc.make_config(Layout(), dtype, "contract", 0.8, ck)
+    cfg = harness.make_config(Layout(), dtype, "contract", 0.8, ck)
     return TrainerWorker(cfg, ck, spec=spec)
 
 
@@ -79,7 +79,7 @@ def parity(cks: dict, ros: dict) -> dict:
         for spec in ("contract", "stock"):
             w = _worker(dtype, spec, ck)
             lps = w.logprobs(ro["prompts"], ro["responses"])
-            out[f"{dtype}_{spec}"] = pc.compare(lps, ro["logprobs"])
+            out[f"{dtype}_{spec}"] = harness.compare(lps, ro["logprobs"])
             w.close()
     return out
 
@@ -92,7 +92,7 @@ def invariance(cks: dict, ros: dict) -> dict:
         w = _worker(dtype, "contract", ck)
         batch = w.logprobs(ro["prompts"], ro["responses"])
         alone = [w.logprobs([p], [r])[0] for p, r in zip(ro["prompts"], ro["responses"], strict=True)]
-        out[dtype] = pc.compare(alone, batch)
+        out[dtype] = harness.compare(alone, batch)
         w.close()
     return out
 
@@ -145,7 +145,7 @@ def main() -> None:
     for name, dt in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         cks[name] = str(root / name)
         save_hf(init_state_dict(cfg, dt, 11), cfg, cks[name])
-        ros[name] = pc.rollout(cks[name], "contract", a.samples, 64, a.new_tokens, 0.8)  # engine on CPU
+        ros[name] = harness.rollout(cks[name], "contract", a.samples, 64, a.new_tokens, 0.8)  # engine on CPU
     parity(cks, ros)
     invariance(cks, ros)
     step(cks, ros, a.steps)

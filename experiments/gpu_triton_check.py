@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tonpolicy.kernels import get_kernels  # noqa: E402
 from tonpolicy.kernels import triton_linear as tlin  # noqa: E402
-from tonpolicy.trainer import parity_check as pc  # noqa: E402
+from tonpolicy.parity import harness  # noqa: E402
 
 REPORT: dict[str, Any] = {}
 OUT = Path("gpu_triton.json")
@@ -233,7 +233,7 @@ def model(root: Path) -> dict:
     for dtype_name, dt in dtypes:
         ck = str(root / f"m_{dtype_name}")
         save_hf(init_state_dict(cfg, dt, 7), cfg, ck)
-        ro = pc.rollout(ck, "triton", 3 if SMOKE else 8, 40 if SMOKE else 96, 4 if SMOKE else 24, 0.8, device=DEV)
+        ro = harness.rollout(ck, "triton", 3 if SMOKE else 8, 40 if SMOKE else 96, 4 if SMOKE else 24, 0.8, device=DEV)
         c, sd = load_hf(ck)
         kern = get_kernels("triton", attention_tile=64)
         m = Qwen3(c, kern, dt, sd).to(DEV)
@@ -241,12 +241,12 @@ def model(root: Path) -> dict:
         for p, r in zip(ro["prompts"], ro["responses"], strict=True):
             logits = m(torch.tensor(p + r, device=DEV))[len(p) - 1 : -1]
             pre.append(kern.logprobs(logits, torch.tensor(r, device=DEV), c.vocab_size, 0.8).cpu())
-        out[f"{dtype_name}_prefill_vs_decode"] = pc.compare(pre, [torch.tensor(x) for x in ro["logprobs"]])
+        out[f"{dtype_name}_prefill_vs_decode"] = harness.compare(pre, [torch.tensor(x) for x in ro["logprobs"]])
         adv = [(-1.0) ** i * (0.5 + 0.1 * i) for i in range(len(ro["prompts"]))]
         for spec in ("contract", "stock"):
-            w = TrainerWorker(pc.make_config(Layout(), dtype_name, "triton", 0.8, ck), ck, spec=spec)
+            w = TrainerWorker(harness.make_config(Layout(), dtype_name, "triton", 0.8, ck), ck, spec=spec)
             lps = w.logprobs(ro["prompts"], ro["responses"])
-            out[f"{dtype_name}_trainer_{spec}_vs_engine"] = pc.compare(lps, ro["logprobs"])
+            out[f"{dtype_name}_trainer_{spec}_vs_engine"] = harness.compare(lps, ro["logprobs"])
             old = lps
             times = []
             for i in range(2 if SMOKE else 4):

@@ -14,12 +14,13 @@ import torch
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.model import ModelConfig
+from tonpolicy.config.sglang_rules import sglang_python
 from tonpolicy.contract.identity import identity
-from tonpolicy.contract.render import sglang_argv
+from tonpolicy.launch.plan import sglang_argv
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
 from tonpolicy.ports import free_port
 from tonpolicy.rollout.client import RolloutClient
-from tonpolicy.rollout.sglang_env import server_environment, sglang_python
+from tonpolicy.rollout.sglang_env import server_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 

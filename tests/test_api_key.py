@@ -14,7 +14,7 @@ from server_proc import DTYPE, IDENTITY, ServerProc, save_checkpoint
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.validate import ConfigError, validate
-from tonpolicy.contract.render import launch_plan, launch_script
+from tonpolicy.launch.plan import launch_plan, launch_script
 from tonpolicy.rollout.client import RolloutClient, RolloutError
 
 KEY = "s3cret-key-for-tests"

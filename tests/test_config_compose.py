@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tonpolicy.config.compose import compose_config, group_options
@@ -58,3 +60,25 @@ def test_submitit_launcher_config_composes() -> None:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["hydra/launcher=submitit_slurm"], return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+
+
+def test_user_conf_dir_is_searched(tmp_path, monkeypatch) -> None:
+    """A conf/ folder in the working directory adds options to any group (hydra.searchpath)."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
+        "defaults:\n  - base_experiment\n  - _self_\n\nname: mine\nsteps: 5\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_config(["experiment=mine"])
+    assert (cfg.experiment.name, cfg.experiment.steps) == ("mine", 5)
+    validate(cfg, check_hf=False)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "conf").glob("*/*.yaml")))
+def test_repo_conf_options_compose(path: Path, monkeypatch) -> None:
+    """The example options in the repository's top-level conf/ compose and validate."""
+    monkeypatch.chdir(path.parents[2])
+    overrides = [f"{path.parent.name}={path.stem}"]
+    if "task=" in path.read_text():
+        overrides.append("task=digit_copy")  # the example sweeps the copy task, as its header says
+    validate(compose_config(overrides), check_hf=False)

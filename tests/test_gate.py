@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tonpolicy.parity.gate import compare
+from tonpolicy.contract.gate import compare
 
 
 def test_signed_zero_and_nan_payloads_are_mismatches() -> None:

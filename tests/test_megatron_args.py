@@ -11,9 +11,9 @@ import pytest
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.model import pipeline_stage_layers
-from tonpolicy.contract.render import launch_plan
 from tonpolicy.launch.job import with_flags
-from tonpolicy.trainer import parity_check as pc
+from tonpolicy.launch.plan import launch_plan
+from tonpolicy.parity import harness
 from tonpolicy.trainer.dist import spawn
 
 CASES = [
@@ -27,7 +27,7 @@ CASES = [
 def test_built_model_equals_plan(overrides: list[str], tmp_path: Path) -> None:
     cfg = compose_config(overrides)
     plan = launch_plan(cfg, tmp_path)["megatron"]
-    (built,) = spawn(pc.built_config_worker, cfg.parallel.tp * cfg.parallel.pp, [cfg])
+    (built,) = spawn(harness.built_config_worker, cfg.parallel.tp * cfg.parallel.pp, [cfg])
     assert built["transformer_config"] == plan["transformer_config"]
     assert built["gpt_model"] == plan["gpt_model"]
     assert built["stage_layers"] == pipeline_stage_layers(cfg.model.num_layers, cfg.parallel.pp, cfg.parallel.pp_layers)

@@ -10,7 +10,7 @@ import pytest
 
 from tonpolicy.config.compose import compose_config, group_options
 from tonpolicy.config.names import layout_label
-from tonpolicy.contract.render import launch_plan
+from tonpolicy.launch.plan import launch_plan
 
 
 @pytest.mark.parametrize("option", group_options("parallel"))

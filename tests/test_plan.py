@@ -13,7 +13,7 @@ import pytest
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.contract.identity import NUMERICS_FIELDS, fingerprint
-from tonpolicy.contract.render import (
+from tonpolicy.launch.plan import (
     API_KEY_PLACEHOLDER,
     NODE_RANK_PLACEHOLDER,
     launch_plan,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.trainer import parity_check as pc
+from tonpolicy.parity import harness
 from tonpolicy.trainer.dist import Layout, spawn
 
 T = 0.8
@@ -17,7 +17,7 @@ ADV = [1.0, -0.5, 0.7, -1.2]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
-    return pc.checkpoints_and_rollouts(tmp_path_factory.mktemp("dp"), ModelConfig(), 21, 4, 36, 8, T)
+    return harness.checkpoints_and_rollouts(tmp_path_factory.mktemp("dp"), ModelConfig(), 21, 4, 36, 8, T)
 
 
 def _check(results: list[dict]) -> None:
@@ -33,7 +33,7 @@ def _check(results: list[dict]) -> None:
 
 def test_dp2_exact(setup: tuple[dict, dict]) -> None:
     cks, ros = setup
-    results = spawn(pc.layouts_worker, 2, pc.layout_jobs([Layout(dp=2)], cks, ros, T))
+    results = spawn(harness.layouts_worker, 2, harness.layout_jobs([Layout(dp=2)], cks, ros, T))
     assert len(results) == 4
     _check(results)
 
@@ -41,7 +41,7 @@ def test_dp2_exact(setup: tuple[dict, dict]) -> None:
 def test_dp2_with_tp2_and_cp2_exact(setup: tuple[dict, dict]) -> None:
     cks, ros = setup
     layouts = [Layout(tp=2, dp=2), Layout(cp=2, cp_mode="ulysses", dp=2), Layout(cp=2, cp_mode="ring", dp=2)]
-    results = spawn(pc.layouts_worker, 4, pc.layout_jobs(layouts, {"float32": cks["float32"]}, ros, T))
+    results = spawn(harness.layouts_worker, 4, harness.layout_jobs(layouts, {"float32": cks["float32"]}, ros, T))
     assert len(results) == 6
     _check(results)
 
@@ -61,8 +61,8 @@ def test_dp2_trains_on_shares_with_dp1_grad_norm(setup: tuple[dict, dict]) -> No
             advantages=ADV,
         )
 
-    (dp1,) = spawn(pc.ppo_worker, 1, [job(Layout())])
-    (dp2,) = spawn(pc.ppo_worker, 2, [job(Layout(dp=2))])
+    (dp1,) = spawn(harness.ppo_worker, 1, [job(Layout())])
+    (dp2,) = spawn(harness.ppo_worker, 2, [job(Layout(dp=2))])
     assert dp1["shares"] == [[0, 1, 2, 3]]
     assert dp2["shares"] == [[0, 2], [1, 3]]  # each sample trained on by exactly one replica
     for r in (dp1, dp2):

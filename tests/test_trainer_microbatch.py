@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.trainer import parity_check as pc
+from tonpolicy.parity import harness
 from tonpolicy.trainer.dist import Layout, spawn
 
 T = 0.8
@@ -16,13 +16,13 @@ T = 0.8
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
-    return pc.checkpoints_and_rollouts(tmp_path_factory.mktemp("mbs"), ModelConfig(), 5, 4, 40, 8, T)
+    return harness.checkpoints_and_rollouts(tmp_path_factory.mktemp("mbs"), ModelConfig(), 5, 4, 40, 8, T)
 
 
 def _run(setup: tuple[dict, dict], layouts: list[Layout], trainer: dict, dtypes: tuple[str, ...]) -> list[dict]:
     cks, ros = setup
-    jobs = [dict(j, trainer=trainer) for j in pc.layout_jobs(layouts, {d: cks[d] for d in dtypes}, ros, T)]
-    return spawn(pc.layouts_worker, 2, jobs)
+    jobs = [dict(j, trainer=trainer) for j in harness.layout_jobs(layouts, {d: cks[d] for d in dtypes}, ros, T)]
+    return spawn(harness.layouts_worker, 2, jobs)
 
 
 def _check(results: list[dict]) -> None:
@@ -59,7 +59,7 @@ def test_ppo_step_with_microbatches_matches_one_sample_per_microbatch(setup: tup
         advantages=[1.0, -0.5, 0.7, -1.2],
     )
     runs = {
-        name: spawn(pc.ppo_worker, 1, [dict(job, trainer=tr)])[0]
+        name: spawn(harness.ppo_worker, 1, [dict(job, trainer=tr)])[0]
         for name, tr in (
             ("one", {}),
             ("padded", {"micro_batch_size": 2}),

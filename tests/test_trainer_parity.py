@@ -11,7 +11,7 @@ import torch
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
-from tonpolicy.trainer import parity_check as pc
+from tonpolicy.parity import harness
 from tonpolicy.trainer.dist import Layout, spawn
 
 TEMPERATURE = 0.8
@@ -27,7 +27,7 @@ def rollouts(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
         save_hf(init_state_dict(cfg, dtype, 11), cfg, checkpoints[name])
         for contract, kernels in (("contract", "contract"), ("off_policy", "default")):
             # 4 prompts of lengths 40, 37, 34, 31 (ring pads them to 2*CP*tile), 12 new tokens each.
-            out[(name, contract)] = pc.rollout(checkpoints[name], kernels, 4, 40, 12, TEMPERATURE)
+            out[(name, contract)] = harness.rollout(checkpoints[name], kernels, 4, 40, 12, TEMPERATURE)
     return checkpoints, out
 
 
@@ -46,7 +46,7 @@ def _check(results: list[dict]) -> None:
 def test_parity_two_ranks(rollouts: tuple[dict, dict]) -> None:
     checkpoints, ros = rollouts
     layouts = [Layout(tp=1), Layout(tp=2), Layout(pp=2), Layout(cp=2, cp_mode="ulysses"), Layout(cp=2, cp_mode="ring")]
-    results = spawn(pc.layouts_worker, 2, pc.layout_jobs(layouts, checkpoints, ros, TEMPERATURE))
+    results = spawn(harness.layouts_worker, 2, harness.layout_jobs(layouts, checkpoints, ros, TEMPERATURE))
     assert len(results) == 20
     _check(results)
 
@@ -54,6 +54,6 @@ def test_parity_two_ranks(rollouts: tuple[dict, dict]) -> None:
 def test_parity_four_ranks(rollouts: tuple[dict, dict]) -> None:
     checkpoints, ros = rollouts
     layouts = [Layout(tp=4), Layout(tp=2, pp=2), Layout(tp=2, cp=2, cp_mode="ring")]
-    results = spawn(pc.layouts_worker, 4, pc.layout_jobs(layouts, checkpoints, ros, TEMPERATURE))
+    results = spawn(harness.layouts_worker, 4, harness.layout_jobs(layouts, checkpoints, ros, TEMPERATURE))
     assert len(results) == 12
     _check(results)

@@ -11,7 +11,7 @@ import torch
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
-from tonpolicy.trainer import parity_check as pc
+from tonpolicy.parity import harness
 from tonpolicy.trainer.dist import Layout, spawn
 
 T = 0.8
@@ -27,10 +27,10 @@ def batch(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, dict, st
     save_hf(init_state_dict(cfg, torch.bfloat16, 11), cfg, ck16)
     return (
         ck,
-        pc.rollout(ck, "contract", 4, 40, 12, T),
-        pc.rollout(ck, "default", 4, 40, 12, T),
+        harness.rollout(ck, "contract", 4, 40, 12, T),
+        harness.rollout(ck, "default", 4, 40, 12, T),
         ck16,
-        pc.rollout(ck16, "contract", 4, 40, 12, T),
+        harness.rollout(ck16, "contract", 4, 40, 12, T),
     )
 
 
@@ -55,7 +55,7 @@ def test_ppo_step_two_ranks(batch: tuple) -> None:
     ck, ro, ro_off, ck16, ro16 = batch
     layouts = [Layout(tp=1), Layout(tp=2), Layout(pp=2), Layout(cp=2, cp_mode="ulysses"), Layout(cp=2, cp_mode="ring")]
     res = spawn(
-        pc.ppo_worker,
+        harness.ppo_worker,
         2,
         _jobs(ck, ro, layouts)
         + _jobs(ck16, ro16, [Layout(tp=2)], dtype="bfloat16")
@@ -95,7 +95,7 @@ def test_ppo_step_two_ranks(batch: tuple) -> None:
 
 def test_ppo_step_four_ranks(batch: tuple) -> None:
     ck, ro = batch[0], batch[1]
-    res = spawn(pc.ppo_worker, 4, _jobs(ck, ro, [Layout(tp=1), Layout(tp=4), Layout(tp=2, pp=2)]))
+    res = spawn(harness.ppo_worker, 4, _jobs(ck, ro, [Layout(tp=1), Layout(tp=4), Layout(tp=2, pp=2)]))
     ref = res[0]
     for r in res:
         _on_policy(r)

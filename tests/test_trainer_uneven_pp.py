@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.trainer import parity_check as pc
+from tonpolicy.parity import harness
 from tonpolicy.trainer.dist import Layout, spawn
 
 T = 0.8
@@ -18,16 +18,16 @@ T = 0.8
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = tmp_path_factory.mktemp("uneven")
-    cks3, ros3 = pc.checkpoints_and_rollouts(root, ModelConfig(num_layers=3), 3, 3, 30, 6, T, prefix="3_")
-    cks4, ros4 = pc.checkpoints_and_rollouts(root, ModelConfig(num_layers=4), 3, 3, 30, 6, T, prefix="4_")
+    cks3, ros3 = harness.checkpoints_and_rollouts(root, ModelConfig(num_layers=3), 3, 3, 30, 6, T, prefix="3_")
+    cks4, ros4 = harness.checkpoints_and_rollouts(root, ModelConfig(num_layers=4), 3, 3, 30, 6, T, prefix="4_")
     three = [Layout(pp=2, pp_layers=(2, 1)), Layout(pp=2, pp_layers=(1, 2))]
-    return pc.layout_jobs(three, cks3, ros3, T) + pc.layout_jobs(
+    return harness.layout_jobs(three, cks3, ros3, T) + harness.layout_jobs(
         [Layout(pp=2, pp_layers=(3, 1))], {"float32": cks4["float32"]}, ros4, T
     )
 
 
 def test_uneven_stages_exact(jobs: list[dict]) -> None:
-    results = spawn(pc.layouts_worker, 2, jobs)
+    results = spawn(harness.layouts_worker, 2, jobs)
     assert len(results) == 10
     for r in results:
         label = f"{r['layout']} {r['dtype']} {r['contract']}"

@@ -13,7 +13,7 @@ from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model.checkpoint import init_state_dict, load_hf, save_hf
 from tonpolicy.model.qwen3 import Qwen3
-from tonpolicy.trainer import parity_check as pc
+from tonpolicy.parity import harness
 from tonpolicy.trainer.dist import Layout, spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -26,7 +26,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     ck = str(tmp_path_factory.mktemp("ckpt") / "float32")
     save_hf(init_state_dict(MODEL, torch.float32, 5), MODEL, ck)
     ros = {
-        ("float32", c): pc.rollout(ck, k, 3, 40, 6, TEMPERATURE)
+        ("float32", c): harness.rollout(ck, k, 3, 40, 6, TEMPERATURE)
         for c, k in (("triton", "triton"), ("off_policy", "default"))
     }
     return {"float32": ck}, ros
@@ -48,8 +48,8 @@ def test_engine_decode_equals_prefill(setup: tuple[dict, dict]) -> None:
 def test_trainer_matches_engine_bitwise(setup: tuple[dict, dict]) -> None:
     cks, ros = setup
     layouts = [Layout(tp=1), Layout(tp=2), Layout(cp=2, cp_mode="ring")]
-    jobs = pc.layout_jobs(layouts, cks, ros, TEMPERATURE, contracts=("triton", "off_policy"))
-    results = spawn(pc.layouts_worker, 2, jobs)
+    jobs = harness.layout_jobs(layouts, cks, ros, TEMPERATURE, contracts=("triton", "off_policy"))
+    results = spawn(harness.layouts_worker, 2, jobs)
     assert len(results) == 6
     for r in results:
         label = f"{r['layout']} {r['contract']} ({r['spec']} spec)"

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import ConfigIssue, validate
-from tonpolicy.contract.render import launch_plan, launch_script
 from tonpolicy.files import write_atomic
+from tonpolicy.launch.plan import launch_plan, launch_script
 
 
 def write_plan(cfg: Config, run_dir: Path) -> dict:

@@ -153,7 +153,7 @@ class LoggerConfig:
 
 @dataclass
 class TaskConfig:
-    """A built-in task (tonpolicy.launch.task.TASKS): prompts and a verifiable reward."""
+    """A built-in task (tonpolicy.rl.task.TASKS): prompts and a verifiable reward."""
 
     name: str = "constant"  # constant | echo_digit | first_digit | first_parity | digit_copy
     graded_tokens: int = 4  # the reward grades the first N response tokens

@@ -4,11 +4,16 @@ CPU engine accepts. Called by tonpolicy.config.validate with its `bad(key, rule)
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 from tonpolicy.config.schema import Config
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS
 
+PYTHON_ENV = "TONPOLICY_SGLANG_PYTHON"
+VENV = ".venv-sglang"
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 # The model package that carries the contract into released SGLang.
 CONTRACT_SGLANG_PACKAGE = "tonpolicy.rollout.sglang_model"
 
@@ -51,8 +56,6 @@ def check_sglang(cfg: Config, bad: Any) -> None:
         if pol.enable_deterministic_inference:
             bad("contract.sglang.enable_deterministic_inference", "SGLang's deterministic mode needs an accelerator")
     if cfg.mode == "run":
-        from tonpolicy.rollout.sglang_env import sglang_python
-
         py = sglang_python(cfg)
         if os.sep in py and not os.access(py, os.X_OK):
             bad(
@@ -60,3 +63,16 @@ def check_sglang(cfg: Config, bad: Any) -> None:
                 f"{py} is not an executable interpreter; make the SGLang environment with "
                 "`bash scripts/setup_sglang.sh` or point rollout.python at one",
             )
+
+
+def sglang_python(cfg: Config) -> str:
+    """The interpreter of the SGLang environment (see RolloutConfig.python)."""
+    if cfg.rollout.python:
+        return cfg.rollout.python
+    if os.environ.get(PYTHON_ENV):
+        return os.environ[PYTHON_ENV]
+    for root in (SOURCE_ROOT, Path.cwd()):
+        candidate = root / VENV / "bin" / "python"
+        if candidate.exists():
+            return str(candidate)
+    return sys.executable

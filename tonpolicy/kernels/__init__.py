@@ -11,6 +11,7 @@ __all__ = [
     "KernelSet",
     "TRITON_ATTENTION_TILE",
     "get_kernels",
+    "logprob_temperature",
     "padded_vocab_size",
 ]
 
@@ -20,6 +21,12 @@ INVARIANT_KERNEL_SETS = ("contract", "triton")
 # The triton set's key tile (tonpolicy.kernels.triton_attention.TILE; here so config validation need
 # not import Triton).
 TRITON_ATTENTION_TILE = 64
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The logprob recipe's temperature, for both engines: greedy requests report plain (temperature 1)
+    logprobs."""
+    return temperature if temperature > 0 else 1.0
 
 
 def padded_vocab_size(vocab_size: int, canonical_shards: int) -> int:

@@ -20,10 +20,10 @@ from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import API_KEY_ENV, world_size
 from tonpolicy.contract.identity import identity
-from tonpolicy.contract.render import API_KEY_PLACEHOLDER
 from tonpolicy.files import write_json_atomic
 from tonpolicy.launch.curves import reward_curve
 from tonpolicy.launch.init_checkpoint import write_init_checkpoint
+from tonpolicy.launch.plan import API_KEY_PLACEHOLDER
 from tonpolicy.launch.procs import Child, ProcessGroup, wait_until
 from tonpolicy.launch.records import (
     EXIT_CHILD_FAILED,

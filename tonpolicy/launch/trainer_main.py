@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from tonpolicy.config.compose import load_config
 from tonpolicy.config.schema import Config
+from tonpolicy.contract.gate import compare
 from tonpolicy.contract.identity import identity, runtime_differences, runtime_identity
 from tonpolicy.files import write_json_atomic
 from tonpolicy.launch.records import (
@@ -27,19 +28,9 @@ from tonpolicy.launch.records import (
     STATUS_FILE,
     append_jsonl,
 )
-from tonpolicy.launch.task import EOS, make_prompts, reward
 from tonpolicy.model.tokenizer import load_tokenizer
-from tonpolicy.parity.gate import compare
-
-
-def grpo_advantages(rewards: list[float], group_size: int) -> list[float]:
-    """Reward minus its prompt group's mean, over the group's std (0 when the group agrees)."""
-    out = []
-    for i in range(0, len(rewards), group_size):
-        group = torch.tensor(rewards[i : i + group_size], dtype=torch.float64)
-        std = group.std(unbiased=False) if len(group) > 1 else torch.tensor(0.0, dtype=torch.float64)
-        out += ((group - group.mean()) / (std + 1e-6)).tolist()
-    return out
+from tonpolicy.rl.advantages import grpo_advantages
+from tonpolicy.rl.task import EOS, make_prompts, reward
 
 
 def rollout(cfg: Config, client: Any, step: int) -> dict[str, Any]:
@@ -147,7 +138,7 @@ def broadcast(obj: Any) -> Any:
 
 def _weight_pusher(cfg: Config, client: Any) -> Any:
     """Rank 0's weight-update group with the server's engine ranks (rollout.weight_sync=distributed)."""
-    from tonpolicy.contract.render import resolve_device
+    from tonpolicy.launch.plan import resolve_device
     from tonpolicy.launch.weight_push import WeightPusher
 
     engine_ranks = cfg.parallel.rollout_tp if cfg.rollout.backend == "sglang" else 1
@@ -177,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
         client = RolloutClient(args.server_url)
         client.wait_healthy(cfg.rollout.health_timeout_s)  # launch.sh starts both at once
-        from tonpolicy.contract.render import resolve_device
+        from tonpolicy.launch.plan import resolve_device
 
         ours_runtime = runtime_identity(worker.kernel_set, cfg.contract.dtype, resolve_device(cfg))
         refusal = handshake(cfg, client, ours_runtime)

@@ -1,6 +1,6 @@
 """The tiny model's tokenizer, in Hugging Face `tokenizers` format, saved beside config.json.
 
-A word-level vocabulary over the model's ids: the task words (tonpolicy.launch.task.WORDS), the ten
+A word-level vocabulary over the model's ids: the task words (tonpolicy.rl.task.WORDS), the ten
 digits at ids 10..19 (split one per token, so "3827" is four tokens), and a placeholder <tN> for every
 other id. So prompts and responses read as text in samples.jsonl and W&B, and any HF loader
 (AutoTokenizer, SGLang) can load the checkpoint's tokenizer.
@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from tonpolicy.launch.task import BOS, DIGIT0, EOS, PAD, WORDS
+from tonpolicy.rl.task import BOS, DIGIT0, EOS, PAD, WORDS
 
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -75,7 +75,7 @@ def check(cfg: Config) -> None:
 
 def sample_request(cfg: Config) -> Any:
     """Sample `align.sample` of a run's first step: same prompt and sampling seed as trainer_main."""
-    from tonpolicy.launch.task import EOS, make_prompts
+    from tonpolicy.rl.task import EOS, make_prompts
     from tonpolicy.rollout.types import GenRequest
 
     e, i = cfg.experiment, cfg.align.sample

@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
+from tonpolicy.kernels import logprob_temperature
 from tonpolicy.model.qwen3 import Qwen3, Segment
 from tonpolicy.parity.dump import Dump, make_dump
 from tonpolicy.parity.names import hf_weight_role
 from tonpolicy.parity.recorder import RecordingKernels, Selection
 from tonpolicy.rollout.engine import Engine
-from tonpolicy.rollout.types import GenRequest, logprob_temperature
+from tonpolicy.rollout.types import GenRequest
 
 
 def make_recorder(model: Qwen3, selection: Selection, perturb: dict | None = None) -> RecordingKernels:

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tonpolicy.kernels import logprob_temperature
 from tonpolicy.model.kv_cache import KVPool
 from tonpolicy.model.qwen3 import Qwen3, Segment
 from tonpolicy.rollout.sampling import make_generator, sample_token
 from tonpolicy.rollout.scoring import score_logprobs, top_logprobs
-from tonpolicy.rollout.types import GenRequest, GenResult, TopLogprobs, logprob_temperature
+from tonpolicy.rollout.types import GenRequest, GenResult, TopLogprobs
 
 __all__ = ["Engine", "GenRequest", "GenResult", "score_logprobs"]
 

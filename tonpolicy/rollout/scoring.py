@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tonpolicy.kernels import logprob_temperature
 from tonpolicy.model.qwen3 import Qwen3
-from tonpolicy.rollout.types import logprob_temperature
 
 
 @torch.no_grad()

@@ -13,27 +13,12 @@ import sys
 from pathlib import Path
 
 from tonpolicy.config.schema import Config
+from tonpolicy.config.sglang_rules import sglang_python
 
-PYTHON_ENV = "TONPOLICY_SGLANG_PYTHON"
-VENV = ".venv-sglang"
 # KV pool on CPU when rollout.max_total_tokens is unset (SGLang would size it from RAM: GBs).
 CPU_MAX_TOTAL_TOKENS = 16384
 # The pure-torch stand-in for sgl_kernel's CPU ops, put first on PYTHONPATH on CPU only.
 CPU_STANDIN_DIR = Path(__file__).resolve().parent / "sglang_cpu"
-SOURCE_ROOT = Path(__file__).resolve().parents[2]
-
-
-def sglang_python(cfg: Config) -> str:
-    """The interpreter of the SGLang environment (see RolloutConfig.python)."""
-    if cfg.rollout.python:
-        return cfg.rollout.python
-    if os.environ.get(PYTHON_ENV):
-        return os.environ[PYTHON_ENV]
-    for root in (SOURCE_ROOT, Path.cwd()):
-        candidate = root / VENV / "bin" / "python"
-        if candidate.exists():
-            return str(candidate)
-    return sys.executable
 
 
 def trainer_python(cfg: Config) -> str:

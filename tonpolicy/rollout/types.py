@@ -37,8 +37,3 @@ class GenResult:
     # Prompt position -> logprob of that prompt token (positions > prompt_logprobs_from).
     prompt_logprobs: dict[int, float] = field(default_factory=dict)
     prompt_top_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)
-
-
-def logprob_temperature(temperature: float) -> float:
-    """Temperature used for logprobs: greedy requests report plain (temperature 1) logprobs."""
-    return temperature if temperature > 0 else 1.0

@@ -15,15 +15,14 @@ from megatron.core import parallel_state as ps
 
 from tonpolicy.config.model import check_same_architecture
 from tonpolicy.config.schema import Config
+from tonpolicy.contract.gate import compare as gate_compare
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
-from tonpolicy.kernels import INVARIANT_KERNEL_SETS, get_kernels, padded_vocab_size
-from tonpolicy.parity.gate import compare as gate_compare
-from tonpolicy.rollout.types import logprob_temperature
+from tonpolicy.kernels import INVARIANT_KERNEL_SETS, get_kernels, logprob_temperature, padded_vocab_size
+from tonpolicy.rl.ppo import PPOConfig, metrics, token_loss
 from tonpolicy.trainer import forward as fw
 from tonpolicy.trainer.dist import Layout, init_distributed
 from tonpolicy.trainer.model import build_gpt
-from tonpolicy.trainer.ppo import PPOConfig, metrics, token_loss
 from tonpolicy.trainer.weights import load_into, megatron_to_hf
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -1,4 +1,5 @@
-"""Trainer-vs-rollout parity runs, shared by the tests, the benchmark and the GPU check.
+"""Trainer-vs-rollout parity runs, shared by the tests, the benchmark and the GPU check (a harness:
+no production path imports it).
 
 `rollout()` samples responses with the embedded engine (rollout TP=1) from an HF checkpoint;
 `layouts_worker()` runs inside a spawned/torchrun process group and, for each layout in turn, builds
@@ -98,7 +99,7 @@ def checkpoints_and_rollouts(
 
 def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, float]:
     """Bitwise comparison of fp32 logprob lists (the gate's rule) with the size of any difference."""
-    from tonpolicy.parity.gate import compare as gate_compare
+    from tonpolicy.contract.gate import compare as gate_compare
 
     rep = gate_compare([torch.as_tensor(x) for x in a], [torch.as_tensor(y) for y in b])
     return {

@@ -1,0 +1,1 @@
+"""Reinforcement learning proper: tasks with verifiable rewards, GRPO advantages, the PPO loss."""
