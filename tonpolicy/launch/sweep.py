@@ -58,7 +58,7 @@ def write_summary(sweep_dir: Path) -> Path | None:
             str(r.get("tokens_scored", "-")),
             str(r.get("mismatched_tokens", "-")),
             f"{r.get('max_abs_logprob_diff') or 0.0:.3e}",
-            f"{r.get('last_grad_norm') or float('nan'):.6g}",
+            "n/a" if r.get("last_grad_norm") is None else f"{r['last_grad_norm']:.6g}",  # 0.0 is a value
             f"{r.get('wall_s') or 0.0:.1f}",
         ]
         for r in rows
