@@ -1,5 +1,5 @@
 """The logprob recipe's TP gather: Megatron's reduce-scatter backward inflates grad_norm ~TP x at TP=2;
-the narrowing backward of `_ReplicatedLossAllGatherLastDim` matches TP=1. Real GPTModel, 2 processes."""
+the narrowing backward of `replicated_all_gather` (trainer/comm.py) matches TP=1. Real GPTModel, 2 processes."""
 
 from __future__ import annotations
 

@@ -64,20 +64,15 @@ class ContractRowParallelLinear(RowParallelLinear):
 
 
 class ContractLMHead(ContractColumnParallelLinear):
-    """Column-parallel LM head: fp32 logits of the canonical-shard matmul, never rounded to the
-    activation dtype (the rollout model's `lm_head` is the same two kernel calls)."""
+    """Column-parallel LM head: the kernel set's own `lm_head` (fp32 logits, never rounded to the
+    activation dtype), the call the rollout model makes, on this rank's vocab rows."""
 
     def forward(
         self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
     ) -> tuple[torch.Tensor, None]:
         w = self.weight if weight is None else weight
         x = copy_to_tensor_model_parallel_region(input_)
-        k = self.kernels
-
-        def head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return k.combine_partials(k.linear_partials(x, w, k.canonical_shards), torch.float32)
-
-        return KernelLinear.apply(x, w, head), None
+        return KernelLinear.apply(x, w, self.kernels.lm_head), None
 
 
 def _with_kernels(cls: type, kernels: Any) -> type:
