@@ -14,15 +14,9 @@ from typing import Any
 
 import torch
 
+from tonpolicy.contract.gate import bits_differ
 from tonpolicy.parity.dump import Dump
 from tonpolicy.parity.names import Checkpoint
-
-_INT_VIEW = {
-    torch.float32: torch.int32,
-    torch.bfloat16: torch.int16,
-    torch.float16: torch.int16,
-    torch.float64: torch.int64,
-}
 
 
 @dataclass
@@ -104,12 +98,6 @@ class AlignReport:
         }
 
 
-def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a.dtype == b.dtype and a.dtype in _INT_VIEW:
-        return a.view(_INT_VIEW[a.dtype]) != b.view(_INT_VIEW[b.dtype])
-    return a.double() != b.double()  # different dtypes: compare the values exactly
-
-
 def _compare_one(ck: Checkpoint, a: Dump, b: Dump) -> tuple[CheckpointDiff, list[int], torch.Tensor]:
     """The diff summary, the common positions and the per-position max |Δ| (float64)."""
     pa, pb = a.positions[ck], b.positions[ck]
@@ -135,7 +123,7 @@ def _compare_one(ck: Checkpoint, a: Dump, b: Dump) -> tuple[CheckpointDiff, list
         return diff, common, torch.full((n,), float("inf"), dtype=torch.float64)
     if ta.dtype != tb.dtype:
         note = f"dtypes differ: {ta.dtype} vs {tb.dtype}"
-    ne = _bits_differ(ta, tb)
+    ne = bits_differ(ta, tb)
     absdiff = (ta.double() - tb.double()).abs().nan_to_num(nan=float("inf"))
     absdiff = torch.where(ne, absdiff, torch.zeros_like(absdiff))
     per_pos = absdiff.reshape(len(common), -1).amax(-1) if common else torch.zeros(0, dtype=torch.float64)
