@@ -12,17 +12,15 @@ from typing import Any
 
 from tonpolicy.config.schema import ContractConfig
 
+# Contract fields handed to tonpolicy.kernels.get_kernels as keyword arguments.
+KERNEL_PARAM_FIELDS = ("attention_tile", "canonical_shards", "row_tile", "prefill_row_tile", "attention_row_tile")
 # Fields that change the bits. Name/version label the contract; supported_* only gate layouts.
 NUMERICS_FIELDS = (
     "family",
     "kernels",
     "dtype",
     "accumulate_dtype",
-    "attention_tile",
-    "row_tile",
-    "prefill_row_tile",
-    "attention_row_tile",
-    "canonical_shards",
+    *KERNEL_PARAM_FIELDS,
     "logprob_recipe",
 )
 SGLANG_NUMERICS_FIELDS = ("model_package", "enable_deterministic_inference", "attention_backend", "rl_on_policy_target")
@@ -60,13 +58,7 @@ def identity(contract: ContractConfig) -> ContractIdentity:
 
 def kernel_params(contract: ContractConfig) -> dict[str, int]:
     """Keyword arguments for tonpolicy.kernels.get_kernels(contract.kernels, **params)."""
-    return {
-        "attention_tile": contract.attention_tile,
-        "canonical_shards": contract.canonical_shards,
-        "row_tile": contract.row_tile,
-        "prefill_row_tile": contract.prefill_row_tile,
-        "attention_row_tile": contract.attention_row_tile,
-    }
+    return {f: getattr(contract, f) for f in KERNEL_PARAM_FIELDS}
 
 
 # --- runtime identity: what an engine actually built ------------------------------------------------

@@ -19,10 +19,9 @@ from typing import Any
 import yaml
 
 from tonpolicy.config.model import ModelConfig
+from tonpolicy.contract.identity import KERNEL_PARAM_FIELDS
 
 DTYPES = ("bfloat16", "float32", "float16")
-# Contract fields handed to tonpolicy.kernels.get_kernels as keyword arguments.
-KERNEL_PARAM_FIELDS = ("attention_tile", "canonical_shards", "row_tile", "prefill_row_tile", "attention_row_tile")
 
 
 @dataclass
