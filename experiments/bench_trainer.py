@@ -28,12 +28,12 @@ from tonpolicy.trainer.dist import Layout, spawn  # noqa: E402
 
 
 def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int) -> dict[str, Any]:
-    from tonpolicy.trainer import forward as fw
+    from tonpolicy.trainer import forward as trainer_forward
     from tonpolicy.trainer.dist import reset_model_parallel
     from tonpolicy.trainer.worker import TrainerWorker
 
     recipe = {"s": 0.0}
-    inner = fw.token_logprobs
+    inner = trainer_forward.token_logprobs
 
     def timed(*a: Any, **k: Any) -> torch.Tensor:
         t = time.perf_counter()
@@ -41,7 +41,7 @@ def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int)
         recipe["s"] += time.perf_counter() - t
         return out
 
-    fw.token_logprobs = timed
+    trainer_forward.token_logprobs = timed
     out: dict[str, Any] = {"layout": str(layout), "dtype": dtype}
     for spec in ("contract", "stock"):
         cfg = harness.make_config(layout, dtype, "contract", 1.0, checkpoint)

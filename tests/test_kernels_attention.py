@@ -85,7 +85,7 @@ def test_tile_merge_equals_attention(dtype):
         state = None
         for t in range(nt):
             sl = slice(t * tile, (t + 1) * tile)
-            part = k.attention_tile(q, kp[sl], vp[sl], pos, kpos[sl], d**-0.5)
+            part = k.attention_tile_partial(q, kp[sl], vp[sl], pos, kpos[sl], d**-0.5)
             state = part if state is None else k.merge(state, part)
         assert torch.equal(k.finalize(state, dtype), full)
 
@@ -94,9 +94,9 @@ def test_masked_tile_is_exact_noop():
     k = get_kernels("contract")
     q, kk, v = _qkv(40, 8, 4, 32, torch.float32, seed=3)
     pos = torch.arange(40)
-    a = k.attention_tile(q, kk[:32], v[:32], pos, pos[:32], 0.2)
+    a = k.attention_tile_partial(q, kk[:32], v[:32], pos, pos[:32], 0.2)
     # a tile whose keys are all in the future of every query
-    masked = k.attention_tile(q, randn(32, 4, 32, seed=9), randn(32, 4, 32, seed=8), pos, pos[:32] + 1000, 0.2)
+    masked = k.attention_tile_partial(q, randn(32, 4, 32, seed=9), randn(32, 4, 32, seed=8), pos, pos[:32] + 1000, 0.2)
     assert torch.all(masked.m == float("-inf")) and torch.all(masked.l == 0) and torch.all(masked.acc == 0)
     merged = k.merge(a, masked)
     assert torch.equal(merged.m, a.m) and torch.equal(merged.l, a.l) and torch.equal(merged.acc, a.acc)

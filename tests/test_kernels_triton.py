@@ -117,7 +117,10 @@ def test_attention_ring_tiles_merge_to_the_single_device_result() -> None:
     q, k, v = _attn_data(n, torch.float32)
     pos = torch.arange(n)
     full = kern.attention(q, k, v, pos, pos, scale)
-    parts = [kern.attention_tile(q, k[t : t + 64], v[t : t + 64], pos, pos[t : t + 64], scale) for t in range(0, n, 64)]
+    parts = [
+        kern.attention_tile_partial(q, k[t : t + 64], v[t : t + 64], pos, pos[t : t + 64], scale)
+        for t in range(0, n, 64)
+    ]
     acc = parts[0]
     for p in parts[1:]:
         acc = kern.merge(acc, p)

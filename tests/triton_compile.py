@@ -79,7 +79,7 @@ def exercise() -> None:
         kern.attention_pooled(q, torch.tensor([[5], [9], [70]]), pool, pool, torch.tensor([0, 1, 2]), 71, 0.2)
         qs, ks = torch.randn(64, 8, 32).to(dtype), torch.randn(64, 4, 32).to(dtype)
         pos = torch.arange(64)
-        part = kern.attention_tile(qs, ks, ks, pos, pos, 0.2)
+        part = kern.attention_tile_partial(qs, ks, ks, pos, pos, 0.2)
         kern.finalize(kern.merge(part, part), dtype)
         kern.logprobs(torch.randn(4, 2048), torch.tensor([1, 2, 3, 4]), 2003, 0.7)
     del Segment

@@ -29,7 +29,7 @@ class AttnPartial(NamedTuple):
 
 class KernelSet(Protocol):
     name: str
-    tile_size: int  # keys per split-KV tile
+    attention_tile: int  # keys per split-KV tile
     canonical_shards: int  # K-shards of every linear; a TP size must divide it
 
     def describe(self) -> dict[str, Any]:
@@ -102,7 +102,7 @@ class KernelSet(Protocol):
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype the engine's KV cache stores for activations of `dtype`."""
 
-    def attention_tile(
+    def attention_tile_partial(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -111,7 +111,7 @@ class KernelSet(Protocol):
         k_pos: torch.Tensor,
         scale: float,
     ) -> AttnPartial:
-        """Partial of one key tile (contract: exactly `tile_size` keys, padded keys carry a position
+        """Partial of one key tile (contract: exactly `attention_tile` keys, padded keys carry a position
         larger than any query and zero k/v)."""
 
     def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:

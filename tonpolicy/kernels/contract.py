@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from tonpolicy.kernels import contract_attention as ca
-from tonpolicy.kernels import contract_pointwise as cp
+from tonpolicy.kernels import contract_attention
+from tonpolicy.kernels import contract_pointwise as pointwise
 from tonpolicy.kernels.base import AttnPartial
 from tonpolicy.kernels.contract_linear import tiled_partials, tree_sum
 
@@ -28,7 +28,7 @@ class ContractKernels:
         attention_row_tile: int = 8,
         prefill_row_tile: int = 128,
     ) -> None:
-        self.tile_size = attention_tile
+        self.attention_tile = attention_tile
         self.canonical_shards = canonical_shards
         self.row_tile = row_tile
         # Queries per attention GEMM row tile (x G heads per KV head). Smaller than the linear row tile
@@ -41,7 +41,7 @@ class ContractKernels:
         """Everything that affects numerics, for the contract fingerprint."""
         return {
             "kernel_set": self.name,
-            "attention_tile": self.tile_size,
+            "attention_tile": self.attention_tile,
             "canonical_shards": self.canonical_shards,
             "row_tile": self.row_tile,
             "attention_row_tile": self.attention_row_tile,
@@ -72,16 +72,16 @@ class ContractKernels:
 
     # --- norms / activations / rotary ----------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return cp.rms_norm(x, weight, eps)
+        return pointwise.rms_norm(x, weight, eps)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return cp.swiglu(gate, up)
+        return pointwise.swiglu(gate, up)
 
     def rope_cos_sin(self, positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return cp.rope_cos_sin(positions, head_dim, theta)
+        return pointwise.rope_cos_sin(positions, head_dim, theta)
 
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return cp.apply_rope(x, cos, sin)
+        return pointwise.apply_rope(x, cos, sin)
 
     # --- attention ------------------------------------------------------------------------------
     def attention(
@@ -100,7 +100,9 @@ class ContractKernels:
         scale: float,
     ) -> torch.Tensor:
         """Batch of independent sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D], positions [B, N]."""
-        return ca.attention_batched(q, k, v, q_pos, k_pos, scale, self.tile_size, self.attention_row_tile)
+        return contract_attention.attention_batched(
+            q, k, v, q_pos, k_pos, scale, self.attention_tile, self.attention_row_tile
+        )
 
     def attention_pooled(
         self,
@@ -115,10 +117,10 @@ class ContractKernels:
         """q [B, Nq, Hq, D] at q_pos [B, Nq] over a KV pool [slots, cap, Hkv, D] (key j sits at position
         j; cap a tile multiple), batch row b reading pool slot slots[b], keys [0, num_keys) rounded up to
         whole tiles. Bitwise equal to `attention` over that row's keys; reads only visible tiles."""
-        t = self.tile_size
+        t = self.attention_tile
         n, cap, hkv, d = k_pool.shape
         kpos = torch.arange(cap, device=q.device).view(1, cap // t, t).expand(n, -1, -1)
-        return ca.attention_stores(
+        return contract_attention.attention_stores(
             q,
             q_pos,
             k_pool.view(n, cap // t, t, hkv, d),
@@ -134,28 +136,28 @@ class ContractKernels:
         """Keys/values are cached in fp32: the upcast is exact and is what every GEMM reads anyway."""
         return torch.float32
 
-    def attention_tile(
+    def attention_tile_partial(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
     ) -> AttnPartial:
-        if k.shape[0] != self.tile_size:
-            raise ValueError(f"attention_tile takes exactly {self.tile_size} keys, got {k.shape[0]}")
-        ks, vs, kps, _ = ca.to_store(k[None], v[None], k_pos[None], self.tile_size)
+        if k.shape[0] != self.attention_tile:
+            raise ValueError(f"attention_tile_partial takes exactly {self.attention_tile} keys, got {k.shape[0]}")
+        ks, vs, kps, _ = contract_attention.to_store(k[None], v[None], k_pos[None], self.attention_tile)
         rt = self.attention_row_tile
-        parts = ca.tile_partials(
+        parts = contract_attention.tile_partials(
             q[None], q_pos[None], ks, vs, kps, torch.zeros(1, dtype=torch.long, device=q.device), 1, scale, rt
         )
         nq = q.shape[0]
-        m = ca.unpack_rows(parts.m[0], nq, rt)[0]
-        l = ca.unpack_rows(parts.l[0], nq, rt)[0]  # noqa: E741
-        acc = ca.unpack_rows(parts.acc[0], nq, rt)[0]
+        m = contract_attention.unpack_rows(parts.m[0], nq, rt)[0]
+        l = contract_attention.unpack_rows(parts.l[0], nq, rt)[0]  # noqa: E741
+        acc = contract_attention.unpack_rows(parts.acc[0], nq, rt)[0]
         return AttnPartial(m, l, acc)
 
     def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:
-        return ca.merge(a, b)
+        return contract_attention.merge(a, b)
 
     def finalize(self, p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
-        return ca.finalize(p, dtype)
+        return contract_attention.finalize(p, dtype)
 
     # --- logprobs -------------------------------------------------------------------------------
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
-        return cp.logprobs(logits, tokens, vocab_size, temperature)
+        return pointwise.logprobs(logits, tokens, vocab_size, temperature)

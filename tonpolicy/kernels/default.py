@@ -20,13 +20,13 @@ class DefaultKernels:
     name = "default"
 
     def __init__(self, *, attention_tile: int = 32, canonical_shards: int = 4) -> None:
-        self.tile_size = attention_tile
+        self.attention_tile = attention_tile
         self.canonical_shards = canonical_shards
 
     def describe(self) -> dict[str, Any]:
         return {
             "kernel_set": self.name,
-            "attention_tile": self.tile_size,
+            "attention_tile": self.attention_tile,
             "canonical_shards": self.canonical_shards,
             "linear": "F.linear",
             "attention": "sdpa",
@@ -97,7 +97,7 @@ class DefaultKernels:
         scale: float,
     ) -> torch.Tensor:
         """Plain gather of each row's cached keys, then `attention_batched`."""
-        nk = -(-num_keys // self.tile_size) * self.tile_size
+        nk = -(-num_keys // self.attention_tile) * self.attention_tile
         k_pos = torch.arange(nk, device=q.device)[None].expand(q.shape[0], nk)
         return self.attention_batched(q, k_pool[slots, :nk], v_pool[slots, :nk], q_pos, k_pos, scale)
 
@@ -109,10 +109,10 @@ class DefaultKernels:
     ) -> torch.Tensor:
         return self.attention_batched(q[None], k[None], v[None], q_pos[None], k_pos[None], scale)[0]
 
-    def attention_tile(
+    def attention_tile_partial(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
     ) -> AttnPartial:
-        extra = self.tile_size - k.shape[0]
+        extra = self.attention_tile - k.shape[0]
         if extra > 0:
             k = torch.cat([k, k.new_zeros(extra, *k.shape[1:])])
             v = torch.cat([v, v.new_zeros(extra, *v.shape[1:])])

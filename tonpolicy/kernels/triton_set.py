@@ -10,7 +10,7 @@ spec through the same functions.
 
 Only the forward is under the contract. With autograd on, each row-local op runs the kernel forward
 and the gradient of its textbook fp32 formula (`contract_pointwise`), like the linears and attention
-of `trainer.fast_backward`. Runs on CPU only under TRITON_INTERPRET=1 (tests; slow).
+of `trainer.kernel_autograd`. Runs on CPU only under TRITON_INTERPRET=1 (tests; slow).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class TritonKernels:
     name = "triton"
 
     def __init__(self, *, canonical_shards: int = 4) -> None:
-        self.tile_size = ta.TILE
+        self.attention_tile = ta.TILE
         self.canonical_shards = canonical_shards
 
     def describe(self) -> dict[str, Any]:
@@ -170,7 +170,7 @@ class TritonKernels:
         """The kernel reads keys/values in the model dtype (tensor-core operands)."""
         return dtype
 
-    def attention_tile(
+    def attention_tile_partial(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -179,9 +179,9 @@ class TritonKernels:
         k_pos: torch.Tensor,
         scale: float,
     ) -> AttnPartial:
-        if k.shape[0] != self.tile_size:
-            raise ValueError(f"attention_tile takes exactly {self.tile_size} keys, got {k.shape[0]}")
-        index = torch.arange(self.tile_size, device=q.device)[None]
+        if k.shape[0] != self.attention_tile:
+            raise ValueError(f"attention_tile_partial takes exactly {self.attention_tile} keys, got {k.shape[0]}")
+        index = torch.arange(self.attention_tile, device=q.device)[None]
         m, den, acc = ta.attention_indexed(
             q[None],
             q_pos[None],
@@ -189,7 +189,7 @@ class TritonKernels:
             v,
             index,
             k_pos[None],  # noqa: E741
-            torch.full((1,), self.tile_size, device=q.device),
+            torch.full((1,), self.attention_tile, device=q.device),
             scale,
             partial=True,
         )

@@ -31,7 +31,7 @@ class Segment:
     slot: int | None = None
 
 
-class _W(nn.Module):
+class _Weight(nn.Module):
     """Holds one `weight` parameter so the state dict carries HF names."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -50,28 +50,28 @@ class Qwen3(nn.Module):
         super().__init__()
         self.cfg, self.kernels, self.dtype = cfg, kernels, dtype
         self.model = nn.Module()
-        self.model.embed_tokens = _W((cfg.vocab_size, cfg.hidden_size), dtype)
+        self.model.embed_tokens = _Weight((cfg.vocab_size, cfg.hidden_size), dtype)
         self.model.layers = nn.ModuleList()
         for _ in range(cfg.num_layers):
             layer = nn.Module()
-            layer.input_layernorm = _W((cfg.hidden_size,), dtype)
-            layer.post_attention_layernorm = _W((cfg.hidden_size,), dtype)
+            layer.input_layernorm = _Weight((cfg.hidden_size,), dtype)
+            layer.post_attention_layernorm = _Weight((cfg.hidden_size,), dtype)
             attn = nn.Module()
-            attn.q_proj = _W((cfg.q_size, cfg.hidden_size), dtype)
-            attn.k_proj = _W((cfg.kv_size, cfg.hidden_size), dtype)
-            attn.v_proj = _W((cfg.kv_size, cfg.hidden_size), dtype)
-            attn.o_proj = _W((cfg.hidden_size, cfg.q_size), dtype)
-            attn.q_norm = _W((cfg.head_dim,), dtype)
-            attn.k_norm = _W((cfg.head_dim,), dtype)
+            attn.q_proj = _Weight((cfg.q_size, cfg.hidden_size), dtype)
+            attn.k_proj = _Weight((cfg.kv_size, cfg.hidden_size), dtype)
+            attn.v_proj = _Weight((cfg.kv_size, cfg.hidden_size), dtype)
+            attn.o_proj = _Weight((cfg.hidden_size, cfg.q_size), dtype)
+            attn.q_norm = _Weight((cfg.head_dim,), dtype)
+            attn.k_norm = _Weight((cfg.head_dim,), dtype)
             mlp = nn.Module()
-            mlp.gate_proj = _W((cfg.intermediate_size, cfg.hidden_size), dtype)
-            mlp.up_proj = _W((cfg.intermediate_size, cfg.hidden_size), dtype)
-            mlp.down_proj = _W((cfg.hidden_size, cfg.intermediate_size), dtype)
+            mlp.gate_proj = _Weight((cfg.intermediate_size, cfg.hidden_size), dtype)
+            mlp.up_proj = _Weight((cfg.intermediate_size, cfg.hidden_size), dtype)
+            mlp.down_proj = _Weight((cfg.hidden_size, cfg.intermediate_size), dtype)
             layer.self_attn, layer.mlp = attn, mlp
             self.model.layers.append(layer)
-        self.model.norm = _W((cfg.hidden_size,), dtype)
+        self.model.norm = _Weight((cfg.hidden_size,), dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _W((cfg.vocab_size, cfg.hidden_size), dtype)
+            self.lm_head = _Weight((cfg.vocab_size, cfg.hidden_size), dtype)
         assert set(dict(self.named_parameters())) == set(param_shapes(cfg))
         self._lm_cache: tuple[tuple[int, int], torch.Tensor] | None = None
         self._fused: dict[str, tuple[tuple[tuple[int, int], ...], torch.Tensor]] = {}

@@ -99,7 +99,7 @@ class RecordingKernels:
         self._ropes = 0
         self._pending: Role | None = None  # row-parallel linear between partials and combine
 
-    def __getattr__(self, name: str) -> Any:  # name, tile_size, canonical_shards, kv_cache_dtype(), ...
+    def __getattr__(self, name: str) -> Any:  # name, attention_tile, canonical_shards, kv_cache_dtype(), ...
         return getattr(self.inner, name)
 
     # --- context ------------------------------------------------------------------------------
@@ -283,8 +283,8 @@ class RecordingKernels:
             k_pool, v_pool = k_pool.to(dt), v_pool.to(dt)
         return k.attention_pooled(q, q_pos, k_pool, v_pool, *args)
 
-    def attention_tile(self, *args: Any) -> Any:
-        return self._kern(self._layer, "attn_out").attention_tile(*args)
+    def attention_tile_partial(self, *args: Any) -> Any:
+        return self._kern(self._layer, "attn_out").attention_tile_partial(*args)
 
     def merge(self, a: Any, b: Any) -> Any:
         return self._kern(self._layer, "attn_out").merge(a, b)

@@ -216,7 +216,7 @@ class Engine:
             cfg.num_kv_heads,
             cfg.head_dim,
             self.model.kernels.kv_cache_dtype(self.model.dtype),
-            self.model.kernels.tile_size,
+            self.model.kernels.attention_tile,
             self.model.model.embed_tokens.weight.device,
         )
         if old is not None:

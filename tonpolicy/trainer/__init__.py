@@ -5,7 +5,7 @@ Entry point: `worker.TrainerWorker(cfg, checkpoint_dir)` inside an initialized p
 
 Modules: `model` (GPTModel for a ModelConfig), `layer_spec` (the contract ModuleSpec), `cp_attention`,
 `ring_attention` and `cp` (Ulysses / zigzag-ring context parallelism, the one response slicer), `comm`
-(autograd collectives), `fast_backward` (contract forward, plain backward), `logprobs` (the recipe with
+(autograd collectives), `kernel_autograd` (kernel forward, plain backward), `logprobs` (the recipe with
 `comm.replicated_all_gather`), `forward` (megatron schedules over samples),
 `weights` (HF <-> Megatron), `grads` (grad norm), `dist` (process groups, spawn), `cpu_compat` (megatron
 on CPU). The PPO loss lives in `tonpolicy.rl`; the trainer-vs-rollout harness in `tonpolicy.parity.harness`.

@@ -16,7 +16,7 @@ import torch
 from megatron.core import parallel_state
 
 from tonpolicy.trainer.comm import all_to_all
-from tonpolicy.trainer.fast_backward import KernelAttention
+from tonpolicy.trainer.kernel_autograd import KernelAttention
 from tonpolicy.trainer.ring_attention import RingAttention
 
 

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from tonpolicy.trainer import cp as cp_layout
 from tonpolicy.trainer.comm import replicated_all_gather
 from tonpolicy.trainer.cp_attention import context_parallel_attention
-from tonpolicy.trainer.fast_backward import KernelLinear, RowParallelKernelLinear
+from tonpolicy.trainer.kernel_autograd import KernelLinear
 
 
 class ContractColumnParallelLinear(ColumnParallelLinear):
@@ -60,7 +60,9 @@ class ContractRowParallelLinear(RowParallelLinear):
             stack = replicated_all_gather(self.kernels.linear_partials(x, w, shards // tp), 0, group)
             return self.kernels.combine_partials(stack, x.dtype)
 
-        return RowParallelKernelLinear.apply(input_, self.weight, canonical), None
+        # Every TP rank holds the same y and receives the same dY, so the local gradients need no
+        # communication (dX_local = dY W_local, dW_local = dY^T X_local): the plain linear backward.
+        return KernelLinear.apply(input_, self.weight, canonical), None
 
 
 class ContractLMHead(ContractColumnParallelLinear):

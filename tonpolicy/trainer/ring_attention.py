@@ -32,7 +32,7 @@ class RingAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         cp, rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
         group = parallel_state.get_context_parallel_group()
-        tile = kernels.tile_size
+        tile = kernels.attention_tile
         seq_len = positions.shape[0] * cp
         if seq_len % (2 * cp * tile):
             raise ValueError(f"ring CP needs the sequence ({seq_len}) padded to a multiple of 2*CP*tile")
@@ -47,7 +47,7 @@ class RingAttention(torch.autograd.Function):
                 if first > last_query:  # fully masked for every local query: an exact no-op
                     continue
                 sl = slice(start, start + tile)
-                partials[first // tile] = kernels.attention_tile(q, kb[sl], vb[sl], positions, k_pos[sl], scale)
+                partials[first // tile] = kernels.attention_tile_partial(q, kb[sl], vb[sl], positions, k_pos[sl], scale)
             if step + 1 < cp:
                 kv = shift(kv, group, 1)
         order = sorted(partials)

@@ -20,7 +20,7 @@ from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, get_kernels, logprob_temperature, padded_vocab_size
 from tonpolicy.rl.ppo import PPOConfig, metrics, token_loss
-from tonpolicy.trainer import forward as fw
+from tonpolicy.trainer import forward as trainer_forward
 from tonpolicy.trainer.dist import Layout, init_distributed
 from tonpolicy.trainer.model import build_gpt
 from tonpolicy.trainer.weights import load_into, megatron_to_hf
@@ -89,7 +89,7 @@ class TrainerWorker:
             exact_zero=c.exact_zero,
         )
         load_into(self.module, hf, self.model_cfg, self.vocab_padded, self.layout.pp_layers)
-        self.tile = kernels.tile_size
+        self.tile = kernels.attention_tile
         # The rollout reports greedy (temperature <= 0) logprobs at temperature 1; so do we.
         self.temperature = logprob_temperature(cfg.experiment.temperature)
         self.ppo = PPOConfig(cfg.trainer.clip_eps, cfg.trainer.clip_eps_high, cfg.trainer.kl_coef)
@@ -99,15 +99,15 @@ class TrainerWorker:
         self.lr = cfg.task.lr if cfg.task.lr is not None else cfg.trainer.lr  # a task may set its own
 
     # --- logprobs -----------------------------------------------------------------------------------
-    def _lp_loss(self, mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        lps, _ = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
+    def _lp_loss(self, mb: trainer_forward.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        lps, _ = trainer_forward.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
         return logits.new_zeros(()), {"lp": lps, "resp": [s.resp for s in mb.slices]}
 
     def _microbatches(
         self, prompts: list[list[int]], responses: list[list[int]], extras: list[dict[str, torch.Tensor]] | None = None
-    ) -> tuple[list[fw.Microbatch], int]:
+    ) -> tuple[list[trainer_forward.Microbatch], int]:
         t = self.cfg.trainer
-        return fw.make_microbatches(
+        return trainer_forward.make_microbatches(
             prompts, responses, self.layout.cp_mode, self.tile, extras, t.micro_batch_size, t.pack_sequences
         )
 
@@ -116,8 +116,8 @@ class TrainerWorker:
         """fp32 logprob of every response token (temperature from the experiment config)."""
         self.model.eval()
         mbs, seq_len = self._microbatches(prompts, responses)
-        outs = fw.run(self.model, mbs, seq_len, self._lp_loss, forward_only=True)
-        return fw.assemble(outs, mbs, [len(r) for r in responses])
+        outs = trainer_forward.run(self.model, mbs, seq_len, self._lp_loss, forward_only=True)
+        return trainer_forward.assemble(outs, mbs, [len(r) for r in responses])
 
     # --- training -----------------------------------------------------------------------------------
     def _setup_optimizer(self) -> None:
@@ -174,8 +174,10 @@ class TrainerWorker:
         n_mb, dp = len(mbs), ps.get_data_parallel_world_size()
         self.last_share = [i for mb in mbs for i in mb.samples]  # the samples this replica trained on
 
-        def loss_fn(mb: fw.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            lps, exs = fw.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
+        def loss_fn(mb: trainer_forward.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            lps, exs = trainer_forward.local_logprobs(
+                mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels
+            )
             local = (
                 sum(
                     (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum()
@@ -189,8 +191,8 @@ class TrainerWorker:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outs = fw.run(self.model, mbs, seq_len, loss_fn, forward_only=False)
-        new_lp = fw.assemble(outs, mbs, [len(r) for r in responses])
+        outs = trainer_forward.run(self.model, mbs, seq_len, loss_fn, forward_only=False)
+        new_lp = trainer_forward.assemble(outs, mbs, [len(r) for r in responses])
         first = gate_compare([e["old"] for e in extras], new_lp)
         if exact_first_forward and not first.exact:
             self.optimizer.zero_grad()

@@ -1,4 +1,4 @@
-"""Contract forward, plain backward.
+"""Autograd for the kernel calls: the kernel set's forward, the textbook (plain torch) backward.
 
 Only the forward is under the numerics contract (the logprobs must match the rollout bit for bit).
 Differentiating through the contract kernels' tiling (row-tile padding, canonical K-shard stacks,
@@ -38,12 +38,6 @@ class KernelLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         dx, dw = _linear_grads(ctx, grad)
         return dx, dw, None
-
-
-# Row-parallel y = combine(gather_TP(partials(x_local, w_local))): every TP rank holds the same y and
-# receives the same dY, so the local gradients need no communication (dX_local = dY W_local,
-# dW_local = dY^T X_local) and the column-parallel backward applies unchanged.
-RowParallelKernelLinear = KernelLinear
 
 
 def _plain_attention(
