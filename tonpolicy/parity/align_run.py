@@ -105,7 +105,7 @@ def run_align(cfg: Config, run_dir: Path) -> int:
     from tonpolicy.contract.identity import kernel_params
     from tonpolicy.kernels import get_kernels
     from tonpolicy.model.qwen3 import Qwen3
-    from tonpolicy.parity.align import write_report
+    from tonpolicy.parity.align_report import write_report
     from tonpolicy.parity.compare import compare_dumps, format_report
     from tonpolicy.parity.dump import save_dump
     from tonpolicy.parity.rollout_dump import decode_dump, full_forward_dump
