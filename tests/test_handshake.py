@@ -8,9 +8,9 @@ from pathlib import Path
 from server_proc import IDENTITY, ServerProc, save_checkpoint
 
 from tonpolicy.config.compose import compose_config
+from tonpolicy.contract.handshake import handshake
 from tonpolicy.contract.identity import identity, kernel_params, runtime_identity
 from tonpolicy.kernels import get_kernels
-from tonpolicy.launch.trainer_main import handshake
 
 
 def test_handshake_refuses_foreign_fingerprint_and_accepts_ours(tmp_path: Path) -> None:

@@ -19,9 +19,9 @@ from e2e_common import records, run_job, summary
 from sglang_proc import SGLangServer, check_parity, save_checkpoint, sglang_env_python
 
 from tonpolicy.config.compose import compose_config
+from tonpolicy.contract.handshake import handshake
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.kernels import get_kernels
-from tonpolicy.launch.trainer_main import handshake
 
 
 @pytest.fixture(scope="module")

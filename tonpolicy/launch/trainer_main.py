@@ -8,20 +8,20 @@ record, logs to W&B and syncs the new weights to the server.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from tonpolicy.config.compose import load_config
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.gate import compare
-from tonpolicy.contract.identity import identity, runtime_differences, runtime_identity
+from tonpolicy.contract.handshake import handshake
+from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.files import write_json_atomic
+from tonpolicy.launch.faults import injected_fault, with_fault_advantages
 from tonpolicy.launch.records import (
     EXIT_GATE_FAILED,
     EXIT_HANDSHAKE,
@@ -29,105 +29,7 @@ from tonpolicy.launch.records import (
     append_jsonl,
 )
 from tonpolicy.model.tokenizer import load_tokenizer
-from tonpolicy.rl.advantages import grpo_advantages
-from tonpolicy.rl.task import EOS, make_prompts, reward
-
-
-def rollout(cfg: Config, client: Any, step: int) -> dict[str, Any]:
-    e = cfg.experiment
-    t = cfg.task
-    prompts = make_prompts(
-        t.name,
-        step,
-        e.prompts_per_step,
-        seed=e.seed,
-        max_prompt_len=e.max_prompt_len,
-        target=t.target_digit,
-        max_digits=t.max_digits,
-    )
-    batch_prompts = [p for p in prompts for _ in range(e.samples_per_prompt)]
-    params = [
-        {
-            "temperature": e.temperature,
-            "top_p": e.top_p,
-            "top_k": e.top_k,
-            "max_new_tokens": e.max_new_tokens,
-            "stop_token_ids": [EOS],
-            "sampling_seed": e.seed * 1_000_003 + step * 10_007 + i,
-        }
-        for i in range(len(batch_prompts))
-    ]
-    outs = client.generate(batch_prompts, params)
-    responses = [o["output_ids"] for o in outs]
-    rewards = [
-        reward(t.name, p, r, t.graded_tokens, t.target_digit) for p, r in zip(batch_prompts, responses, strict=True)
-    ]
-    return {
-        "prompts": batch_prompts,
-        "responses": responses,
-        "rollout_logprobs": [torch.tensor(o["output_logprobs"], dtype=torch.float32) for o in outs],
-        "rewards": rewards,
-        # Test hook: a deliberately broken update (the learning test's negative control).
-        "advantages": [
-            a * (-1 if os.environ.get("TONPOLICY_FAULT") == "flip_advantages" else 1)
-            for a in grpo_advantages(rewards, e.samples_per_prompt)
-        ],
-    }
-
-
-def handshake(cfg: Config, client: Any, ours_runtime: dict[str, Any]) -> str | None:
-    """None when the server runs our contract with our numerics, else the reason to refuse.
-
-    A tonpolicy server (embedded, or SGLang with the model package) reports the contract it was given
-    and the runtime identity it computed from the kernel set it built; both must equal ours (the
-    runtime fingerprint covers kernel parameters, dtype, torch build, device and BLAS). Stock SGLang
-    reports none; there we check the server args that the contract renders, and the gate decides.
-    """
-    ours = identity(cfg.contract).to_dict()
-    theirs = client.contract()
-    if theirs is not None:
-        label = {k: theirs.get(k) for k in ("name", "version", "fingerprint")}
-        if theirs.get("fingerprint") != ours["fingerprint"]:
-            return f"contract fingerprint mismatch: server {label} vs trainer {ours}"
-        runtime = theirs.get("runtime") or {}
-        if runtime.get("fingerprint") != ours_runtime["fingerprint"]:
-            diff = runtime_differences(ours_runtime, runtime)
-            return (
-                f"runtime fingerprint mismatch: server {runtime.get('fingerprint')} vs trainer "
-                f"{ours_runtime['fingerprint']}; differing parts (trainer, server): {diff}"
-            )
-        return None
-    if cfg.rollout.backend != "sglang" or cfg.contract.sglang.model_package:
-        return f"the rollout server reports no tonpolicy contract (expected {ours})"
-    info, policy = client.server_info(), cfg.contract.sglang
-    expected = {
-        "enable_deterministic_inference": policy.enable_deterministic_inference,
-        "rl_on_policy_target": policy.rl_on_policy_target,
-    }
-    if policy.attention_backend is not None:
-        expected["attention_backend"] = policy.attention_backend
-    wrong = {k: info.get(k) for k, v in expected.items() if info.get(k) != v}
-    if wrong:
-        return f"SGLang server args {wrong} differ from contract {cfg.contract.name}'s {expected}"
-    print(
-        f"tonpolicy: stock SGLang's server args match contract {cfg.contract.name}; parity is measured by the gate",
-        file=sys.stderr,
-    )
-    return None
-
-
-def _injected_fault(step: int) -> None:
-    """Test hooks: TONPOLICY_FAULT=rank_exit:<rank>:<step> makes that rank die abruptly;
-    rank_disk_full:<rank>:<step> makes it raise the OSError a full disk raises. (flip_advantages, a
-    broken update for the learning test, is read in `rollout`.)"""
-    spec = os.environ.get("TONPOLICY_FAULT", "")
-    kind, _, rest = spec.partition(":")
-    if kind in ("rank_exit", "rank_disk_full"):
-        rank, at = rest.split(":")
-        if dist.get_rank() == int(rank) and step == int(at):
-            if kind == "rank_exit":
-                os._exit(17)
-            raise OSError(28, "No space left on device")
+from tonpolicy.rl.batch import collect_batch
 
 
 def broadcast(obj: Any) -> Any:
@@ -189,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     code, message = 0, ""
     for step in range(cfg.experiment.steps):
         t0 = time.monotonic()
-        _injected_fault(step)
-        batch = broadcast(rollout(cfg, client, step) if rank0 else None)
+        injected_fault(step)
+        batch = broadcast(with_fault_advantages(collect_batch(cfg, client, step)) if rank0 else None)
         t_rollout = time.monotonic() - t0
         trainer_logprobs = worker.logprobs(batch["prompts"], batch["responses"])
         parity = compare(batch["rollout_logprobs"], trainer_logprobs) if rank0 else None

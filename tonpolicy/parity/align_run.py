@@ -74,7 +74,8 @@ def check(cfg: Config) -> None:
 
 
 def sample_request(cfg: Config) -> Any:
-    """Sample `align.sample` of a run's first step: same prompt and sampling seed as trainer_main."""
+    """Sample `align.sample` of a run's first step: same prompt and sampling seed as the run's."""
+    from tonpolicy.rl.batch import sampling_seed
     from tonpolicy.rl.task import EOS, make_prompts
     from tonpolicy.rollout.types import GenRequest
 
@@ -96,7 +97,7 @@ def sample_request(cfg: Config) -> Any:
         e.temperature,
         e.top_p,
         e.top_k,
-        seed=e.seed * 1_000_003 + i,
+        seed=sampling_seed(e.seed, 0, i),
         stop_token_ids=(EOS,),
     )
 

@@ -1,0 +1,29 @@
+"""Test hooks set through $TONPOLICY_FAULT (never in a configuration): faults the tests inject into a
+real run, and a deliberately broken update (the learning test's negative control)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+
+def injected_fault(step: int) -> None:
+    """Test hooks: TONPOLICY_FAULT=rank_exit:<rank>:<step> makes that rank die abruptly;
+    rank_disk_full:<rank>:<step> makes it raise the OSError a full disk raises."""
+    spec = os.environ.get("TONPOLICY_FAULT", "")
+    kind, _, rest = spec.partition(":")
+    if kind in ("rank_exit", "rank_disk_full"):
+        rank, at = rest.split(":")
+        if dist.get_rank() == int(rank) and step == int(at):
+            if kind == "rank_exit":
+                os._exit(17)
+            raise OSError(28, "No space left on device")
+
+
+def with_fault_advantages(batch: dict[str, Any]) -> dict[str, Any]:
+    """TONPOLICY_FAULT=flip_advantages: the advantages' sign flipped, so the update unlearns."""
+    if os.environ.get("TONPOLICY_FAULT") == "flip_advantages":
+        batch["advantages"] = [-a for a in batch["advantages"]]
+    return batch
