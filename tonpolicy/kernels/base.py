@@ -62,6 +62,11 @@ class KernelSet(Protocol):
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [N, H, D] rotated by per-token cos/sin [N, D]; returned in x.dtype."""
 
+    def apply_rope_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`apply_rope` of q and of k, in one call so that a recorder knows which is which."""
+
     # --- attention ------------------------------------------------------------------------------
     def attention(
         self,

@@ -83,6 +83,11 @@ class ContractKernels:
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return pointwise.apply_rope(x, cos, sin)
 
+    def apply_rope_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
+
     # --- attention ------------------------------------------------------------------------------
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float

@@ -69,6 +69,11 @@ class DefaultKernels:
         rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * c + rot * s
 
+    def apply_rope_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
+
     def attention_batched(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
     ) -> torch.Tensor:

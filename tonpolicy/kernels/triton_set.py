@@ -106,6 +106,11 @@ class TritonKernels:
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return _run(lambda a: trow.apply_rope(a, cos, sin), lambda a: ref.apply_rope(a, cos, sin), x)
 
+    def apply_rope_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
+
     # --- attention ------------------------------------------------------------------------------
     def attention(
         self,

@@ -147,8 +147,12 @@ class Qwen3(nn.Module):
             q = q.reshape(n, cfg.num_attention_heads, cfg.head_dim)
             k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            q = kern.apply_rope(kern.rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps), cos, sin)
-            k = kern.apply_rope(kern.rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps), cos, sin)
+            q, k = kern.apply_rope_qk(
+                kern.rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps),
+                kern.rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps),
+                cos,
+                sin,
+            )
             o = self._attend(li, q, k, v, pos, segments, kv, scale)
             h = h + kern.linear(o.reshape(n, cfg.q_size), a.o_proj.weight)
             x = kern.rms_norm(h, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)

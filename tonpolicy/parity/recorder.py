@@ -3,8 +3,8 @@
 Both engines call every numeric op through their kernel set, so wrapping it sees every checkpoint
 without editing either model: weighted ops (linears, norms) are identified by the identity of the
 weight tensor (mapped to a canonical (layer, role) by `names`), the unweighted ones by the layer of
-the last weighted op (the first `apply_rope` of a layer is q, the second k; `swiglu` is the MLP
-activation; attention kernels belong to `attn_out`). The residual stream is the input of the next norm.
+the last weighted op (`apply_rope_qk` names q and k; `swiglu` is the MLP activation; attention
+kernels belong to `attn_out`). The residual stream is the input of the next norm.
 
 Only the selected layers/ops/positions are copied (bounded memory). The proxy exists only while a
 dump is taken: an engine that is not dumping runs its plain kernel set, with nothing in between.
@@ -96,7 +96,6 @@ class RecordingKernels:
         self._rows: torch.Tensor | None = None
         self._logit_rows: torch.Tensor | None = None
         self._layer = -1
-        self._ropes = 0
         self._pending: Role | None = None  # row-parallel linear between partials and combine
 
     def __getattr__(self, name: str) -> Any:  # name, attention_tile, canonical_shards, kv_cache_dtype(), ...
@@ -129,7 +128,7 @@ class RecordingKernels:
         when the engine computes logits for a subset)."""
         self._rows = positions.reshape(-1).long()
         self._logit_rows = None if logit_positions is None else logit_positions.reshape(-1).long()
-        self._layer, self._ropes, self._pending = -1, 0, None
+        self._layer, self._pending = -1, None
 
     # --- recording ----------------------------------------------------------------------------
     def _ck(self, layer: int, op: str) -> Checkpoint:
@@ -238,7 +237,6 @@ class RecordingKernels:
             layer, op = role.layer, role.ops[0]
             # The residual stream is what enters the next norm.
             if op == "input_norm":
-                self._ropes = 0
                 if layer > 0:
                     self._record(layer - 1, "residual", x)
                 else:
@@ -261,11 +259,17 @@ class RecordingKernels:
         return self.inner.rope_cos_sin(positions, head_dim, theta)
 
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        op = "q_rope" if self._ropes % 2 == 0 else "k_rope"  # both engines rotate q before k
-        self._ropes += 1
-        y = self._kern(self._layer, op).apply_rope(x, cos, sin)
-        self._record(self._layer, op, y)
-        return y
+        return self.inner.apply_rope(x, cos, sin)  # no role: the engines rotate through apply_rope_qk
+
+    def apply_rope_qk(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for op, x in (("q_rope", q), ("k_rope", k)):
+            y = self._kern(self._layer, op).apply_rope(x, cos, sin)
+            self._record(self._layer, op, y)
+            out.append(y)
+        return out[0], out[1]
 
     # --- attention (recorded as the output projection's input) -----------------------------------
     def attention(self, *args: Any) -> torch.Tensor:

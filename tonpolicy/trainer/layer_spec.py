@@ -143,8 +143,7 @@ class ContractCoreAttention(MegatronModule):
         for b in range(query.shape[1]):
             pos = positions[b]
             cos, sin = k_.rope_cos_sin(pos, self.head_dim, self.theta)
-            q = k_.apply_rope(query[:, b], cos, sin)
-            k = k_.apply_rope(key[:, b], cos, sin)
+            q, k = k_.apply_rope_qk(query[:, b], key[:, b], cos, sin)
             # A packed row holds several samples, each restarting at position 0: attend within each.
             bounds = [*cp_layout.segment_starts(pos), pos.numel()]
             outs.append(

@@ -121,8 +121,12 @@ class Qwen3ForCausalLM(nn.Module):
         for li, layer in enumerate(self.layers):
             x = kern.rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
             q, k, v = kern.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = kern.apply_rope(kern.rms_norm(q.reshape(n, self.q_heads, d), layer.q_norm, cfg.rms_norm_eps), cos, sin)
-            k = kern.apply_rope(kern.rms_norm(k.reshape(n, self.kv_heads, d), layer.k_norm, cfg.rms_norm_eps), cos, sin)
+            q, k = kern.apply_rope_qk(
+                kern.rms_norm(q.reshape(n, self.q_heads, d), layer.q_norm, cfg.rms_norm_eps),
+                kern.rms_norm(k.reshape(n, self.kv_heads, d), layer.k_norm, cfg.rms_norm_eps),
+                cos,
+                sin,
+            )
             o = attend(li, q, k, v.reshape(n, self.kv_heads, d))
             h = h + self._row_linear(o.reshape(n, q_size), layer.o_proj)
             x = kern.rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)
