@@ -11,7 +11,6 @@ numerical op routed to a tonpolicy kernel set (the same functions the rollout mo
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -34,9 +33,16 @@ from tonpolicy.trainer.cp_attention import context_parallel_attention
 from tonpolicy.trainer.kernel_autograd import KernelLinear
 
 
-class ContractColumnParallelLinear(ColumnParallelLinear):
-    kernels: Any = None
+class _TakesKernels:
+    """The one way a kernel set reaches a Megatron module: a constructor argument, given as the
+    ModuleSpec's `params={"kernels": ...}` (Megatron passes spec params to the constructor)."""
 
+    def __init__(self, *args: Any, kernels: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kernels = kernels
+
+
+class ContractColumnParallelLinear(_TakesKernels, ColumnParallelLinear):
     def forward(
         self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
     ) -> tuple[torch.Tensor, None]:
@@ -45,9 +51,7 @@ class ContractColumnParallelLinear(ColumnParallelLinear):
         return KernelLinear.apply(x, w, self.kernels.linear), None
 
 
-class ContractRowParallelLinear(RowParallelLinear):
-    kernels: Any = None
-
+class ContractRowParallelLinear(_TakesKernels, RowParallelLinear):
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         shards = self.kernels.canonical_shards
@@ -77,10 +81,6 @@ class ContractLMHead(ContractColumnParallelLinear):
         return KernelLinear.apply(x, w, self.kernels.lm_head), None
 
 
-def _with_kernels(cls: type, kernels: Any) -> type:
-    return type(cls.__name__, (cls,), {"kernels": kernels})
-
-
 class ContractRMSNorm(MegatronModule):
     """RMSNorm with the kernel's formula; `weight` is named as in megatron's local spec."""
 
@@ -95,10 +95,8 @@ class ContractRMSNorm(MegatronModule):
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
-class ContractMLP(MLP):
+class ContractMLP(_TakesKernels, MLP):
     """Fused gate/up column-parallel linear -> kernel SwiGLU -> row-parallel linear."""
-
-    kernels: Any = None
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: Any = None, **_: Any) -> tuple[torch.Tensor, None]:
         inter, _b = self.linear_fc1(hidden_states)
@@ -162,9 +160,11 @@ class ContractCoreAttention(MegatronModule):
 
 def contract_layer_spec(kernels: Any, rope_theta: float, cp_mode: str) -> ModuleSpec:
     norm = ModuleSpec(module=ContractRMSNorm, params={"kernels": kernels})
-    col = _with_kernels(ContractColumnParallelLinear, kernels)
-    row = _with_kernels(ContractRowParallelLinear, kernels)
-    core = functools.partial(ContractCoreAttention, kernels=kernels, rope_theta=rope_theta, cp_mode=cp_mode)
+    col = ModuleSpec(module=ContractColumnParallelLinear, params={"kernels": kernels})
+    row = ModuleSpec(module=ContractRowParallelLinear, params={"kernels": kernels})
+    core = ModuleSpec(
+        module=ContractCoreAttention, params={"kernels": kernels, "rope_theta": rope_theta, "cp_mode": cp_mode}
+    )
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -179,7 +179,9 @@ def contract_layer_spec(kernels: Any, rope_theta: float, cp_mode: str) -> Module
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
             mlp=ModuleSpec(
-                module=_with_kernels(ContractMLP, kernels), submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row)
+                module=ContractMLP,
+                params={"kernels": kernels},
+                submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row),
             ),
             mlp_bda=get_bias_dropout_add,
         ),
@@ -198,7 +200,9 @@ def contract_block_spec(
 
 
 def install_contract_head(model: GPTModel, kernels: Any) -> None:
-    """GPTModel builds its LM head itself; swap its class so it runs the kernel linear (params kept)."""
+    """GPTModel builds its LM head itself (no spec to pass `kernels` through): swap its class so it runs
+    the kernel set's head (params kept) and hand it the kernel set as every other module gets it."""
     head = getattr(model, "output_layer", None)
     if head is not None:
-        head.__class__ = _with_kernels(ContractLMHead, kernels)
+        head.__class__ = ContractLMHead
+        head.kernels = kernels
