@@ -1,4 +1,5 @@
-"""Context-parallel token layout, the per-microbatch position context, and the one response slicer.
+"""Context-parallel token layout, the microbatch's positions as Megatron carries them, and the one
+response slicer.
 
 Ulysses shards the sequence into CP contiguous chunks (attention all-to-alls heads, so each head's
 sequence is whole again); ring uses zigzag: 2*CP chunks, rank r holds chunks r and 2*CP-1-r, every
@@ -10,21 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-_positions: torch.Tensor | None = None
-
-
-def set_positions(positions: torch.Tensor) -> None:
-    """Absolute positions [b, s_local] of this rank's tokens for the microbatch about to run forward.
-    The contract attention reads them (RoPE and the causal mask need absolute positions under CP)."""
-    global _positions
-    _positions = positions
+from megatron.core.packed_seq_params import PackedSeqParams
 
 
-def current_positions() -> torch.Tensor:
-    if _positions is None:
-        raise RuntimeError("set_positions() must be called before the model's forward")
-    return _positions
+@dataclass
+class TokenPositions(PackedSeqParams):
+    """Absolute positions [b, s_local] of this rank's tokens in the microbatch, passed to the model as
+    `packed_seq_params`: Megatron hands that argument, untouched, down to every layer's core attention
+    (it reads only `qkv_format == "thd"`, which this is not). The contract attention needs them: RoPE
+    and the causal mask use absolute positions under CP, and a packed row restarts at 0 per sample."""
+
+    positions: torch.Tensor | None = None
+    qkv_format: str = "sbhd"
 
 
 def segment_starts(positions: torch.Tensor) -> list[int]:

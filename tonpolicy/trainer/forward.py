@@ -138,16 +138,20 @@ def local_logprobs(
     return list(lp.split([y["targets"].numel() for y in sliced])), sliced
 
 
-def run(model: Any, mbs: list[Microbatch], seq_len: int, loss_fn: LossFn, forward_only: bool) -> list[dict]:
-    """Megatron schedule over the microbatches; returns loss_fn's dicts (last pipeline stage only)."""
+def run(
+    model: Any, mbs: list[Microbatch], seq_len: int, loss_fn: LossFn, forward_only: bool, contract_spec: bool
+) -> list[dict]:
+    """Megatron schedule over the microbatches; returns loss_fn's dicts (last pipeline stage only).
+    `contract_spec`: the model's attention takes the microbatch's positions (Megatron's stock spec
+    applies its own RoPE and would read them as THD packing parameters)."""
     it = iter(mbs)
 
     def forward_step(data_iterator: Any, module: Any) -> tuple[torch.Tensor, Callable]:
         mb = next(data_iterator)
         dev = device()
         positions = mb.positions.to(dev)
-        cp_layout.set_positions(positions)
-        out = module(mb.tokens.to(dev), positions, None)
+        carried = cp_layout.TokenPositions(positions=positions) if contract_spec else None
+        out = module(mb.tokens.to(dev), positions, None, packed_seq_params=carried)
         return out, functools.partial(loss_fn, mb)
 
     fb = get_forward_backward_func()

@@ -135,7 +135,9 @@ class ContractCoreAttention(MegatronModule):
         attention_bias: Any = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        positions = cp_layout.current_positions()  # [b, s_local]
+        if not isinstance(packed_seq_params, cp_layout.TokenPositions):
+            raise ValueError("the contract attention needs the microbatch's TokenPositions as packed_seq_params")
+        positions = packed_seq_params.positions  # [b, s_local]
         k_ = self.kernels
         outs = []
         for b in range(query.shape[1]):

@@ -68,7 +68,8 @@ class TrainerWorker:
             spec = "contract" if (c.kernels in INVARIANT_KERNEL_SETS or needs_contract_spec) else "stock"
         self.spec = spec
         # The logprob recipe runs the kernel set's `logprobs` (stock spec: plain torch, same formula).
-        self.kernels = kernels if spec == "contract" else None
+        self.contract_spec = spec == "contract"
+        self.kernels = kernels if self.contract_spec else None
         if state_dict is not None:
             self.model_cfg, hf = cfg.model, state_dict
         elif checkpoint is not None:
@@ -116,7 +117,7 @@ class TrainerWorker:
         """fp32 logprob of every response token (temperature from the experiment config)."""
         self.model.eval()
         mbs, seq_len = self._microbatches(prompts, responses)
-        outs = trainer_forward.run(self.model, mbs, seq_len, self._lp_loss, forward_only=True)
+        outs = trainer_forward.run(self.model, mbs, seq_len, self._lp_loss, True, self.contract_spec)
         return trainer_forward.assemble(outs, mbs, [len(r) for r in responses])
 
     # --- training -----------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ class TrainerWorker:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outs = trainer_forward.run(self.model, mbs, seq_len, loss_fn, forward_only=False)
+        outs = trainer_forward.run(self.model, mbs, seq_len, loss_fn, False, self.contract_spec)
         new_lp = trainer_forward.assemble(outs, mbs, [len(r) for r in responses])
         first = gate_compare([e["old"] for e in extras], new_lp)
         if exact_first_forward and not first.exact:
