@@ -9,8 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-# Short steps on the copy task (graded rewards vary within a group, so every step has a gradient).
+# Short steps on the copy task (graded rewards vary within a group, so every step has a gradient),
+# sampled from the whole vocabulary (not the default run's top 16): long, varied responses.
 FAST = [
+    "experiment.top_k=-1",
     "experiment.prompts_per_step=2",
     "experiment.samples_per_prompt=4",
     "experiment.max_prompt_len=12",

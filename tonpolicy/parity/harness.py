@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.config.schema import Config, ContractConfig, ExperimentConfig, ParallelConfig, TrainerConfig
+from tonpolicy.config.schema import Config, ContractConfig, ExperimentConfig, TrainerConfig
 from tonpolicy.trainer.dist import Layout
 
 CONTRACTS = {
@@ -35,19 +35,10 @@ def make_config(
     checkpoint whose architecture is not the profile's)."""
     from tonpolicy.model.checkpoint import read_config
 
-    cp_type = layout.cp_mode if layout.cp > 1 else "none"
     return Config(
         model=read_config(checkpoint) if checkpoint is not None else ModelConfig(),
         contract=ContractConfig(dtype=dtype, **CONTRACTS[contract]),
-        parallel=ParallelConfig(
-            name=str(layout),
-            tp=layout.tp,
-            pp=layout.pp,
-            cp=layout.cp,
-            cp_type=cp_type,
-            dp=layout.dp,
-            pp_layers=list(layout.pp_layers) if layout.pp_layers else None,
-        ),
+        parallel=layout.to_parallel(),
         experiment=ExperimentConfig(temperature=temperature),
         trainer=TrainerConfig(**trainer),
     )

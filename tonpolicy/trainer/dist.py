@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tonpolicy.config.names import layout_label
+from tonpolicy.config.schema import ParallelConfig
 from tonpolicy.ports import free_port
 
 
@@ -34,10 +36,32 @@ class Layout:
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
+    @classmethod
+    def of(cls, p: ParallelConfig) -> Layout:
+        """The trainer's part of the `parallel` config group (the rollout sizes stay there)."""
+        return cls(
+            tp=p.tp,
+            pp=p.pp,
+            cp=p.cp,
+            cp_mode=p.cp_type if p.cp_type in ("ulysses", "ring") else "ulysses",
+            pp_layers=tuple(p.pp_layers) if p.pp_layers and p.pp > 1 else None,
+            dp=p.dp,
+        )
+
+    def to_parallel(self) -> ParallelConfig:
+        p = ParallelConfig(
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            cp_type=self.cp_mode if self.cp > 1 else "none",
+            dp=self.dp,
+            pp_layers=list(self.pp_layers) if self.pp_layers else None,
+        )
+        p.name = layout_label(p)
+        return p
+
     def __str__(self) -> str:
-        cp = f"cp{self.cp}_{self.cp_mode}" if self.cp > 1 else ""
-        pp = f"pp{self.pp}" + ("_" + "-".join(map(str, self.pp_layers)) if self.pp_layers else "")
-        return "_".join(s for s in (f"tp{self.tp}", pp, cp, f"dp{self.dp}" if self.dp > 1 else "") if s)
+        return layout_label(self.to_parallel())
 
 
 def device() -> torch.device:

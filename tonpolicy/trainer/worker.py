@@ -28,18 +28,6 @@ from tonpolicy.trainer.weights import load_into, megatron_to_hf
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def layout_of(cfg: Config) -> Layout:
-    p = cfg.parallel
-    return Layout(
-        tp=p.tp,
-        pp=p.pp,
-        cp=p.cp,
-        cp_mode=p.cp_type if p.cp_type in ("ulysses", "ring") else "ulysses",
-        pp_layers=tuple(p.pp_layers) if p.pp_layers and p.pp > 1 else None,
-        dp=p.dp,
-    )
-
-
 class TrainerWorker:
     """`spec`: 'contract' (contract layer spec), 'stock' (megatron's local spec) or None: contract spec
     for the contract kernels; for `default` kernels the stock spec, or at CP > 1 (megatron's own CP
@@ -55,7 +43,7 @@ class TrainerWorker:
     ) -> None:
         from tonpolicy.model.checkpoint import init_state_dict, load_hf
 
-        self.cfg, self.layout = cfg, layout_of(cfg)
+        self.cfg, self.layout = cfg, Layout.of(cfg.parallel)
         self.dtype = DTYPES[cfg.contract.dtype]
         if not ps.model_parallel_is_initialized():
             init_distributed(self.layout, seed=cfg.experiment.seed + 1)
