@@ -215,17 +215,18 @@ def supervise(cfg: Config, run_dir: Path, server: Child, trainer: Child, url: st
     # says whether some rank failed, and a rank that died wrote no verdict.
     status_path = run_dir / STATUS_FILE
     if not status_path.exists():
-        cause = root_cause(trainer.log_path)
-        raise JobFailed(
-            EXIT_CHILD_FAILED,
-            f"trainer exited with {trainer.proc.returncode}"
-            + (f": {cause}" if cause else "")
-            + f"\nfull log: {trainer.log_path}\nlog tail:\n{trainer.tail(40)}",
-        )
+        raise trainer_failed(trainer, with_tail=True)
     status = json.loads(status_path.read_text())
     if status["code"]:
         raise JobFailed(status["code"], status["message"])
     return 0
+
+
+def trainer_failed(trainer: Child, with_tail: bool) -> JobFailed:
+    cause = root_cause(trainer.log_path)
+    message = f"trainer exited with {trainer.proc.returncode}" + (f": {cause}" if cause else "")
+    message += f"\nfull log: {trainer.log_path}" + (f"\nlog tail:\n{trainer.tail(40)}" if with_tail else "")
+    return JobFailed(EXIT_CHILD_FAILED, message)
 
 
 def supervise_worker_node(trainer: Child) -> int:
@@ -234,13 +235,7 @@ def supervise_worker_node(trainer: Child) -> int:
     while trainer.alive():
         time.sleep(0.2)
     if trainer.proc.returncode:
-        cause = root_cause(trainer.log_path)
-        raise JobFailed(
-            EXIT_CHILD_FAILED,
-            f"trainer exited with {trainer.proc.returncode}"
-            + (f": {cause}" if cause else "")
-            + f"\nfull log: {trainer.log_path}",
-        )
+        raise trainer_failed(trainer, with_tail=False)
     return 0
 
 

@@ -101,6 +101,12 @@ def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, float]:
     }
 
 
+def job_config(job: dict[str, Any]) -> Config:
+    return make_config(
+        job["layout"], job["dtype"], job["contract"], job["temperature"], job["checkpoint"], **job.get("trainer", {})
+    )
+
+
 def layouts_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each job: layout, dtype, contract, checkpoint, rollout (dict from `rollout`), temperature.
     Returns one result per job (logprob comparison and timings)."""
@@ -109,14 +115,7 @@ def layouts_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for job in jobs:
-        cfg = make_config(
-            job["layout"],
-            job["dtype"],
-            job["contract"],
-            job["temperature"],
-            job["checkpoint"],
-            **job.get("trainer", {}),
-        )
+        cfg = job_config(job)
         t0 = time.perf_counter()
         worker = TrainerWorker(cfg, job["checkpoint"])
         t1 = time.perf_counter()
@@ -197,14 +196,7 @@ def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for job in jobs:
-        cfg = make_config(
-            job["layout"],
-            job["dtype"],
-            job["contract"],
-            job["temperature"],
-            job["checkpoint"],
-            **job.get("trainer", {}),
-        )
+        cfg = job_config(job)
         worker = TrainerWorker(cfg, job["checkpoint"], spec=job.get("spec"))
         ro = job["rollout"]
         t0 = time.perf_counter()
