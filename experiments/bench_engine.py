@@ -15,9 +15,9 @@ import collections
 import random
 import statistics
 import time
-from dataclasses import replace
 
 import torch
+from bench_models import CPU_1024
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
@@ -26,20 +26,7 @@ from tonpolicy.rollout.engine import Engine, GenRequest
 
 MODELS = {
     "tiny": (ModelConfig(), dict(requests=16, prompt=200, gen=32)),
-    "large": (
-        replace(
-            ModelConfig(),
-            name="cpu_1024",
-            num_layers=8,
-            hidden_size=1024,
-            num_attention_heads=16,
-            num_kv_heads=8,
-            head_dim=64,
-            intermediate_size=3072,
-            vocab_size=32000,
-        ),
-        dict(requests=16, prompt=128, gen=16),
-    ),
+    "large": (CPU_1024, dict(requests=16, prompt=128, gen=16)),
 }
 
 

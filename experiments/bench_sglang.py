@@ -23,10 +23,10 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import torch
+from bench_models import CPU_1024
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.model import ModelConfig
@@ -40,17 +40,7 @@ from tonpolicy.rollout.sglang_env import server_environment
 
 MODELS = {
     "tiny": ModelConfig(),
-    "large": replace(
-        ModelConfig(),
-        name="cpu_1024",
-        num_layers=8,
-        hidden_size=1024,
-        num_attention_heads=16,
-        num_kv_heads=8,
-        head_dim=64,
-        intermediate_size=3072,
-        vocab_size=32000,
-    ),
+    "large": CPU_1024,
 }
 CONCURRENCY = (1, 8, 32)
 
