@@ -5,9 +5,11 @@
 disk: the trainer writes an HF checkpoint (safetensors) and the server loads it
 (`/update_weights_from_disk`), what `rollout.weight_sync=disk` does each step. distributed: the trainer
 broadcasts the same tensors over a gloo group (`/begin_weight_update`,
-`/update_weights_from_distributed`, `/end_weight_update`), what `rollout.weight_sync=distributed` does.
-Both end with the server serving the new weights; this process plays the trainer's rank 0. Prints
-seconds per sync (median of --reps) and the ratio, for each model shape (bf16 weights).
+`/update_weights_from_distributed`, `/end_weight_update`), what `rollout.weight_sync=distributed` does:
+one broadcast per tensor (`rollout.weight_sync_bucket_mb=0`) and flat byte buckets (`--bucket-mb`,
+default 32 as the config's; SGLang's "flattened_bucket"). All end with the server serving the new weights; this process
+plays the trainer's rank 0. Prints seconds per sync (median of --reps) and the ratios, for each model
+shape (bf16 weights).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def timed(fn, reps: int) -> float:  # noqa: ANN001
     return statistics.median(times)
 
 
-def bench(name: str, reps: int, tmp: Path) -> tuple[float, float, float]:
+def bench(name: str, reps: int, bucket_mb: int, tmp: Path) -> tuple[float, float, float, float]:
     cfg = profile(name)
     sd = init_state_dict(cfg, torch.bfloat16, 1)
     gigabytes = sum(t.numel() * t.element_size() for t in sd.values()) / 1e9
@@ -69,12 +71,14 @@ def bench(name: str, reps: int, tmp: Path) -> tuple[float, float, float]:
             save_hf(sd, cfg, path)
             client.update_weights_from_disk(str(path), weight_version=f"disk_{i}")
 
-        pusher = WeightPusher(client, engine_ranks=1, backend="gloo", timeout_s=1800)
-        try:
-            distributed = timed(lambda i: pusher.push(sd, weight_version=f"dist_{i}"), reps)
-        finally:
-            pusher.close()
-        return gigabytes, timed(disk, reps), distributed
+        def distributed(bucket_bytes: int) -> float:
+            pusher = WeightPusher(client, engine_ranks=1, backend="gloo", timeout_s=1800, bucket_bytes=bucket_bytes)
+            try:
+                return timed(lambda i: pusher.push(sd, weight_version=f"dist_{bucket_bytes}_{i}"), reps)
+            finally:
+                pusher.close()
+
+        return gigabytes, timed(disk, reps), distributed(0), distributed(bucket_mb << 20)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -84,13 +88,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,qwen3_0_6b")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=32, help="bucket size of the bucketed mode (MiB)")
     args = ap.parse_args()
-    print("| model | weights (GB, bf16) | disk s/sync | distributed s/sync | disk / distributed |")
-    print("|---|---|---|---|---|")
+    print(
+        "| model | weights (GB, bf16) | disk s/sync | distributed per tensor s/sync | distributed "
+        f"{args.bucket_mb} MiB buckets s/sync | disk / per tensor | disk / buckets |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            gb, disk, dist = bench(name, args.reps, Path(tmp))
-        print(f"| {name} | {gb:.3f} | {disk:.3f} | {dist:.3f} | {disk / dist:.2f}x |", flush=True)
+            gb, disk, per_tensor, bucketed = bench(name, args.reps, args.bucket_mb, Path(tmp))
+        print(
+            f"| {name} | {gb:.3f} | {disk:.3f} | {per_tensor:.3f} | {bucketed:.3f} | {disk / per_tensor:.2f}x | "
+            f"{disk / bucketed:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from tonpolicy.launch.weight_push import WeightPusher
 from tonpolicy.model.checkpoint import init_state_dict, load_hf
 from tonpolicy.rollout.client import RolloutClient, RolloutError
 from tonpolicy.rollout.types import GenRequest
+from tonpolicy.rollout.weight_sync import buckets
 
 PROMPTS = [[3, 11, 12], [5, 17, 18, 19, 4]]
 PARAMS = [{"max_new_tokens": 5, "sampling_seed": s} for s in (1, 2)]
@@ -45,10 +46,20 @@ def expected(ckpt: Path) -> list[list[float]]:
     return [r.output_logprobs.tolist() for r in results]
 
 
-def test_weights_broadcast_over_a_group_are_served_bit_for_bit(client: RolloutClient, ckpts: dict[str, Path]) -> None:
+# Per-tensor broadcasts; all tensors as one flat byte bucket (SGLang's "flattened_bucket"); and
+# buckets small enough that one push takes several requests.
+BUCKETS = {"per_tensor": 0, "one_bucket": 1 << 30, "small_buckets": 48 << 10}
+
+
+@pytest.mark.parametrize("bucket_bytes", BUCKETS.values(), ids=BUCKETS.keys())
+def test_weights_broadcast_over_a_group_are_served_bit_for_bit(
+    client: RolloutClient, ckpts: dict[str, Path], bucket_bytes: int
+) -> None:
+    _, old = load_hf(ckpts["a"])
+    client.update_weights_from_disk(str(ckpts["a"]))  # the module's server starts every case on `a`
     before = [o["output_logprobs"] for o in client.generate(PROMPTS, PARAMS)]
     assert before == expected(ckpts["a"])
-    pusher = WeightPusher(client, engine_ranks=1, backend="gloo", timeout_s=60)
+    pusher = WeightPusher(client, engine_ranks=1, backend="gloo", timeout_s=60, bucket_bytes=bucket_bytes)
     try:
         _, new = load_hf(ckpts["b"])
         pusher.push(new, weight_version="step_1")
@@ -56,15 +67,16 @@ def test_weights_broadcast_over_a_group_are_served_bit_for_bit(client: RolloutCl
         assert all(o["weight_version"] == "step_1" for o in after)
         assert [o["output_logprobs"] for o in after] == expected(ckpts["b"]) != before
 
-        # A refused update (a tensor of the wrong shape): a clear error, no hang, weights untouched.
+        # A refused update (a tensor of the wrong shape): a clear error, no hang; within one request
+        # nothing is loaded (with several buckets, those before the refused one are, as in SGLang).
         bad = dict(new)
         bad["model.norm.weight"] = torch.zeros(7)
         with pytest.raises(RolloutError, match="wrong shape"):
             pusher.push(bad, weight_version="step_2")
-        assert [o["output_logprobs"] for o in client.generate(PROMPTS, PARAMS)] == expected(ckpts["b"])
+        if bucket_bytes != BUCKETS["small_buckets"]:
+            assert [o["output_logprobs"] for o in client.generate(PROMPTS, PARAMS)] == expected(ckpts["b"])
 
-        _, old = load_hf(ckpts["a"])  # the group still works after a refusal
-        pusher.push(old, weight_version="step_3")
+        pusher.push(old, weight_version="step_3")  # the group still works after a refusal
         assert [o["output_logprobs"] for o in client.generate(PROMPTS, PARAMS)] == before
     finally:
         pusher.close()
@@ -91,8 +103,8 @@ def test_a_refused_announcement_does_not_leave_the_sender_waiting(client: Rollou
         def __getattr__(self, name: str):  # noqa: ANN204 - delegate everything else
             return getattr(client, name)
 
-        def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version=None):  # noqa: ANN001, ANN201
-            return client.update_weights_from_distributed(names, dtypes, shapes, "another_group", weight_version)
+        def update_weights_from_distributed(self, names, dtypes, shapes, group_name, *rest):  # noqa: ANN001, ANN002, ANN201
+            return client.update_weights_from_distributed(names, dtypes, shapes, "another_group", *rest)
 
     pusher = WeightPusher(WrongGroup(), engine_ranks=1, backend="gloo", timeout_s=60)
     try:
@@ -116,3 +128,9 @@ def test_a_server_that_will_not_join_does_not_leave_the_trainer_waiting(client: 
         WeightPusher(Refuses(), engine_ranks=1, backend="gloo", timeout_s=8)
     assert time.monotonic() - t0 < 4  # not the 8 s the store would wait for the server
     time.sleep(9)  # let the store's own timeout end its waiting thread before the process goes on
+
+
+def test_buckets_stay_within_their_size() -> None:
+    sizes = [torch.zeros(n) for n in (10, 10, 30, 5, 5)]  # fp32: 40, 40, 120, 20, 20 bytes
+    assert buckets(sizes, 80) == [[0, 1], [2], [3, 4]]  # a tensor larger than a bucket goes alone
+    assert buckets(sizes, 1 << 20) == [[0, 1, 2, 3, 4]]

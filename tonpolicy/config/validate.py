@@ -405,6 +405,8 @@ def _check_ranges(cfg: Config, bad: Any) -> None:
         bad("rollout.require_api_key", f"needs the key in ${API_KEY_ENV} (it is never written to the config)")
     if r.weight_sync not in WEIGHT_SYNC_MODES:
         bad("rollout.weight_sync", f"must be one of {list(WEIGHT_SYNC_MODES)}")
+    if r.weight_sync_bucket_mb < 0:
+        bad("rollout.weight_sync_bucket_mb", "must be >= 0 (0: one broadcast per tensor)")
     if r.weight_sync_backend not in (None, "gloo", "nccl"):
         bad("rollout.weight_sync_backend", "must be gloo, nccl or null (gloo on CPU, nccl on CUDA)")
     if r.weight_sync == "distributed" and cfg.parallel.rollout_dp != 1:

@@ -46,7 +46,14 @@ def _weight_pusher(cfg: Config, client: Any) -> Any:
     engine_ranks = cfg.parallel.rollout_tp if cfg.rollout.backend == "sglang" else 1
     backend = cfg.rollout.weight_sync_backend or ("nccl" if resolve_device(cfg) == "cuda" else "gloo")
     # The group meets at rank 0's node (node 0): engine ranks on other nodes must reach it there.
-    return WeightPusher(client, engine_ranks, backend, cfg.trainer.timeout_s, address=cfg.trainer.master_addr)
+    return WeightPusher(
+        client,
+        engine_ranks,
+        backend,
+        cfg.trainer.timeout_s,
+        address=cfg.trainer.master_addr,
+        bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

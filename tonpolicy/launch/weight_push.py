@@ -13,7 +13,15 @@ from typing import Any
 import torch
 
 from tonpolicy.ports import free_port
-from tonpolicy.rollout.weight_sync import DEFAULT_GROUP, destroy, dtype_name, init_update_group, send
+from tonpolicy.rollout.weight_sync import (
+    DEFAULT_GROUP,
+    FLATTENED_BUCKET,
+    buckets,
+    destroy,
+    dtype_name,
+    init_update_group,
+    send,
+)
 
 
 def _beside(call: Callable[[], Any], work: Callable[[Callable[[], bool]], Any]) -> Any:
@@ -43,9 +51,20 @@ def _beside(call: Callable[[], Any], work: Callable[[Callable[[], bool]], Any]) 
 
 
 class WeightPusher:
-    def __init__(self, client: Any, engine_ranks: int, backend: str, timeout_s: float,
-                 address: str = "127.0.0.1", group_name: str = DEFAULT_GROUP) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: Any,
+        engine_ranks: int,
+        backend: str,
+        timeout_s: float,
+        address: str = "127.0.0.1",
+        group_name: str = DEFAULT_GROUP,
+        bucket_bytes: int = 0,
+    ) -> None:
         self.client, self.group_name, self.group = client, group_name, None
+        # > 0: tensors go as flat byte buckets of at most this size (one broadcast each, SGLang's
+        # "flattened_bucket"); 0: one broadcast per tensor.
+        self.bucket_bytes = bucket_bytes
         self.device = "cuda" if backend == "nccl" else "cpu"  # NCCL moves CUDA tensors only
         self.broken: str | None = None  # why the group can no longer be used
         port, world = free_port(address), 1 + engine_ranks
@@ -75,28 +94,34 @@ class WeightPusher:
     def push(self, state_dict: dict[str, torch.Tensor], weight_version: str) -> None:
         if self.broken:
             raise RuntimeError(f"the weight-update group is unusable: {self.broken}; close this pusher")
-        names = list(state_dict)
+        # Widest dtype first, so every tensor of a flat bucket starts aligned to its dtype.
+        names = sorted(state_dict, key=lambda n: -state_dict[n].element_size())
         tensors = [state_dict[n].to(self.device) for n in names]
+        flattened = self.bucket_bytes > 0
+        self.client.begin_weight_update()  # SGLang's session around weight loads
+        try:
+            groups = buckets(tensors, self.bucket_bytes) if flattened else [list(range(len(tensors)))]
+            for group in groups:
+                self._push_bucket([names[i] for i in group], [tensors[i] for i in group], weight_version, flattened)
+        finally:
+            self.client.end_weight_update()
 
+    def _push_bucket(self, names: list[str], tensors: list[torch.Tensor], version: str, flattened: bool) -> None:
         def broadcast(failed: Callable[[], bool]) -> None:
             try:
-                send(self.group, tensors, abandon=failed)
+                send(self.group, tensors, abandon=failed, flattened=flattened)
             except RuntimeError as e:
                 # A broadcast left pending would pair with the next push's tensors: no more pushes.
                 self.broken = str(e)
                 raise
 
-        self.client.begin_weight_update()  # SGLang's session around weight loads
-        try:
-            _beside(
-                lambda: self.client.update_weights_from_distributed(
-                    names, [dtype_name(t) for t in tensors], [list(t.shape) for t in tensors], self.group_name,
-                    weight_version,
-                ),
-                broadcast,
-            )  # fmt: skip
-        finally:
-            self.client.end_weight_update()
+        _beside(
+            lambda: self.client.update_weights_from_distributed(
+                names, [dtype_name(t) for t in tensors], [list(t.shape) for t in tensors], self.group_name,
+                version, FLATTENED_BUCKET if flattened else None,
+            ),
+            broadcast,
+        )  # fmt: skip
 
     def close(self) -> None:
         if self.group is not None:

@@ -79,11 +79,12 @@ class Qwen3(nn.Module):
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, getattr(kernels, "canonical_shards", 1))
 
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy an HF-named state dict in (cast to the model dtype); strict on names and shapes."""
+    def load_weights(self, state_dict: dict[str, torch.Tensor], partial: bool = False) -> None:
+        """Copy an HF-named state dict in (cast to the model dtype); strict on names: all of them, or
+        (`partial`) any subset, e.g. one bucket of a weight sync."""
         params = dict(self.named_parameters())
         sd = {k: v for k, v in state_dict.items() if not (k == "lm_head.weight" and self.cfg.tie_word_embeddings)}
-        if set(sd) != set(params):
+        if set(sd) - set(params) or (not partial and set(sd) != set(params)):
             raise KeyError(f"state dict mismatch: missing {set(params) - set(sd)}, extra {set(sd) - set(params)}")
         for k, v in sd.items():
             params[k].copy_(v.to(self.dtype))

@@ -158,11 +158,14 @@ class RolloutClient:
         shapes: list[list[int]],
         group_name: str,
         weight_version: str | None = None,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                                 "flush_cache": True}  # fmt: skip
         if weight_version is not None:
             body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
         return self._weights_call("/update_weights_from_distributed", body)
 
     def begin_weight_update(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from tonpolicy.rollout.server_state import (
     progress_events,
     run_items,
 )
-from tonpolicy.rollout.weight_sync import DEFAULT_GROUP, destroy, init_update_group, receive
+from tonpolicy.rollout.weight_sync import DEFAULT_GROUP, FLATTENED_BUCKET, destroy, init_update_group, receive
 
 SERVER_VERSION = "tonpolicy-embedded-0.2"
 
@@ -149,14 +149,16 @@ def route_update_weights_from_distributed(state: ServerState, body: Any) -> Resp
     if not state.weight_update_session:  # SGLang's rule (0.5.23): begin, update..., end
         return 400, {"success": False, "message": "update_weights_from_distributed must run between "
                      "begin_weight_update() and end_weight_update()"}  # fmt: skip
-    if body.get("load_format") not in (None, "auto"):
+    if body.get("load_format") not in (None, "auto", FLATTENED_BUCKET):
         raise ProtocolError(f"load_format {body['load_format']!r} is not supported")
+    flattened = body.get("load_format") == FLATTENED_BUCKET  # one broadcast of all the bytes
     version = body.get("weight_version")
 
     def update(engine: Any) -> None:
         # Every rank must take the broadcast, even to refuse it; on the engine's device (NCCL: CUDA).
-        tensors = receive(group, dtypes, shapes, device=state.args.device)
-        load_checked(engine, dict(zip(names, tensors, strict=True)), state.model_config, "the update")
+        tensors = receive(group, dtypes, shapes, device=state.args.device, flattened=flattened)
+        # One request may carry a bucket of the weights (SGLang loads what it is sent, too).
+        load_checked(engine, dict(zip(names, tensors, strict=True)), state.model_config, "the update", partial=True)
         flush_cache(engine)
         if version is not None:
             state.loop.tag = str(version)

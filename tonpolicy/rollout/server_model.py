@@ -38,9 +38,11 @@ def reload_weights(engine: Engine, path: str, current: ModelConfig) -> None:
     load_checked(engine, state_dict, current, f"checkpoint {path}")
 
 
-def load_checked(engine: Engine, state_dict: dict[str, torch.Tensor], current: ModelConfig, source: str) -> None:
+def load_checked(
+    engine: Engine, state_dict: dict[str, torch.Tensor], current: ModelConfig, source: str, partial: bool = False
+) -> None:
     """Load HF-named tensors into the running model once every name and shape is checked, so refused
-    weights leave the served ones untouched."""
+    weights leave the served ones untouched. `partial`: a subset (one bucket of a distributed update)."""
     shapes = param_shapes(current)
     unknown = sorted(set(state_dict) - set(shapes))
     if unknown:
@@ -48,7 +50,7 @@ def load_checked(engine: Engine, state_dict: dict[str, torch.Tensor], current: M
     bad = {k: tuple(v.shape) for k, v in state_dict.items() if tuple(v.shape) != shapes[k]}
     if bad:
         raise ValueError(f"{source} has tensors of the wrong shape: {bad}")
-    engine.model.load_weights(state_dict)
+    engine.model.load_weights(state_dict, partial=partial)
 
 
 def flush_cache(engine: Engine) -> None:

@@ -20,6 +20,10 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group name
+# SGLang's load_format for one broadcast of the request's tensors as one flat byte buffer
+# (sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket: raw bytes, in order, each tensor at an
+# offset aligned to its dtype).
+FLATTENED_BUCKET = "flattened_bucket"
 
 
 def init_update_group(
@@ -44,10 +48,14 @@ def init_update_group(
     return pg
 
 
-def send(group: Any, tensors: Iterable[torch.Tensor], abandon: Callable[[], bool] = lambda: False) -> None:
-    """Rank 0's side: broadcast each tensor, in the order the receivers were told. `abandon` is polled
-    while a broadcast waits: a receiver that refused the update never joins it, and the sender must
-    not wait for it forever."""
+def send(
+    group: Any, tensors: Iterable[torch.Tensor], abandon: Callable[[], bool] = lambda: False, flattened: bool = False
+) -> None:
+    """Rank 0's side: broadcast each tensor, in the order the receivers were told (`flattened`: all of
+    them as one byte buffer). `abandon` is polled while a broadcast waits: a receiver that refused the
+    update never joins it, and the sender must not wait for it forever."""
+    if flattened:
+        tensors = [torch.cat([t.contiguous().flatten().view(torch.uint8) for t in tensors])]
     for t in tensors:
         work = dist.broadcast(t.contiguous(), src=0, group=group, async_op=True)
         while not work.is_completed():
@@ -57,14 +65,48 @@ def send(group: Any, tensors: Iterable[torch.Tensor], abandon: Callable[[], bool
         work.wait()
 
 
-def receive(group: Any, dtypes: list[str], shapes: list[list[int]], device: str = "cpu") -> list[torch.Tensor]:
+def receive(
+    group: Any, dtypes: list[str], shapes: list[list[int]], device: str = "cpu", flattened: bool = False
+) -> list[torch.Tensor]:
     """An engine rank's side: the tensors rank 0 broadcasts, allocated from their announced dtypes and shapes."""
+    if flattened:
+        return _receive_flat(group, [getattr(torch, d) for d in dtypes], shapes, device)
     out = []
     for dtype, shape in zip(dtypes, shapes, strict=True):
         t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         dist.broadcast(t, src=0, group=group)
         out.append(t)
     return out
+
+
+def _receive_flat(group: Any, dtypes: list[torch.dtype], shapes: list[list[int]], device: str) -> list[torch.Tensor]:
+    offsets, offset = [], 0
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        if offset % dtype.itemsize:
+            raise ValueError(f"a {dtype} tensor at byte offset {offset} is unaligned: order the bucket by dtype")
+        offsets.append(offset)
+        offset += torch.Size(shape).numel() * dtype.itemsize
+    flat = torch.empty(offset, dtype=torch.uint8, device=device)
+    dist.broadcast(flat, src=0, group=group)
+    ends = [*offsets[1:], offset]
+    return [
+        flat[a:b].view(dtype).reshape(shape) for a, b, dtype, shape in zip(offsets, ends, dtypes, shapes, strict=True)
+    ]
+
+
+def buckets(tensors: list[torch.Tensor], max_bytes: int) -> list[list[int]]:
+    """Indices of consecutive tensors, grouped so each group's bytes stay within `max_bytes` (a larger
+    tensor goes alone)."""
+    groups: list[list[int]] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if not groups or size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
 
 
 def dtype_name(t: torch.Tensor) -> str:
