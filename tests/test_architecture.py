@@ -20,14 +20,24 @@ def room_of(path: Path) -> str:
     return parts[0] if len(parts) > 1 else path.stem
 
 
-def imported_rooms(path: Path) -> set[str]:
-    out = set()
+def imported_modules(path: Path, root: Path = ROOT) -> list[str]:
+    """Absolute dotted names of every import (relative ones resolved; `from a import b` counts a.b)."""
+    package = path.relative_to(root).with_suffix("").parts[:-1]
+    out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        out |= {n.split(".")[1] for n in names if n.startswith("tonpolicy.")}
+            out += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(x for x in (base, node.module or "") if x)
+            out += [f"{module}.{alias.name}" for alias in node.names]
     return out
+
+
+def imported_rooms(path: Path, root: Path = ROOT) -> set[str]:
+    rooms = {room_of(p) for p in PACKAGE.rglob("*.py")}
+    modules = imported_modules(path, root)
+    return {n.split(".")[1] for n in modules if n.startswith("tonpolicy.") and n.split(".")[1] in rooms}
 
 
 def test_every_room_is_on_the_page() -> None:
@@ -45,3 +55,11 @@ def test_imports_point_only_downward() -> None:
             if level[target] >= level[room]:
                 wrong.append(f"{path.relative_to(ROOT)} ({room}) imports {target}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_import_reader_sees_every_form(tmp_path: Path) -> None:
+    """The check itself can fail: package-level, from-package and relative imports all count."""
+    probe = tmp_path / "tonpolicy" / "model" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("from tonpolicy import launch\nimport tonpolicy.parity.dump\nfrom ..app import run\n")
+    assert imported_rooms(probe, tmp_path) == {"launch", "parity", "app"}

@@ -76,7 +76,12 @@ def test_weights_broadcast_over_a_group_are_served_bit_for_bit(
         if bucket_bytes != BUCKETS["small_buckets"]:
             assert [o["output_logprobs"] for o in client.generate(PROMPTS, PARAMS)] == expected(ckpts["b"])
 
-        pusher.push(old, weight_version="step_3")  # the group still works after a refusal
+        # A push that leaves a weight out: refused (per request, or at the end of a bucketed session).
+        partial = {k: v for k, v in old.items() if k != "model.norm.weight"}
+        with pytest.raises(RolloutError, match="missing|unsent"):
+            pusher.push(partial, weight_version="step_3")
+
+        pusher.push(old, weight_version="step_4")  # the group still works after a refusal
         assert [o["output_logprobs"] for o in client.generate(PROMPTS, PARAMS)] == before
     finally:
         pusher.close()

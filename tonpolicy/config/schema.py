@@ -7,6 +7,7 @@ tonpolicy.config.validate, which reports every violation at once.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
@@ -236,6 +237,9 @@ def register_configs() -> None:
     from tonpolicy.config.names import register_resolvers
 
     register_resolvers()
+    # The user's own conf/ (hydra.searchpath in config.yaml) is optional: a directory without one is
+    # not worth a warning on every composition.
+    warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=conf is not available")
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, node in GROUPS.items():

@@ -6,6 +6,7 @@ the other side takes part, so the HTTP call runs in a thread beside the broadcas
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -103,8 +104,11 @@ class WeightPusher:
             groups = buckets(tensors, self.bucket_bytes) if flattened else [list(range(len(tensors)))]
             for group in groups:
                 self._push_bucket([names[i] for i in group], [tensors[i] for i in group], weight_version, flattened)
-        finally:
-            self.client.end_weight_update()
+        except BaseException:
+            with contextlib.suppress(Exception):  # close the session; the first error is the one to report
+                self.client.end_weight_update()
+            raise
+        self.client.end_weight_update()  # refuses a session whose buckets left weights unsent
 
     def _push_bucket(self, names: list[str], tensors: list[torch.Tensor], version: str, flattened: bool) -> None:
         def broadcast(failed: Callable[[], bool]) -> None:

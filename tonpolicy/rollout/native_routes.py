@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
+from tonpolicy.model.checkpoint import param_shapes
 from tonpolicy.rollout.answers import STREAM_END, build_generate_output, stream_chunk
 from tonpolicy.rollout.protocol import GenerateRequest, ProtocolError, parse_generate_request
 from tonpolicy.rollout.server_model import flush_cache, load_checked, reload_weights
@@ -157,8 +158,11 @@ def route_update_weights_from_distributed(state: ServerState, body: Any) -> Resp
     def update(engine: Any) -> None:
         # Every rank must take the broadcast, even to refuse it; on the engine's device (NCCL: CUDA).
         tensors = receive(group, dtypes, shapes, device=state.args.device, flattened=flattened)
-        # One request may carry a bucket of the weights (SGLang loads what it is sent, too).
-        load_checked(engine, dict(zip(names, tensors, strict=True)), state.model_config, "the update", partial=True)
+        # A flattened bucket carries part of the weights (SGLang loads what it is sent, too); whether
+        # the session's buckets covered them all is checked at /end_weight_update.
+        load_checked(engine, dict(zip(names, tensors, strict=True)), state.model_config, "the update", flattened)
+        if flattened:
+            state.bucket_names.update(names)
         flush_cache(engine)
         if version is not None:
             state.loop.tag = str(version)
@@ -175,6 +179,7 @@ def route_begin_weight_update(state: ServerState, body: Any) -> Response:
         return 400, {"success": False, "message": "a weight-update session is already open; "
                      "call end_weight_update() first"}  # fmt: skip
     state.weight_update_session = True
+    state.bucket_names = set()
     return 200, {"success": True, "message": "Success"}
 
 
@@ -183,6 +188,9 @@ def route_end_weight_update(state: ServerState, body: Any) -> Response:
         return 400, {"success": False, "message": "no weight-update session is open; "
                      "call begin_weight_update() first"}  # fmt: skip
     state.weight_update_session = False
+    missing = sorted(set(param_shapes(state.model_config)) - state.bucket_names) if state.bucket_names else []
+    if missing:  # the served weights are a mix of old and new: say so, do not pass it as an update
+        return 400, {"success": False, "message": f"the session's buckets left weights unsent: {missing[:8]}"}
     return 200, {"success": True, "message": "Success"}
 
 

@@ -48,6 +48,7 @@ class ServerState:
         self.port: int = args.port
         self.update_groups: dict[str, Any] = {}  # weight-update process groups, by name
         self.weight_update_session = False  # between /begin_weight_update and /end_weight_update
+        self.bucket_names: set[str] = set()  # loaded by this session's flattened buckets
         self._seeds = itertools.count()
         self._lock = threading.Lock()
 
