@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -244,3 +245,11 @@ def register_configs() -> None:
     cs.store(name="base_config", node=Config)
     for group, node in GROUPS.items():
         cs.store(group=group, name=f"base_{group}", node=node)
+
+
+def value_at(cfg: Config, dotted: str) -> Any:
+    """The value of a dotted config key (`trainer.lr`)."""
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj

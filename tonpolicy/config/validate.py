@@ -7,15 +7,16 @@ whole command line in one go, before any process starts.
 from __future__ import annotations
 
 import difflib
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tonpolicy.config.hf_check import hf_config_mismatches
-from tonpolicy.config.schema import Config
+from tonpolicy.config.ranges import LOOPBACK, check_ranges
+from tonpolicy.config.schema import Config, value_at
 from tonpolicy.config.sglang_rules import check_sglang
+from tonpolicy.config.sizes import microbatches_per_replica, seq_pad_multiple, world_size
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS
 
 KNOWN = {
@@ -30,11 +31,6 @@ KNOWN = {
     "logger.mode": ("offline", "online", "disabled"),
     "task.name": ("echo_digit", "first_digit", "first_parity", "digit_copy", "constant"),
 }
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-SEED_MAX = 2**32 - 1  # PYTHONHASHSEED's range
-MIN_TEMPERATURE = 1e-6  # below this SGLang and the embedded server sample greedily
-WEIGHT_SYNC_MODES = ("disk", "distributed")
-API_KEY_ENV = "TONPOLICY_API_KEY"
 # Backends that released SGLang's --enable-deterministic-inference accepts.
 SGLANG_DETERMINISTIC_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "ascend", "intel_xpu")
 
@@ -54,42 +50,6 @@ class ConfigError(ValueError):
         self.issues = issues
         lines = "\n".join(f"  - {i}" for i in issues)
         super().__init__(f"invalid configuration ({len(issues)} problem(s)):\n{lines}")
-
-
-def _get(cfg: Config, dotted: str) -> Any:
-    obj: Any = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def microbatches_per_replica(cfg: Config) -> int:
-    """Megatron's num_microbatches: batch / (dp * micro_batch_size)."""
-    batch = cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
-    return batch // (cfg.parallel.dp * cfg.trainer.micro_batch_size)
-
-
-def world_size(cfg: Config) -> int:
-    p = cfg.parallel
-    return p.tp * p.pp * p.cp * p.dp
-
-
-def seq_pad_multiple(cfg: Config) -> int:
-    """The smallest multiple training sequences are padded to for this layout."""
-    if cfg.trainer.seq_pad_multiple is not None:
-        return cfg.trainer.seq_pad_multiple
-    p, tile = cfg.parallel, cfg.contract.attention_tile
-    if p.cp_type == "ring":
-        return 2 * p.cp * tile
-    if p.cp_type == "ulysses":
-        return p.cp
-    return 1
-
-
-def padded_seq_len(cfg: Config) -> int:
-    e = cfg.experiment
-    m = max(seq_pad_multiple(cfg), 1)
-    return -(-(e.max_prompt_len + e.max_new_tokens) // m) * m
 
 
 def unknown_keys(composed: Any) -> list[ConfigIssue]:
@@ -123,10 +83,10 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
     issues: list[ConfigIssue] = list(unknown or [])
 
     def bad(key: str, rule: str) -> None:
-        issues.append(ConfigIssue(key, _get(cfg, key), rule))
+        issues.append(ConfigIssue(key, value_at(cfg, key), rule))
 
     for key, allowed in KNOWN.items():
-        if _get(cfg, key) not in allowed:
+        if value_at(cfg, key) not in allowed:
             bad(key, f"must be one of {list(allowed)}")
 
     m, p = cfg.model, cfg.parallel
@@ -162,9 +122,9 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
     if p.num_microbatches is not None:
         positive.append("parallel.num_microbatches")
     for key in positive:
-        if _get(cfg, key) < 1:
+        if value_at(cfg, key) < 1:
             bad(key, "must be a positive integer")
-    _check_ranges(cfg, bad)
+    check_ranges(cfg, bad)
     # Divisibility rules are meaningless with zero counts (already reported); the rest still runs.
     if min(m.num_attention_heads, m.num_kv_heads, p.tp, p.pp, p.cp, p.rollout_tp, cfg.trainer.nnodes) >= 1:
         _check_layout(cfg, bad)
@@ -352,112 +312,6 @@ def _check_contract(cfg: Config, bad: Any) -> None:
         )
     if c.sglang.rl_on_policy_target not in (None, "fsdp"):
         bad("contract.sglang.rl_on_policy_target", "released SGLang accepts only 'fsdp' (or null to omit the flag)")
-
-
-def _check_ranges(cfg: Config, bad: Any) -> None:
-    """Every numeric field a process acts on has a range."""
-    e, r, t = cfg.experiment, cfg.rollout, cfg.trainer
-    if not 0 <= e.seed <= SEED_MAX:
-        bad("experiment.seed", f"must be in [0, {SEED_MAX}] (it is PYTHONHASHSEED and seeds every generator)")
-    if not (math.isfinite(e.temperature) and e.temperature >= MIN_TEMPERATURE):
-        bad(
-            "experiment.temperature",
-            f"must be finite and >= {MIN_TEMPERATURE} (logprobs are log_softmax(logits / "
-            "temperature); both rollout servers treat smaller values as greedy)",
-        )
-    if not (math.isfinite(e.top_p) and 0 < e.top_p <= 1):
-        bad("experiment.top_p", "must be in (0, 1]")
-    if e.top_k != -1 and e.top_k < 1:
-        bad("experiment.top_k", "must be -1 (off) or >= 1")
-    if e.max_prompt_len >= 1 and e.max_new_tokens >= 1 and padded_seq_len(cfg) > cfg.model.max_position_embeddings:
-        bad(
-            "experiment.max_new_tokens",
-            f"max_prompt_len + max_new_tokens (padded to {seq_pad_multiple(cfg)}) = "
-            f"{padded_seq_len(cfg)} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}",
-        )
-    for key, port in (("rollout.port", r.port), ("trainer.master_port", t.master_port)):
-        if not 0 <= port <= 65535:
-            bad(key, "must be in [0, 65535] (0 picks a free port)")
-    for key, seconds in (
-        ("rollout.health_timeout_s", r.health_timeout_s),
-        ("trainer.timeout_s", t.timeout_s),
-        ("rollout.liveness_timeout_s", r.liveness_timeout_s),
-    ):
-        if not (math.isfinite(seconds) and seconds > 0):
-            bad(key, "must be a positive number of seconds")
-    for key, value in (
-        ("rollout.chunked_prefill_size", r.chunked_prefill_size),
-        ("rollout.max_total_tokens", r.max_total_tokens),
-        ("trainer.nproc_per_node", t.nproc_per_node),
-        ("trainer.seq_pad_multiple", t.seq_pad_multiple),
-    ):
-        if value is not None and value < 1:
-            bad(key, "must be a positive integer (or null)")
-    if r.host not in LOOPBACK and not (r.allow_remote and r.require_api_key):
-        bad(
-            "rollout.host",
-            "binds a non-loopback address, exposing /generate and the weight endpoints to "
-            "other hosts; set rollout.allow_remote=true to mean it and rollout.require_api_key=true (with "
-            f"${API_KEY_ENV}) so only the trainer is served (torchrun's store listens on all interfaces "
-            "either way)",
-        )
-    if r.require_api_key and cfg.mode != "plan" and not os.environ.get(API_KEY_ENV):
-        bad("rollout.require_api_key", f"needs the key in ${API_KEY_ENV} (it is never written to the config)")
-    if r.weight_sync not in WEIGHT_SYNC_MODES:
-        bad("rollout.weight_sync", f"must be one of {list(WEIGHT_SYNC_MODES)}")
-    if r.weight_sync_bucket_mb < 0:
-        bad("rollout.weight_sync_bucket_mb", "must be >= 0 (0: one broadcast per tensor)")
-    if r.weight_sync_backend not in (None, "gloo", "nccl"):
-        bad("rollout.weight_sync_backend", "must be gloo, nccl or null (gloo on CPU, nccl on CUDA)")
-    if r.weight_sync == "distributed" and cfg.parallel.rollout_dp != 1:
-        bad(
-            "rollout.weight_sync",
-            "distributed sync sends to one engine replica: needs parallel.rollout_dp=1 (or rollout.weight_sync=disk)",
-        )
-    if r.mem_fraction_static is not None and not 0 < r.mem_fraction_static < 1:
-        bad("rollout.mem_fraction_static", "must be in (0, 1) (or null)")
-    positive_reals = (
-        "trainer.lr",
-        "trainer.clip_grad",
-        "trainer.clip_eps",
-        "trainer.clip_eps_high",
-        "model.rope_theta",
-        "model.rms_norm_eps",
-    )
-    for key in positive_reals:
-        value = _get(cfg, key)
-        if not (math.isfinite(value) and value > 0):
-            bad(key, "must be a positive finite number")
-    for key in ("trainer.weight_decay", "trainer.kl_coef", "model.init_std"):
-        value = _get(cfg, key)
-        if not (math.isfinite(value) and value >= 0):
-            bad(key, "must be a finite number >= 0")
-    _check_task(cfg, bad)
-
-
-def _check_task(cfg: Config, bad: Any) -> None:
-    task = cfg.task
-    if task.graded_tokens < 1:
-        bad("task.graded_tokens", "must be a positive integer (the reward grades that many response tokens)")
-    elif task.graded_tokens > cfg.experiment.max_new_tokens >= 1:
-        bad(
-            "task.graded_tokens",
-            f"grades more tokens than experiment.max_new_tokens={cfg.experiment.max_new_tokens} "
-            "lets a response have (the reward could never reach 1): raise experiment.max_new_tokens to "
-            f"{task.graded_tokens} or lower task.graded_tokens",
-        )
-    if not 0 <= task.target_digit <= 9:
-        bad("task.target_digit", "must be a digit in [0, 9]")
-    if task.lr is not None and not (math.isfinite(task.lr) and task.lr > 0):
-        bad("task.lr", "must be a positive finite number (or null: trainer.lr)")
-    if task.max_digits is not None and task.max_digits < 1:
-        bad("task.max_digits", "must be a positive integer (or null: as many as experiment.max_prompt_len allows)")
-    elif task.max_digits is not None and task.max_digits + 2 > cfg.experiment.max_prompt_len:
-        bad(
-            "task.max_digits",
-            f"a prompt of {task.max_digits} digits and two words exceeds "
-            f"experiment.max_prompt_len={cfg.experiment.max_prompt_len}",
-        )
 
 
 def _check_checkpoint(cfg: Config, issues: list[ConfigIssue]) -> None:

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from tonpolicy.config.names import layout_label
+from tonpolicy.config.ranges import API_KEY_ENV
 from tonpolicy.config.schema import Config
-from tonpolicy.config.validate import API_KEY_ENV, world_size
+from tonpolicy.config.sizes import world_size
 from tonpolicy.contract.identity import identity
 from tonpolicy.files import write_json_atomic
 from tonpolicy.launch.curves import reward_curve

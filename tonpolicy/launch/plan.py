@@ -13,7 +13,7 @@ from typing import Any
 
 from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
-from tonpolicy.config.validate import microbatches_per_replica, padded_seq_len, seq_pad_multiple, world_size
+from tonpolicy.config.sizes import microbatches_per_replica, padded_seq_len, seq_pad_multiple, world_size
 from tonpolicy.contract.identity import identity, kernel_params
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, layer_spec, transformer_kwargs
 from tonpolicy.rollout.sglang_env import (

@@ -1,0 +1,123 @@
+"""Ranges of every numeric field a process acts on, and the task's keys. Called by
+tonpolicy.config.validate with its `bad(key, rule)` reporter."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from tonpolicy.config.schema import Config, value_at
+from tonpolicy.config.sizes import padded_seq_len, seq_pad_multiple
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SEED_MAX = 2**32 - 1  # PYTHONHASHSEED's range
+MIN_TEMPERATURE = 1e-6  # below this SGLang and the embedded server sample greedily
+WEIGHT_SYNC_MODES = ("disk", "distributed")
+API_KEY_ENV = "TONPOLICY_API_KEY"
+
+
+def check_ranges(cfg: Config, bad: Any) -> None:
+    """Every numeric field a process acts on has a range."""
+    e, r, t = cfg.experiment, cfg.rollout, cfg.trainer
+    if not 0 <= e.seed <= SEED_MAX:
+        bad("experiment.seed", f"must be in [0, {SEED_MAX}] (it is PYTHONHASHSEED and seeds every generator)")
+    if not (math.isfinite(e.temperature) and e.temperature >= MIN_TEMPERATURE):
+        bad(
+            "experiment.temperature",
+            f"must be finite and >= {MIN_TEMPERATURE} (logprobs are log_softmax(logits / "
+            "temperature); both rollout servers treat smaller values as greedy)",
+        )
+    if not (math.isfinite(e.top_p) and 0 < e.top_p <= 1):
+        bad("experiment.top_p", "must be in (0, 1]")
+    if e.top_k != -1 and e.top_k < 1:
+        bad("experiment.top_k", "must be -1 (off) or >= 1")
+    if e.max_prompt_len >= 1 and e.max_new_tokens >= 1 and padded_seq_len(cfg) > cfg.model.max_position_embeddings:
+        bad(
+            "experiment.max_new_tokens",
+            f"max_prompt_len + max_new_tokens (padded to {seq_pad_multiple(cfg)}) = "
+            f"{padded_seq_len(cfg)} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}",
+        )
+    for key, port in (("rollout.port", r.port), ("trainer.master_port", t.master_port)):
+        if not 0 <= port <= 65535:
+            bad(key, "must be in [0, 65535] (0 picks a free port)")
+    for key, seconds in (
+        ("rollout.health_timeout_s", r.health_timeout_s),
+        ("trainer.timeout_s", t.timeout_s),
+        ("rollout.liveness_timeout_s", r.liveness_timeout_s),
+    ):
+        if not (math.isfinite(seconds) and seconds > 0):
+            bad(key, "must be a positive number of seconds")
+    for key, value in (
+        ("rollout.chunked_prefill_size", r.chunked_prefill_size),
+        ("rollout.max_total_tokens", r.max_total_tokens),
+        ("trainer.nproc_per_node", t.nproc_per_node),
+        ("trainer.seq_pad_multiple", t.seq_pad_multiple),
+    ):
+        if value is not None and value < 1:
+            bad(key, "must be a positive integer (or null)")
+    if r.host not in LOOPBACK and not (r.allow_remote and r.require_api_key):
+        bad(
+            "rollout.host",
+            "binds a non-loopback address, exposing /generate and the weight endpoints to "
+            "other hosts; set rollout.allow_remote=true to mean it and rollout.require_api_key=true (with "
+            f"${API_KEY_ENV}) so only the trainer is served (torchrun's store listens on all interfaces "
+            "either way)",
+        )
+    if r.require_api_key and cfg.mode != "plan" and not os.environ.get(API_KEY_ENV):
+        bad("rollout.require_api_key", f"needs the key in ${API_KEY_ENV} (it is never written to the config)")
+    if r.weight_sync not in WEIGHT_SYNC_MODES:
+        bad("rollout.weight_sync", f"must be one of {list(WEIGHT_SYNC_MODES)}")
+    if r.weight_sync_bucket_mb < 0:
+        bad("rollout.weight_sync_bucket_mb", "must be >= 0 (0: one broadcast per tensor)")
+    if r.weight_sync_backend not in (None, "gloo", "nccl"):
+        bad("rollout.weight_sync_backend", "must be gloo, nccl or null (gloo on CPU, nccl on CUDA)")
+    if r.weight_sync == "distributed" and cfg.parallel.rollout_dp != 1:
+        bad(
+            "rollout.weight_sync",
+            "distributed sync sends to one engine replica: needs parallel.rollout_dp=1 (or rollout.weight_sync=disk)",
+        )
+    if r.mem_fraction_static is not None and not 0 < r.mem_fraction_static < 1:
+        bad("rollout.mem_fraction_static", "must be in (0, 1) (or null)")
+    positive_reals = (
+        "trainer.lr",
+        "trainer.clip_grad",
+        "trainer.clip_eps",
+        "trainer.clip_eps_high",
+        "model.rope_theta",
+        "model.rms_norm_eps",
+    )
+    for key in positive_reals:
+        value = value_at(cfg, key)
+        if not (math.isfinite(value) and value > 0):
+            bad(key, "must be a positive finite number")
+    for key in ("trainer.weight_decay", "trainer.kl_coef", "model.init_std"):
+        value = value_at(cfg, key)
+        if not (math.isfinite(value) and value >= 0):
+            bad(key, "must be a finite number >= 0")
+    check_task(cfg, bad)
+
+
+def check_task(cfg: Config, bad: Any) -> None:
+    task = cfg.task
+    if task.graded_tokens < 1:
+        bad("task.graded_tokens", "must be a positive integer (the reward grades that many response tokens)")
+    elif task.graded_tokens > cfg.experiment.max_new_tokens >= 1:
+        bad(
+            "task.graded_tokens",
+            f"grades more tokens than experiment.max_new_tokens={cfg.experiment.max_new_tokens} "
+            "lets a response have (the reward could never reach 1): raise experiment.max_new_tokens to "
+            f"{task.graded_tokens} or lower task.graded_tokens",
+        )
+    if not 0 <= task.target_digit <= 9:
+        bad("task.target_digit", "must be a digit in [0, 9]")
+    if task.lr is not None and not (math.isfinite(task.lr) and task.lr > 0):
+        bad("task.lr", "must be a positive finite number (or null: trainer.lr)")
+    if task.max_digits is not None and task.max_digits < 1:
+        bad("task.max_digits", "must be a positive integer (or null: as many as experiment.max_prompt_len allows)")
+    elif task.max_digits is not None and task.max_digits + 2 > cfg.experiment.max_prompt_len:
+        bad(
+            "task.max_digits",
+            f"a prompt of {task.max_digits} digits and two words exceeds "
+            f"experiment.max_prompt_len={cfg.experiment.max_prompt_len}",
+        )
