@@ -58,7 +58,7 @@ def test_row_parallel_canonical_shards(dtype):
     for si, (kk, n) in enumerate(SHAPES):
         x = randn(23, kk, dtype=dtype, seed=si)
         w = randn(n, kk, dtype=dtype, seed=70 + si, std=kk**-0.5)
-        ref = k.linear(x, w)
+        ref = k.linear_k_sharded(x, w)
         ref32 = k.combine_partials(k.linear_partials(x, w, 4), torch.float32)
         for tp in (1, 2, 4):
             c = kk // tp
@@ -192,7 +192,7 @@ def test_linear_qwen3_4b_shapes():
         parts = torch.cat(
             [k.linear_partials(x[:, r * c : (r + 1) * c], w[:, r * c : (r + 1) * c], 2) for r in range(2)]
         )
-        assert torch.equal(k.combine_partials(parts, torch.bfloat16), full)
+        assert torch.equal(k.combine_partials(parts, torch.bfloat16), k.linear_k_sharded(x, w))
         assert torch.equal(k.linear(x, w[: n // 2]), full[:, : n // 2])
         with num_threads(1):
             assert torch.equal(k.linear(x, w), full)

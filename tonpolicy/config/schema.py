@@ -43,7 +43,7 @@ class ContractConfig:
     dtype: str = "bfloat16"  # "bfloat16" | "float32": weights and activations
     accumulate_dtype: str = "float32"  # matmuls, norms' statistics, softmax, logprobs
     attention_tile: int = 32  # split-KV key tile shared by prefill, decode and ring CP
-    row_tile: int = 16  # fixed GEMM row tile (decode and short inputs)
+    row_tile: int = 4  # every GEMM row count is a multiple of this (decode pads 1 row to 4, not more)
     prefill_row_tile: int = 128  # GEMM row tile for long inputs (same row bits, proven by tests)
     attention_row_tile: int = 8  # query rows per attention GEMM tile
     canonical_shards: int = 4  # row-parallel K-shards; any TP dividing this gives the same bits

@@ -43,15 +43,15 @@ def get_kernels(
     *,
     attention_tile: int = 32,
     canonical_shards: int = 4,
-    row_tile: int = 16,
+    row_tile: int = 4,
     attention_row_tile: int = 8,
     prefill_row_tile: int = 128,
 ) -> KernelSet:
     """Build a kernel set by name ("contract", "triton" or "default").
 
-    attention_tile: keys per split-KV tile; canonical_shards: K-shards of every linear (TP must divide
-    it); row_tile: rows per linear GEMM; prefill_row_tile: rows per linear GEMM for long inputs (same
-    bits); attention_row_tile: queries per attention GEMM row tile."""
+    attention_tile: keys per split-KV tile; canonical_shards: K-shards of the row-parallel linears (TP
+    must divide it); row_tile: every GEMM's row count is a multiple of it; prefill_row_tile: rows per
+    linear GEMM for long inputs (same bits); attention_row_tile: queries per attention GEMM row tile."""
     if name == "contract":
         from tonpolicy.kernels.contract import ContractKernels
 

@@ -38,7 +38,13 @@ class KernelSet(Protocol):
     # --- linear -------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """y = x @ weight.T, returned in x.dtype. Column-sharded weights give the matching columns
-        of the unsharded result (bitwise under `contract`)."""
+        of the unsharded result (bitwise under `contract`). For linears whose K TP never splits (column-
+        parallel: QKV, gate/up)."""
+
+    def linear_k_sharded(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """y = x @ weight.T defined over the canonical K-shards: `combine_partials(linear_partials(x, w,
+        canonical_shards))`. For linears whose K TP splits (row-parallel: o_proj, down_proj), so that
+        every TP dividing the shard count gives these bits."""
 
     def linear_partials(self, x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:
         """Split K into `num_shards` equal canonical shards; fp32 partial products [num_shards, ..., N].

@@ -1,6 +1,8 @@
 """The `contract` kernel set: every op's result for a token is invariant by construction to batch
-composition, token count, prefill/decode/chunked prefill, row position, TP (via canonical K-shards)
-and thread count. dtype steps: weights/activations in the model dtype (bf16 or fp32); every matmul
+composition, token count, prefill/decode/chunked prefill, row position, TP and thread count. TP
+invariance: a column-parallel linear (QKV, gate/up, LM head) never splits K, so it runs whole; a
+row-parallel one (o_proj, down) is defined over canonical K-shards that any TP dividing their count
+reproduces. dtype steps: weights/activations in the model dtype (bf16 or fp32); every matmul
 accumulates in fp32 on fp32-upcast inputs; norms' statistics, softmax and logprobs in fp32; logits fp32.
 """
 
@@ -24,15 +26,17 @@ class ContractKernels:
         *,
         attention_tile: int = 32,
         canonical_shards: int = 4,
-        row_tile: int = 16,
+        row_tile: int = 4,
         attention_row_tile: int = 8,
         prefill_row_tile: int = 128,
     ) -> None:
         self.attention_tile = attention_tile
         self.canonical_shards = canonical_shards
+        # Every GEMM's row count is a multiple of this granule (4: the smallest that gives the same
+        # row bits as any other multiple; 1-3 rows take a gemv-like path with other bits).
         self.row_tile = row_tile
-        # Queries per attention GEMM row tile (x G heads per KV head). Smaller than the linear row tile
-        # because decode has one query per sequence: 8 costs 8x padding there, 16 would cost 16x.
+        # Queries per attention GEMM row tile (x G heads per KV head); fewer queries (decode) are
+        # padded only up to a row count that is a multiple of `row_tile`.
         self.attention_row_tile = attention_row_tile
         # Rows per linear GEMM for long inputs (same row bits as `row_tile`, proven by tests; faster).
         self.prefill_row_tile = prefill_row_tile
@@ -46,9 +50,11 @@ class ContractKernels:
             "row_tile": self.row_tile,
             "attention_row_tile": self.attention_row_tile,
             "prefill_row_tile": self.prefill_row_tile,
-            "linear": "fp32 bmm of [row_tile or prefill_row_tile, K/C] x [K/C, N] tiles, canonical K-shards, "
-            "pairwise tree sum",
-            "attention": "split-KV fixed tile, fp32 (m,l,acc), left-to-right merge in key order",
+            "linear": "fp32 bmm of [prefill_row_tile, K] x [K, N] tiles, the rest in one GEMM padded to a "
+            "multiple of row_tile rows; K whole for column-parallel linears and the LM head",
+            "linear_k_sharded": "the same GEMMs per canonical K-shard [K/C], pairwise tree sum (o_proj, down)",
+            "attention": "split-KV fixed tile, fp32 (m,l,acc), left-to-right merge in key order; query rows "
+            "x G per GEMM: attention_row_tile x G, fewer padded to a multiple of row_tile",
             "rms_norm": "fp32 sum(x^2)/K, x/sqrt(var+eps)*w, one rounding",
             "swiglu": "fp32 g/(1+exp(-g))*u, one rounding",
             "rope": "fp32 rotate-half, cos/sin tables in 64-position chunks",
@@ -64,11 +70,14 @@ class ContractKernels:
         return tree_sum(partials).to(out_dtype)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x, weight).to(x.dtype)
+
+    def linear_k_sharded(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self.combine_partials(self.linear_partials(x, weight, self.canonical_shards), x.dtype)
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """fp32 logits (no rounding to the activation dtype)."""
-        return self.combine_partials(self.linear_partials(x, weight, self.canonical_shards), torch.float32)
+        """fp32 logits (no rounding to the activation dtype); K whole, like every column-parallel linear."""
+        return tiled_partials(x, weight, 1, self.row_tile, self.prefill_row_tile)[0]
 
     # --- norms / activations / rotary ----------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,7 +115,7 @@ class ContractKernels:
     ) -> torch.Tensor:
         """Batch of independent sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D], positions [B, N]."""
         return contract_attention.attention_batched(
-            q, k, v, q_pos, k_pos, scale, self.attention_tile, self.attention_row_tile
+            q, k, v, q_pos, k_pos, scale, self.attention_tile, self.attention_row_tile, self.row_tile
         )
 
     def attention_pooled(
@@ -135,11 +144,13 @@ class ContractKernels:
             -(-num_keys // t),
             scale,
             self.attention_row_tile,
+            self.row_tile,
         )
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """Keys/values are cached in fp32: the upcast is exact and is what every GEMM reads anyway."""
-        return torch.float32
+        """Keys/values are cached in the model dtype (what the projections produced); each tile is
+        upcast to fp32 when the attention GEMM reads it (exact), so no fp32 copy of the cache is kept."""
+        return dtype
 
     def attention_tile_partial(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
@@ -147,7 +158,9 @@ class ContractKernels:
         if k.shape[0] != self.attention_tile:
             raise ValueError(f"attention_tile_partial takes exactly {self.attention_tile} keys, got {k.shape[0]}")
         ks, vs, kps, _ = contract_attention.to_store(k[None], v[None], k_pos[None], self.attention_tile)
-        rt = self.attention_row_tile
+        rt = contract_attention.query_row_tile(
+            q.shape[0], q.shape[1] // k.shape[1], self.attention_row_tile, self.row_tile
+        )
         parts = contract_attention.tile_partials(
             q[None], q_pos[None], ks, vs, kps, torch.zeros(1, dtype=torch.long, device=q.device), 1, scale, rt
         )

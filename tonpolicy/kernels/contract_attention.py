@@ -14,6 +14,8 @@ scalar-tail and vector paths agreed on millions of inputs); `sigmoid`/`silu` are
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tonpolicy.kernels.base import AttnPartial
@@ -23,6 +25,14 @@ KEY_PAD_POS = 2**62
 # Position given to padded queries: smaller than any key, so they see nothing (their rows are dropped).
 QUERY_PAD_POS = -1
 NEG_INF = float("-inf")
+
+
+def query_row_tile(nq: int, group: int, row_tile: int, granule: int) -> int:
+    """Queries per GEMM row tile: `row_tile`, or for fewer queries (decode) the fewest whose row count
+    (queries x `group` heads) is a multiple of `granule` -- every such count gives the same row bits
+    (measured, tests/test_kernels_attention.py), so decode pads 1 query to 2 rows' worth, not 8."""
+    step = granule // math.gcd(group, granule)
+    return min(row_tile, -(-nq // step) * step)
 
 
 def _safe(m: torch.Tensor) -> torch.Tensor:
@@ -165,8 +175,10 @@ def attention_stores(
     num_tiles: int,
     scale: float,
     row_tile: int,
+    granule: int,
 ) -> torch.Tensor:
     """Attention of q [B, Nq, Hq, D] over tiled key stores (see tile_partials) -> [B, Nq, Hq, D]."""
+    row_tile = query_row_tile(q.shape[1], q.shape[2] // k_store.shape[3], row_tile, granule)
     parts = tile_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
     out = finalize(merge_tiles(parts), q.dtype)  # [B, Qt, Hkv, R, D]
     return unpack_rows(out, q.shape[1], row_tile)
@@ -181,7 +193,9 @@ def attention_batched(
     scale: float,
     tile: int,
     row_tile: int,
+    granule: int,
 ) -> torch.Tensor:
     """q [B, Nq, Hq, D] over k/v [B, Nk, Hkv, D] (positions [B, N]) -> [B, Nq, Hq, D] in q.dtype."""
     ks, vs, kps, kt = to_store(k, v, k_pos, tile)
-    return attention_stores(q, q_pos, ks, vs, kps, torch.arange(q.shape[0], device=q.device), kt, scale, row_tile)
+    index = torch.arange(q.shape[0], device=q.device)
+    return attention_stores(q, q_pos, ks, vs, kps, index, kt, scale, row_tile, granule)

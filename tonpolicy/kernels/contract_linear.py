@@ -64,14 +64,15 @@ def _tile_gemms(x: torch.Tensor, wf: torch.Tensor, num_shards: int, rows: int, o
 
 
 def tiled_partials(
-    x: torch.Tensor, weight: torch.Tensor, num_shards: int, row_tile: int, big_row_tile: int | None = None
+    x: torch.Tensor, weight: torch.Tensor, num_shards: int, row_granule: int, big_row_tile: int | None = None
 ) -> torch.Tensor:
     """fp32 partials [num_shards, ..., N] of x [..., K] @ weight[N, K].T over equal K shards.
 
     Rows go through GEMMs of fixed shape: whole tiles of `big_row_tile` rows first (prefill), the rest
-    zero-padded into tiles of `row_tile` rows. The two shapes give identical row bits (measured over
-    many shapes and thread counts, tests/test_kernels_linear.py); the big tile only amortises the
-    per-GEMM packing of the weight, which made 16-row tiles ~3x slower than 128-row ones in prefill."""
+    in one GEMM zero-padded to a multiple of `row_granule` rows. Every row count that is a multiple of 4
+    gives identical row bits (measured over many shapes, 1 and 2 threads, both torch builds:
+    tests/test_kernels_linear.py); 1-3 rows do not (a gemv-like path). The big tile amortises the
+    per-GEMM packing of the weight; the granule keeps decode from padding one row to a 16-row tile."""
     *lead, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or k % num_shards:
@@ -81,26 +82,25 @@ def tiled_partials(
     x2 = x.reshape(-1, k).float().contiguous()
     wf = fp32_weight(weight)
     m = x2.shape[0]
-    if m <= row_tile:
-        # One small tile (decode): the shards are the bmm batch, same per-matrix GEMM shape as below.
-        if m < row_tile:
-            x2 = F.pad(x2, (0, 0, 0, row_tile - m))
+    big = big_row_tile if big_row_tile and big_row_tile > row_granule else row_granule
+    m_big = (m // big) * big
+    m_pad = m_big + -(-(m - m_big) // row_granule) * row_granule
+    if m_big == 0:
+        # Short input (decode): one GEMM of the padded rows, the shards as the bmm batch (same
+        # per-matrix GEMM as below, measured).
+        x2 = F.pad(x2, (0, 0, 0, max(m_pad, row_granule) - m))
         a = x2.unflatten(1, (num_shards, ks)).transpose(0, 1)
         b = wf.unflatten(1, (num_shards, ks)).permute(1, 2, 0)
         return torch.bmm(a, b)[:, :m].reshape(num_shards, *lead, n)
-    big = big_row_tile if big_row_tile and big_row_tile > row_tile else row_tile
-    m_big = (m // big) * big
-    m_pad = m_big + -(-(m - m_big) // row_tile) * row_tile
     if m_pad != m:
         x2 = F.pad(x2, (0, 0, 0, m_pad - m))
     tracked = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     # Without autograd the tiles write straight into one buffer (bmm out=, same kernel, no copies).
     out = None if tracked else x2.new_empty(num_shards, m_pad, n)
-    parts = []
-    if m_big:
-        parts.append(_tile_gemms(x2[:m_big], wf, num_shards, big, None if out is None else out[:, :m_big]))
+    parts = [_tile_gemms(x2[:m_big], wf, num_shards, big, None if out is None else out[:, :m_big])]
     if m_pad > m_big:
-        parts.append(_tile_gemms(x2[m_big:], wf, num_shards, row_tile, None if out is None else out[:, m_big:]))
+        tail = m_pad - m_big
+        parts.append(_tile_gemms(x2[m_big:], wf, num_shards, tail, None if out is None else out[:, m_big:]))
     full = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]) if out is None else out
     return full[:, :m].reshape(num_shards, *lead, n)
 

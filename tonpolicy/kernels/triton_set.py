@@ -90,6 +90,9 @@ class TritonKernels:
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return tlin.linear(x, weight.detach(), self.canonical_shards, x.dtype)
 
+    def linear_k_sharded(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, weight)  # this set's `linear` always runs over the canonical K-shards
+
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return tlin.linear(x, weight.detach(), self.canonical_shards, torch.float32)
 

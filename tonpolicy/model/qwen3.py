@@ -155,14 +155,14 @@ class Qwen3(nn.Module):
                 sin,
             )
             o = self._attend(li, q, k, v, pos, segments, kv, scale)
-            h = h + kern.linear(o.reshape(n, cfg.q_size), a.o_proj.weight)
+            h = h + kern.linear_k_sharded(o.reshape(n, cfg.q_size), a.o_proj.weight)
             x = kern.rms_norm(h, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
             m = layer.mlp
             gate, up = kern.linear(x, self.fused(f"{li}.gate_up", [m.gate_proj.weight, m.up_proj.weight])).split(
                 [cfg.intermediate_size, cfg.intermediate_size], dim=-1
             )
             act = kern.swiglu(gate, up)
-            h = h + kern.linear(act, m.down_proj.weight)
+            h = h + kern.linear_k_sharded(act, m.down_proj.weight)
         if logit_rows is not None:
             h = h.index_select(0, logit_rows.to(dev))
         h = kern.rms_norm(h, self.model.norm.weight, cfg.rms_norm_eps)

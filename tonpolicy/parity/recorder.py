@@ -202,10 +202,16 @@ class RecordingKernels:
 
     # --- linear -------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._linear("linear", x, weight)
+
+    def linear_k_sharded(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._linear("linear_k_sharded", x, weight)
+
+    def _linear(self, method: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         role = self._role(weight)
         if role is not None and role.ops == ("o_proj",):
             self._record(role.layer, "attn_out", x)
-        y = self._call(role, "linear", x, weight)
+        y = self._call(role, method, x, weight)
         if role is not None:
             self._record_weighted(role, y)
         return y
