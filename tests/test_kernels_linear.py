@@ -69,7 +69,8 @@ def test_row_parallel_canonical_shards(dtype):
                 for r in range(tp)
             ]
             gathered = torch.cat(parts, dim=0)
-            assert gathered.shape == (4, 23, n) and gathered.dtype == torch.float32
+            # bf16 operands: the native bf16 GEMM's partials (rounded once each), summed in fp32
+            assert gathered.shape == (4, 23, n) and gathered.dtype == dtype
             assert torch.equal(k.combine_partials(gathered, dtype), ref), (kk, n, tp)
             assert torch.equal(k.combine_partials(gathered, torch.float32), ref32)
             # strided (non-contiguous) rank slices give the same partials
@@ -211,22 +212,45 @@ def test_linear_operand_layout_invariance(dtype):
     assert torch.equal(k.linear(x[:1].t().contiguous().t(), w.t().contiguous().t()), ref[:1])
 
 
-def test_gemm_row_tile_sizes_give_same_bits():
-    """The measured fact behind `prefill_row_tile`: fixed-shape GEMM tiles of 4..256 rows give the
-    same row bits (1 and 2 threads, many widths). Tiles of 1 or 2 rows do NOT (a gemv-like path), which
-    is why rows are never computed in tiles that small."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_row_tile_sizes_give_same_bits(dtype):
+    """The measured facts behind `row_tile` (4) and `prefill_row_tile`: a GEMM of any multiple of 4 rows
+    gives the same row bits as 16-row tiles (1 and 2 threads, many widths, fp32 and native bf16), so a
+    tail of rows is one GEMM padded to a multiple of 4. GEMMs of 1 row do NOT (a gemv-like path, fp32;
+    bf16 too at large K), which is why no GEMM is that small."""
     from tonpolicy.kernels.contract_linear import tiled_partials
 
     for th in (1, 2):
         with num_threads(th):
             for si, (kk, n) in enumerate(SHAPES):
-                x = randn(256, kk, seed=si)
-                w = randn(n, kk, seed=30 + si, std=kk**-0.5)
+                x = randn(256, kk, dtype=dtype, seed=si)
+                w = randn(n, kk, dtype=dtype, seed=30 + si, std=kk**-0.5)
                 ref = tiled_partials(x, w, 4, 16)
                 for rt in (4, 8, 32, 64, 128, 256):
                     assert torch.equal(tiled_partials(x, w, 4, rt), ref), (th, kk, n, rt)
                     assert torch.equal(tiled_partials(x, w, 4, 16, rt), ref), (th, kk, n, rt)
-                assert not torch.equal(tiled_partials(x, w, 4, 1), ref)
+                for m in (4, 8, 12, 20, 28, 36, 60, 100, 124, 128):  # one GEMM of m rows (no big tile)
+                    assert torch.equal(tiled_partials(x[:m], w, 1, m, 256), tiled_partials(x, w, 1, 16)[:, :m])
+                if dtype == torch.float32:
+                    assert not torch.equal(tiled_partials(x, w, 4, 1), ref)
+    x = randn(16, 3072, dtype=torch.bfloat16, seed=9)
+    w = randn(1024, 3072, dtype=torch.bfloat16, seed=10, std=3072**-0.5)
+    one_row = [tiled_partials(x[i : i + 1], w, 1, 1) for i in range(16)]
+    assert not all(torch.equal(r, tiled_partials(x, w, 1, 16)[:, i : i + 1]) for i, r in enumerate(one_row))
+
+
+def test_bf16_linear_is_one_rounding_of_an_fp32_accumulation():
+    """bf16 operands take the native bf16 GEMM: products exact, fp32 accumulation, one rounding. So the
+    result is within one bf16 rounding (plus fp32 summation error) of the exact product, and the LM head
+    (fp32 logits) equals the fp32 GEMM of the upcast operands."""
+    k = get_kernels("contract")
+    x = randn(40, 1024, dtype=torch.bfloat16, seed=3)
+    w = randn(512, 1024, dtype=torch.bfloat16, seed=4, std=1 / 32)
+    exact = x.double() @ w.double().t()
+    y = k.linear(x, w)
+    assert y.dtype == torch.bfloat16
+    assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
+    assert torch.equal(k.lm_head(x, w), get_kernels("contract").lm_head(x.float(), w.float()))
 
 
 def test_linear_long_prefill_rows():

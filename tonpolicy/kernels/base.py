@@ -47,7 +47,8 @@ class KernelSet(Protocol):
         every TP dividing the shard count gives these bits."""
 
     def linear_partials(self, x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:
-        """Split K into `num_shards` equal canonical shards; fp32 partial products [num_shards, ..., N].
+        """Split K into `num_shards` equal canonical shards; partial products [num_shards, ..., N] (fp32,
+        or the GEMM's own output dtype where the kernel set defines it so).
         A row-parallel rank holding canonical shards [r*s, (r+1)*s) calls this with num_shards=s;
         gathering every rank's partials in rank order yields the canonical [C, ..., N] stack."""
 

@@ -2,8 +2,9 @@
 composition, token count, prefill/decode/chunked prefill, row position, TP and thread count. TP
 invariance: a column-parallel linear (QKV, gate/up, LM head) never splits K, so it runs whole; a
 row-parallel one (o_proj, down) is defined over canonical K-shards that any TP dividing their count
-reproduces. dtype steps: weights/activations in the model dtype (bf16 or fp32); every matmul
-accumulates in fp32 on fp32-upcast inputs; norms' statistics, softmax and logprobs in fp32; logits fp32.
+reproduces. dtype steps: weights/activations in the model dtype (bf16 or fp32); every linear
+accumulates in fp32 (bf16 operands: the native bf16 GEMM, one rounding per output; row-parallel partials
+summed in fp32); attention GEMMs, norms' statistics, softmax and logprobs in fp32; logits fp32.
 """
 
 from __future__ import annotations
@@ -50,15 +51,16 @@ class ContractKernels:
             "row_tile": self.row_tile,
             "attention_row_tile": self.attention_row_tile,
             "prefill_row_tile": self.prefill_row_tile,
-            "linear": "fp32 bmm of [prefill_row_tile, K] x [K, N] tiles, the rest in one GEMM padded to a "
-            "multiple of row_tile rows; K whole for column-parallel linears and the LM head",
-            "linear_k_sharded": "the same GEMMs per canonical K-shard [K/C], pairwise tree sum (o_proj, down)",
+            "linear": "bmm (bf16 operands: native bf16 GEMM, bf16 out; else fp32) of [prefill_row_tile, K] x "
+            "[K, N] tiles, the rest in one GEMM padded to a multiple of row_tile rows; K whole (column-parallel)",
+            "linear_k_sharded": "the same GEMMs per canonical K-shard [K/C], partials summed in fp32 in a "
+            "pairwise tree, one rounding (o_proj, down)",
+            "logits": "fp32 GEMM (bf16 weights upcast), K whole",
             "attention": "split-KV fixed tile, fp32 (m,l,acc), left-to-right merge in key order; query rows "
             "x G per GEMM: attention_row_tile x G, fewer padded to a multiple of row_tile",
             "rms_norm": "fp32 sum(x^2)/K, x/sqrt(var+eps)*w, one rounding",
             "swiglu": "fp32 g/(1+exp(-g))*u, one rounding",
             "rope": "fp32 rotate-half, cos/sin tables in 64-position chunks",
-            "logits": "fp32",
             "logprobs": "fp32 log_softmax(logits[:vocab]/T) gathered",
         }
 
@@ -70,14 +72,14 @@ class ContractKernels:
         return tree_sum(partials).to(out_dtype)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(x, weight).to(x.dtype)
+        return tiled_partials(x, weight, 1, self.row_tile, self.prefill_row_tile)[0].to(x.dtype)
 
     def linear_k_sharded(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self.combine_partials(self.linear_partials(x, weight, self.canonical_shards), x.dtype)
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """fp32 logits (no rounding to the activation dtype); K whole, like every column-parallel linear."""
-        return tiled_partials(x, weight, 1, self.row_tile, self.prefill_row_tile)[0]
+        return tiled_partials(x, weight, 1, self.row_tile, self.prefill_row_tile, fp32=True)[0]
 
     # --- norms / activations / rotary ----------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,13 +1,16 @@
 """Invariant fp32-accumulating matmul for the `contract` kernel set.
 
-Why this shape of computation (measured on torch 2.13 CPU, see tests/test_kernels_linear.py):
-- a plain GEMM's row result depends on M (MKL picks different paths), so every GEMM here has the fixed
-  shape [row_tile, K/C] x [K/C, N]: rows are zero-padded to a multiple of `row_tile` and the row tiles
-  form the batch of one `torch.bmm` whose per-matrix result was invariant to the batch count, the
-  row offset, the column count N (column shards), and the thread count;
-- K is cut into `C` canonical shards; each shard's fp32 partial has identical shapes whatever the TP,
-  and `tree_sum` adds them in a fixed pairwise tree, so TP=1/2/4 give the same bits.
-bf16 inputs are upcast to fp32 before the GEMM (exact), so products and accumulation are fp32.
+Why this shape of computation (measured on torch 2.13 and 2.14 CPU, see tests/test_kernels_linear.py):
+- a plain GEMM's row result depends on M (MKL picks different paths), so every GEMM here has a fixed
+  shape: [prefill_row_tile, K/C] x [K/C, N] tiles, the remaining rows zero-padded to a multiple of
+  `row_granule` (4) in one GEMM, all as `torch.bmm` whose per-matrix result was invariant to the batch
+  count, the row count (any multiple of 4), the row offset, the column count N (column shards), and the
+  thread count;
+- K is cut into `C` canonical shards; each shard's partial has identical shapes whatever the TP,
+  and `tree_sum` adds them in fp32 in a fixed pairwise tree, so TP=1/2/4 give the same bits.
+GEMM precision: bf16 operands go to the CPU's native bf16 GEMM (exact products, fp32 accumulation inside
+the kernel, one rounding of each output to bf16: what the trainer and SGLang do in bf16); fp32 operands,
+mixed operands and the LM head's fp32 logits use an fp32 GEMM (bf16 upcast exactly).
 """
 
 from __future__ import annotations
@@ -63,10 +66,33 @@ def _tile_gemms(x: torch.Tensor, wf: torch.Tensor, num_shards: int, rows: int, o
     return torch.stack(outs) if out is None else out
 
 
+def _bf16_partials(x: torch.Tensor, w: torch.Tensor, num_shards: int, big: int, m_big: int) -> torch.Tensor:
+    """[C, M, N] bf16: per K-shard, `F.linear` (oneDNN's bf16 GEMM) on row tiles of `big` rows and one
+    tail. Measured: F.linear's row bits equal for any multiple-of-4 row count and for strided shard
+    views, in both torch builds; bf16 `torch.bmm` gives the same bits but takes a ~40x slower path."""
+    k = x.shape[1]
+    ks = k // num_shards
+    bounds = list(range(0, m_big, big)) + [m_big]
+    if x.shape[0] > m_big:
+        bounds.append(x.shape[0])
+    shards = []
+    for s in range(num_shards):
+        xs, ws = x[:, s * ks : (s + 1) * ks], w[:, s * ks : (s + 1) * ks]
+        tiles = [F.linear(xs[a:b], ws) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+        shards.append(torch.cat(tiles) if len(tiles) > 1 else tiles[0])
+    return torch.stack(shards)
+
+
 def tiled_partials(
-    x: torch.Tensor, weight: torch.Tensor, num_shards: int, row_granule: int, big_row_tile: int | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    num_shards: int,
+    row_granule: int,
+    big_row_tile: int | None = None,
+    fp32: bool = False,
 ) -> torch.Tensor:
-    """fp32 partials [num_shards, ..., N] of x [..., K] @ weight[N, K].T over equal K shards.
+    """Partials [num_shards, ..., N] of x [..., K] @ weight[N, K].T over equal K shards: bf16 when both
+    operands are bf16 (native bf16 GEMM) unless `fp32`, else fp32.
 
     Rows go through GEMMs of fixed shape: whole tiles of `big_row_tile` rows first (prefill), the rest
     in one GEMM zero-padded to a multiple of `row_granule` rows. Every row count that is a multiple of 4
@@ -78,17 +104,19 @@ def tiled_partials(
     if weight.shape[1] != k or k % num_shards:
         raise ValueError(f"K={k} must match weight {tuple(weight.shape)} and divide into {num_shards} shards")
     ks = k // num_shards
-    # Row-major operands always: a transposed operand selects another GEMM kernel (other bits).
-    x2 = x.reshape(-1, k).float().contiguous()
-    wf = fp32_weight(weight)
-    m = x2.shape[0]
+    m = x.numel() // k
     big = big_row_tile if big_row_tile and big_row_tile > row_granule else row_granule
     m_big = (m // big) * big
-    m_pad = m_big + -(-(m - m_big) // row_granule) * row_granule
+    m_pad = max(m_big + -(-(m - m_big) // row_granule) * row_granule, row_granule)
+    if not fp32 and x.dtype == weight.dtype == torch.bfloat16:
+        x2 = F.pad(x.reshape(-1, k), (0, 0, 0, m_pad - m))
+        return _bf16_partials(x2, weight, num_shards, big, m_big)[:, :m].reshape(num_shards, *lead, n)
+    # Row-major operands always: a transposed operand selects another GEMM kernel (other bits).
+    x2, wf = x.reshape(-1, k).float().contiguous(), fp32_weight(weight)
     if m_big == 0:
         # Short input (decode): one GEMM of the padded rows, the shards as the bmm batch (same
         # per-matrix GEMM as below, measured).
-        x2 = F.pad(x2, (0, 0, 0, max(m_pad, row_granule) - m))
+        x2 = F.pad(x2, (0, 0, 0, m_pad - m))
         a = x2.unflatten(1, (num_shards, ks)).transpose(0, 1)
         b = wf.unflatten(1, (num_shards, ks)).permute(1, 2, 0)
         return torch.bmm(a, b)[:, :m].reshape(num_shards, *lead, n)
@@ -106,8 +134,8 @@ def tiled_partials(
 
 
 def tree_sum(partials: torch.Tensor) -> torch.Tensor:
-    """Sum along dim 0 in a fixed pairwise tree: ((p0+p1)+(p2+p3)) for 4 partials."""
-    parts = list(partials.unbind(0))
+    """Sum along dim 0 in fp32 in a fixed pairwise tree: ((p0+p1)+(p2+p3)) for 4 partials."""
+    parts = list(partials.float().unbind(0))
     while len(parts) > 1:
         nxt = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
         if len(parts) % 2:
