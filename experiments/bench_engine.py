@@ -1,11 +1,15 @@
-"""Engine throughput under the `contract` kernels vs the `default` (plain torch) kernels.
+"""Engine throughput and memory under the `contract` kernels vs the `default` (plain torch) kernels.
 
 Same model weights, same workload, one process; runs alternate between the two kernel sets and the
 median of `--repeats` is kept, so machine noise hits both alike. Prefill tokens/s comes from runs with
 max_new_tokens=1 (one prefill step per request); decode tokens/s from the extra time of runs with
-max_new_tokens=1+G. Ratios are contract time / default time (>1: contract is slower).
+max_new_tokens=1+G. Ratios are contract time / default time (>1: contract is slower). Also measured:
+the bytes each bf16 model holds (weights, the copies its kernels keep, a KV pool of fixed size), decode
+time per token at growing contexts (one request), and where the contract's time goes, per kernel op.
+Every target of issue 13 is printed as measured / target; results/bench_engine.json gets it all.
 
-    .venv/bin/python experiments/bench_engine.py [--models tiny,large] [--dtype bfloat16] [--threads 1]
+    .venv/bin/python experiments/bench_engine.py [--models tiny,large] [--dtypes bfloat16,float32]
+        [--threads 1] [--repeats 3] [--contexts 128,512,2048,4096]
 """
 
 from __future__ import annotations
@@ -15,19 +19,24 @@ import collections
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 from bench_models import CPU_1024
+from perf_targets import CONTEXT_RATIO, ENGINE_RATIO, MEMORY_RATIO, Check, report
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.kernels import get_kernels
+from tonpolicy.kernels import contract_linear, get_kernels
 from tonpolicy.model import Qwen3, init_state_dict
+from tonpolicy.model.kv_cache import KVPool
 from tonpolicy.rollout.engine import Engine, GenRequest
 
 MODELS = {
     "tiny": (ModelConfig(), dict(requests=16, prompt=200, gen=32)),
     "large": (CPU_1024, dict(requests=16, prompt=128, gen=16)),
 }
+KINDS = ("contract", "default")
+POOL = dict(slots=16, capacity=1024)  # the fixed KV pool the memory comparison counts
 
 
 def _requests(cfg: ModelConfig, n: int, prompt: int, gen: int) -> list[GenRequest]:
@@ -35,17 +44,27 @@ def _requests(cfg: ModelConfig, n: int, prompt: int, gen: int) -> list[GenReques
     return [GenRequest([rng.randrange(cfg.vocab_size) for _ in range(prompt)], gen, seed=i) for i in range(n)]
 
 
-def _time(model: Qwen3, reqs: list[GenRequest]) -> float:
+def _time(model: Qwen3, reqs: list[GenRequest], chunk: int | None = None) -> float:
     t0 = time.perf_counter()
-    Engine(model, max_running_requests=len(reqs)).generate(reqs)
+    Engine(model, max_running_requests=len(reqs), chunked_prefill_size=chunk).generate(reqs)
     return time.perf_counter() - t0
 
 
-KERNEL_OPS = ("linear", "lm_head", "attention_pooled", "rms_norm", "swiglu", "apply_rope", "rope_cos_sin", "logprobs")
+KERNEL_OPS = (
+    "linear",
+    "linear_k_sharded",
+    "lm_head",
+    "attention_pooled",
+    "rms_norm",
+    "swiglu",
+    "apply_rope_qk",
+    "rope_cos_sin",
+    "logprobs",
+)
 
 
-def breakdown(model: Qwen3, reqs: list[GenRequest]) -> str:
-    """Where the time goes: wall time inside each kernel op during one generate() call."""
+def breakdown(model: Qwen3, reqs: list[GenRequest]) -> dict[str, float]:
+    """Where the time goes: the share of one generate() call's wall time inside each kernel op."""
     kern = model.kernels
     spent: collections.Counter[str] = collections.Counter()
     saved = {n: getattr(kern, n) for n in KERNEL_OPS}
@@ -67,58 +86,132 @@ def breakdown(model: Qwen3, reqs: list[GenRequest]) -> str:
         for n in saved:
             delattr(kern, n)  # back to the class methods
     spent["other (engine, sampling, glue)"] = total - sum(spent.values())
-    return f"{total:.2f}s: " + ", ".join(f"{n} {100 * t / total:.0f}%" for n, t in spent.most_common())
+    return {n: t / total for n, t in spent.most_common()}
 
 
-def bench(name: str, dtype: torch.dtype, repeats: int, profile: bool) -> dict[str, float]:
+def held_bytes(model: Qwen3) -> int:
+    """Bytes a model holds once warm: its weights, the copies it and its kernels keep (fused QKV and
+    gate/up, the padded LM head, fp32 weight copies), and a KV pool of POOL size in its cache dtype."""
+    storages: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+
+    for p in model.parameters():
+        add(p)
+    for _, t in model._fused.values():
+        add(t)
+    if model._lm_cache is not None:
+        add(model._lm_cache[1])
+    for entry in contract_linear._FP32.values():
+        add(entry[3])
+    cfg = model.cfg
+    dtype = model.kernels.kv_cache_dtype(model.dtype)
+    pool = KVPool(cfg.num_layers, POOL["slots"], POOL["capacity"], cfg.num_kv_heads, cfg.head_dim, dtype, 32)
+    for t in pool.k + pool.v:
+        add(t)
+    return sum(storages.values())
+
+
+def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
     cfg, w = MODELS[name]
     sd = init_state_dict(cfg, dtype, seed=0)
-    models = {k: Qwen3(cfg, get_kernels(k), dtype, state_dict=sd) for k in ("contract", "default")}
     pre = _requests(cfg, w["requests"], w["prompt"], 1)
     full = _requests(cfg, w["requests"], w["prompt"], 1 + w["gen"])
-    times: dict[str, dict[str, list[float]]] = {k: {"pre": [], "full": []} for k in models}
-    for m in models.values():  # warm-up
-        _time(m, pre[:1])
+    models, memory = {}, {}
+    for k in KINDS:
+        contract_linear.clear_weight_cache()
+        models[k] = Qwen3(cfg, get_kernels(k), dtype, state_dict=sd)
+        _time(models[k], pre[:1])  # warm-up: builds every cache the kernels keep
+        memory[k] = held_bytes(models[k])
+    times: dict[str, dict[str, list[float]]] = {k: {"pre": [], "full": []} for k in KINDS}
     for _ in range(repeats):
         for k, m in models.items():
             times[k]["pre"].append(_time(m, pre))
             times[k]["full"].append(_time(m, full))
-    out: dict[str, float] = {}
-    for k in models:
+    out: dict = {"workload": w, "hidden": cfg.hidden_size, "layers": cfg.num_layers, "bytes": memory}
+    for k in KINDS:
         tp = statistics.median(times[k]["pre"])
         td = max(statistics.median(times[k]["full"]) - tp, 1e-9)
         out[f"{k}_prefill_tok_s"] = w["requests"] * w["prompt"] / tp
         out[f"{k}_decode_tok_s"] = w["requests"] * w["gen"] / td
     out["prefill_ratio"] = out["default_prefill_tok_s"] / out["contract_prefill_tok_s"]
     out["decode_ratio"] = out["default_decode_tok_s"] / out["contract_decode_tok_s"]
-    if profile:
-        for k, m in models.items():
-            print(f"  {name} {k:8s} prefill run {breakdown(m, pre)}")
-            print(f"  {name} {k:8s} full run    {breakdown(m, full)}")
+    out["memory_ratio"] = memory["contract"] / memory["default"]
+    out["profile"] = {k: {"prefill": breakdown(m, pre), "full": breakdown(m, full)} for k, m in models.items()}
+    return out
+
+
+def context_scaling(name: str, dtype: torch.dtype, contexts: list[int], gen: int = 16) -> dict:
+    """Decode time per token of one request at each context length: the median engine step time over
+    its `gen` decode steps (prefill chunked at 512 tokens, not counted)."""
+    cfg = replace(MODELS[name][0], max_position_embeddings=max(contexts) + gen + 64)
+    sd = init_state_dict(cfg, dtype, seed=0)
+    out: dict = {}
+    for k in KINDS:
+        model = Qwen3(cfg, get_kernels(k), dtype, state_dict=sd)
+        per_token = {}
+        for ctx in contexts:
+            engine = Engine(model, max_running_requests=1, chunked_prefill_size=512)
+            engine.add(_requests(cfg, 1, ctx, 1 + gen)[0])
+            steps = []
+            while engine.has_work():
+                t0 = time.perf_counter()
+                engine.step()
+                steps.append(time.perf_counter() - t0)
+            per_token[ctx] = statistics.median(steps[-gen:])
+        out[k] = per_token
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,large")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--profile", action="store_true", help="print where the time goes, per kernel op")
+    ap.add_argument("--contexts", default="128,512,2048,4096")
+    ap.add_argument("--context-model", default="large", help="model for the context sweep ('' skips it)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    print(f"dtype={args.dtype} threads={args.threads} repeats={args.repeats}")
-    for name in args.models.split(","):
-        cfg, w = MODELS[name]
-        r = bench(name, dtype, args.repeats, args.profile)
-        print(
-            f"{name:6s} (hidden {cfg.hidden_size}, {cfg.num_layers} layers, {w['requests']} req x "
-            f"{w['prompt']} prompt + {w['gen']} gen): "
-            f"prefill tok/s contract {r['contract_prefill_tok_s']:.0f} default {r['default_prefill_tok_s']:.0f} "
-            f"ratio {r['prefill_ratio']:.2f}x | decode tok/s contract {r['contract_decode_tok_s']:.1f} "
-            f"default {r['default_decode_tok_s']:.1f} ratio {r['decode_ratio']:.2f}x"
-        )
+    print(f"threads={args.threads} repeats={args.repeats}")
+    checks: list[Check] = []
+    data: dict = {"threads": args.threads, "runs": {}}
+    for dt in args.dtypes.split(","):
+        dtype = getattr(torch, dt)
+        short = "bf16" if dtype == torch.bfloat16 else "fp32"
+        for name in args.models.split(","):
+            r = bench(name, dtype, args.repeats)
+            data["runs"][f"{name}/{short}"] = r
+            print(
+                f"{name:6s} {short} (hidden {r['hidden']}, {r['layers']} layers): prefill tok/s contract "
+                f"{r['contract_prefill_tok_s']:.0f} default {r['default_prefill_tok_s']:.0f} ratio "
+                f"{r['prefill_ratio']:.2f}x | decode tok/s contract {r['contract_decode_tok_s']:.1f} default "
+                f"{r['default_decode_tok_s']:.1f} ratio {r['decode_ratio']:.2f}x | memory "
+                f"{r['bytes']['contract'] / 2**20:.1f} / {r['bytes']['default'] / 2**20:.1f} MiB"
+            )
+            prof = r["profile"]["contract"]["full"]
+            print("    contract, where the time goes: " + ", ".join(f"{n} {s:.0%}" for n, s in prof.items()))
+            checks.append(
+                Check(f"engine {name} {short} prefill, contract/plain time", r["prefill_ratio"], ENGINE_RATIO)
+            )
+            checks.append(Check(f"engine {name} {short} decode, contract/plain time", r["decode_ratio"], ENGINE_RATIO))
+            if dtype == torch.bfloat16:
+                checks.append(Check(f"memory {name} bf16, contract/plain bytes", r["memory_ratio"], MEMORY_RATIO))
+    if args.context_model:
+        contexts = [int(c) for c in args.contexts.split(",")]
+        dtype = getattr(torch, args.dtypes.split(",")[0])
+        sweep = context_scaling(args.context_model, dtype, contexts)
+        data["context"] = {"model": args.context_model, "dtype": str(dtype), "per_token_s": sweep}
+        for k, per in sweep.items():
+            cells = ", ".join(f"{c}: {1 / t:.1f} tok/s ({t * 1e3:.1f} ms)" for c, t in per.items())
+            print(f"context sweep {args.context_model} {k}: {cells}")
+        if 512 in contexts and 4096 in contexts:
+            for k in KINDS:
+                ratio = sweep[k][4096] / sweep[k][512]
+                checks.append(Check(f"decode per token at 4096 / 512 context ({k})", ratio, CONTEXT_RATIO))
+    report("bench_engine", checks, data)
 
 
 if __name__ == "__main__":

@@ -138,15 +138,20 @@ def test_padded_vocab_size():
     assert padded_vocab_size(512, 4) == 512 and padded_vocab_size(513, 2) == 768
 
 
-def test_linear_autograd_and_weight_cache():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_autograd_and_weight_cache(dtype):
     """The trainer differentiates through the contract linear; the fp32 weight cache follows updates."""
     k = get_kernels("contract")
     for m in (3, 40, 300):
-        x = randn(m, 128, seed=1).requires_grad_()
-        w = randn(64, 128, seed=2, std=0.1).requires_grad_()
+        x = randn(m, 128, dtype=dtype, seed=1).requires_grad_()
+        w = randn(64, 128, dtype=dtype, seed=2, std=0.1).requires_grad_()
         y = k.linear(x, w)
         with torch.no_grad():  # the untracked path (rollout) gives the tracked path's (trainer's) bits
             assert torch.equal(y.detach(), k.linear(x.detach(), w.detach()))
+            assert torch.equal(k.linear_k_sharded(x, w), k.linear_k_sharded(x.detach(), w.detach()))
+        assert torch.equal(k.linear_k_sharded(x, w).detach(), k.linear_k_sharded(x.detach(), w.detach()))
+        if dtype == torch.bfloat16:
+            continue
         y.square().sum().backward()
         ref_gx = 2 * (x @ w.T) @ w
         assert x.grad is not None and w.grad is not None

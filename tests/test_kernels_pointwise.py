@@ -61,6 +61,11 @@ def test_swiglu_rows(dtype, width):
         assert torch.equal(K.swiglu(g, u), full)
     ref = F.silu(g.double()) * u.double()
     assert _close(full, ref)
+    # The trainer's autograd path (out of place) and the engine's (in place) give the same bits, and the
+    # engine's leaves its fp32 inputs untouched.
+    gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
+    assert torch.equal(K.swiglu(gg, uu).detach(), full)
+    assert torch.equal(g, gg.detach()) and torch.equal(u, uu.detach())
 
 
 def test_rope_positions_independent():

@@ -27,8 +27,16 @@ def test_prefix_and_segment_batches(dtype):
     refs = [m(s) for s in seqs]
     assert refs[0].shape == (45, m.padded_vocab) and refs[0].dtype == torch.float32
     assert torch.equal(m(seqs[1][:37]), refs[1][:37])
+    kern = m.kernels
     pool = KVPool(
-        cfg.num_layers, 3, 80, cfg.num_kv_heads, cfg.head_dim, m.kernels.kv_cache_dtype(dtype), m.kernels.attention_tile
+        cfg.num_layers,
+        3,
+        80,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        kern.kv_cache_dtype(dtype),
+        kern.attention_tile,
+        layout=kern.kv_pool_layout,
     )
     done = [0, 0, 0]
     while any(d < len(s) for d, s in zip(done, seqs, strict=True)):

@@ -109,10 +109,18 @@ class KernelSet(Protocol):
         num_keys: int,
         scale: float,
     ) -> torch.Tensor:
-        """`attention` of q [B, Nq, Hq, D] straight over a KV pool [slots, cap, Hkv, D] (decode path)."""
+        """`attention` of q [B, Nq, Hq, D] straight over a KV pool (decode path) in this set's
+        `kv_pool_layout`: k/v [slots, cap, Hkv, D] ("token"), or tiled ("tile")."""
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype the engine's KV cache stores for activations of `dtype`."""
+
+    # The layout of the engine's KV pool that `attention_pooled` reads: "token" or "tile" (see
+    # tonpolicy/model/kv_cache.py).
+    kv_pool_layout: str
+
+    def lm_head_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype `lm_head` reads its weight in (a model holding a prepared LM head copy keeps it so)."""
 
     def attention_tile_partial(
         self,

@@ -21,6 +21,9 @@ from tonpolicy.kernels.contract_linear import tiled_partials, tree_sum
 
 class ContractKernels:
     name = "contract"
+    # Key tiles pooled in their GEMM layout ([Hkv, D, T] keys, [Hkv, T, D] values): decode then gathers
+    # whole tiles, where the token layout cost a transposing copy of every visible key per step.
+    kv_pool_layout = "tile"
 
     def __init__(
         self,
@@ -130,17 +133,20 @@ class ContractKernels:
         num_keys: int,
         scale: float,
     ) -> torch.Tensor:
-        """q [B, Nq, Hq, D] at q_pos [B, Nq] over a KV pool [slots, cap, Hkv, D] (key j sits at position
-        j; cap a tile multiple), batch row b reading pool slot slots[b], keys [0, num_keys) rounded up to
-        whole tiles. Bitwise equal to `attention` over that row's keys; reads only visible tiles."""
+        """q [B, Nq, Hq, D] at q_pos [B, Nq] over a tile-layout KV pool (k [slots, cap/T, Hkv, D, T],
+        v [slots, cap/T, Hkv, T, D]; key j sits at position j), batch row b reading pool slot slots[b],
+        keys [0, num_keys) rounded up to whole tiles. Bitwise equal to `attention` over that row's keys;
+        reads only visible tiles."""
         t = self.attention_tile
-        n, cap, hkv, d = k_pool.shape
-        kpos = torch.arange(cap, device=q.device).view(1, cap // t, t).expand(n, -1, -1)
+        n, tiles = k_pool.shape[:2]
+        if k_pool.shape[-1] != t:
+            raise ValueError(f"the contract reads a tile-layout KV pool of {t}-key tiles, got k {tuple(k_pool.shape)}")
+        kpos = torch.arange(tiles * t, device=q.device).view(1, tiles, t).expand(n, -1, -1)
         return contract_attention.attention_stores(
             q,
             q_pos,
-            k_pool.view(n, cap // t, t, hkv, d),
-            v_pool.view(n, cap // t, t, hkv, d),
+            k_pool,
+            v_pool,
             kpos,
             slots,
             -(-num_keys // t),
@@ -148,6 +154,9 @@ class ContractKernels:
             self.attention_row_tile,
             self.row_tile,
         )
+
+    def lm_head_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32  # the fp32 logits GEMM reads fp32 (bf16 upcast exactly, once)
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Keys/values are cached in the model dtype (what the projections produced); each tile is

@@ -94,13 +94,14 @@ def tile_partials(
 ) -> AttnPartial:
     """Per-tile partials of a batch of query blocks over tiled key stores.
 
-    q [B, Nq, Hq, D], q_pos [B, Nq]. Keys live in stores: k_store/v_store [S, Kt_s, T, Hkv, D],
-    kpos_store [S, Kt_s, T]; batch row b reads store `store_index[b]`, tiles [0, num_tiles).
+    q [B, Nq, Hq, D], q_pos [B, Nq]. Keys live in stores, each tile in its GEMM layout: k_store
+    [S, Kt_s, Hkv, D, T], v_store [S, Kt_s, Hkv, T, D], kpos_store [S, Kt_s, T]; batch row b reads
+    store `store_index[b]`, tiles [0, num_tiles).
     Returns dense partials with m/l [Kt, B, Qt, Hkv, R] and acc [Kt, B, Qt, Hkv, R, D]
     (Kt = num_tiles first, for the key-order merge; R = row_tile * G rows ordered (query, head in group)).
     """
     b, nq, hq, d = q.shape
-    tile, hkv = k_store.shape[2], k_store.shape[3]
+    hkv, tile = k_store.shape[2], k_store.shape[4]
     g = hq // hkv
     qt = max(1, -(-nq // row_tile))
     qp = qt * row_tile
@@ -120,15 +121,15 @@ def tile_partials(
     # Every GEMM operand is made row-major contiguous: bmm picks a different kernel for a transposed
     # operand (and reshape of a permuted view may or may not copy), which changes the bits.
     a = q_tiles[bi, qi].reshape(npairs * hkv, r, d).contiguous()
-    # Gather each tile straight into the GEMM layout (index output is contiguous in that layout).
-    kt_ = k_store.permute(0, 1, 3, 4, 2)[si, ki].float().reshape(npairs * hkv, d, tile).contiguous()
+    # Whole tiles gathered, already in the GEMM layout (contiguous; the fp32 upcast is exact).
+    kt_ = k_store[si, ki].float().reshape(npairs * hkv, d, tile).contiguous()
     s = torch.bmm(a, kt_).view(npairs, hkv, r, tile) * scale
     visible = kpos[bi, ki].view(npairs, 1, 1, tile) <= qpos_rows[bi, qi].view(npairs, 1, r, 1)
     s = torch.where(visible, s, torch.full_like(s, NEG_INF))
     m = s.amax(dim=-1)
     p = torch.exp(s - _safe(m).unsqueeze(-1))
     l = p.sum(dim=-1)  # noqa: E741
-    vt = v_store.permute(0, 1, 3, 2, 4)[si, ki].float().reshape(npairs * hkv, tile, d).contiguous()
+    vt = v_store[si, ki].float().reshape(npairs * hkv, tile, d).contiguous()
     acc = torch.bmm(p.reshape(npairs * hkv, r, tile).contiguous(), vt).view(npairs, hkv, r, d)
     if npairs == num_tiles * b * qt:  # every pair visible: the tile-major pair order is the dense order
         return AttnPartial(
@@ -154,7 +155,8 @@ def unpack_rows(x: torch.Tensor, nq: int, row_tile: int) -> torch.Tensor:
 
 
 def to_store(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int):
-    """Token-major keys [B, Nk, Hkv, D] -> tiled stores, padded with zero k/v at KEY_PAD_POS."""
+    """Token-major keys [B, Nk, Hkv, D] -> tiled stores in the GEMM layout (k [B, Kt, Hkv, D, T],
+    v [B, Kt, Hkv, T, D]), padded with zero k/v at KEY_PAD_POS."""
     b, nk, hkv, d = k.shape
     kt = max(1, -(-nk // tile))
     extra = kt * tile - nk
@@ -162,7 +164,9 @@ def to_store(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int):
         k = torch.cat([k, k.new_zeros(b, extra, hkv, d)], dim=1)
         v = torch.cat([v, v.new_zeros(b, extra, hkv, d)], dim=1)
         k_pos = torch.cat([k_pos, k_pos.new_full((b, extra), KEY_PAD_POS)], dim=1)
-    return k.view(b, kt, tile, hkv, d), v.view(b, kt, tile, hkv, d), k_pos.reshape(b, kt, tile), kt
+    ks = k.view(b, kt, tile, hkv, d).permute(0, 1, 3, 4, 2).contiguous()
+    vs = v.view(b, kt, tile, hkv, d).permute(0, 1, 3, 2, 4).contiguous()
+    return ks, vs, k_pos.reshape(b, kt, tile), kt
 
 
 def attention_stores(
@@ -178,7 +182,7 @@ def attention_stores(
     granule: int,
 ) -> torch.Tensor:
     """Attention of q [B, Nq, Hq, D] over tiled key stores (see tile_partials) -> [B, Nq, Hq, D]."""
-    row_tile = query_row_tile(q.shape[1], q.shape[2] // k_store.shape[3], row_tile, granule)
+    row_tile = query_row_tile(q.shape[1], q.shape[2] // k_store.shape[2], row_tile, granule)
     parts = tile_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
     out = finalize(merge_tiles(parts), q.dtype)  # [B, Qt, Hkv, R, D]
     return unpack_rows(out, q.shape[1], row_tile)

@@ -67,20 +67,28 @@ def _tile_gemms(x: torch.Tensor, wf: torch.Tensor, num_shards: int, rows: int, o
 
 
 def _bf16_partials(x: torch.Tensor, w: torch.Tensor, num_shards: int, big: int, m_big: int) -> torch.Tensor:
-    """[C, M, N] bf16: per K-shard, `F.linear` (oneDNN's bf16 GEMM) on row tiles of `big` rows and one
-    tail. Measured: F.linear's row bits equal for any multiple-of-4 row count and for strided shard
-    views, in both torch builds; bf16 `torch.bmm` gives the same bits but takes a ~40x slower path."""
-    k = x.shape[1]
+    """[C, M, N] bf16: per K-shard, oneDNN's bf16 GEMM (`F.linear`, or the same `mm` writing into the
+    result) on row tiles of `big` rows and one tail. Measured: the row bits are equal for any multiple-
+    of-4 row count and for strided shard views, in both torch builds; bf16 `torch.bmm` gives the same
+    bits but takes a ~40x slower path."""
+    m, k = x.shape
     ks = k // num_shards
     bounds = list(range(0, m_big, big)) + [m_big]
-    if x.shape[0] > m_big:
-        bounds.append(x.shape[0])
+    if m > m_big:
+        bounds.append(m)
+    spans = [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+    tracked = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    out = None if tracked else x.new_empty(num_shards, m, w.shape[0])
     shards = []
     for s in range(num_shards):
         xs, ws = x[:, s * ks : (s + 1) * ks], w[:, s * ks : (s + 1) * ks]
-        tiles = [F.linear(xs[a:b], ws) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+        if out is not None:
+            for a, b in spans:
+                torch.mm(xs[a:b], ws.t(), out=out[s, a:b])
+            continue
+        tiles = [F.linear(xs[a:b], ws) for a, b in spans]
         shards.append(torch.cat(tiles) if len(tiles) > 1 else tiles[0])
-    return torch.stack(shards)
+    return out if out is not None else torch.stack(shards)
 
 
 def tiled_partials(

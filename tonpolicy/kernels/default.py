@@ -18,6 +18,7 @@ from tonpolicy.kernels.contract_attention import KEY_PAD_POS, finalize, merge
 
 class DefaultKernels:
     name = "default"
+    kv_pool_layout = "token"
 
     def __init__(self, *, attention_tile: int = 32, canonical_shards: int = 4) -> None:
         self.attention_tile = attention_tile
@@ -108,6 +109,9 @@ class DefaultKernels:
         nk = -(-num_keys // self.attention_tile) * self.attention_tile
         k_pos = torch.arange(nk, device=q.device)[None].expand(q.shape[0], nk)
         return self.attention_batched(q, k_pool[slots, :nk], v_pool[slots, :nk], q_pos, k_pos, scale)
+
+    def lm_head_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype

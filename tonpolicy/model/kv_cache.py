@@ -1,13 +1,19 @@
 """Contiguous KV cache pool for the rollout engine: one slot per running request.
 
-Per layer, k and v are [slots, capacity, Hkv, D] in the model dtype, with capacity a multiple of the
-attention tile. Slots are reused without clearing: the causal mask gives stale keys exactly zero
-weight and stale values are finite, so 0 * v adds exactly zero (same as the zero padding).
+Per layer, k and v hold [slots, capacity] positions of [Hkv, D] in the cache dtype, capacity a multiple
+of the attention tile, in one of two layouts the kernel set picks (`kv_pool_layout`):
+- "token": k and v [slots, capacity, Hkv, D];
+- "tile": k [slots, capacity/T, Hkv, D, T] and v [slots, capacity/T, Hkv, T, D], i.e. each key tile
+  already in the layout its attention GEMMs read, so decode gathers whole tiles instead of transposing.
+Slots are reused without clearing: the causal mask gives stale keys exactly zero weight and stale
+values are finite, so 0 * v adds exactly zero (same as the zero padding).
 """
 
 from __future__ import annotations
 
 import torch
+
+LAYOUTS = ("token", "tile")
 
 
 class KVPool:
@@ -21,13 +27,24 @@ class KVPool:
         dtype: torch.dtype,
         tile: int,
         device: torch.device | str = "cpu",
+        layout: str = "token",
     ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"KV pool layout must be one of {LAYOUTS}, got {layout!r}")
         self.capacity = -(-capacity // tile) * tile
-        self.tile = tile
-        shape = (slots, self.capacity, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.tile, self.layout = tile, layout
+        if layout == "token":
+            k_shape = v_shape = (slots, self.capacity, num_kv_heads, head_dim)
+        else:
+            k_shape = (slots, self.capacity // tile, num_kv_heads, head_dim, tile)
+            v_shape = (slots, self.capacity // tile, num_kv_heads, tile, head_dim)
+        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.free = list(range(slots - 1, -1, -1))
+
+    @property
+    def slots(self) -> int:
+        return self.k[0].shape[0]
 
     def alloc(self) -> int:
         return self.free.pop()
@@ -36,8 +53,21 @@ class KVPool:
         self.free.append(slot)
 
     def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [n, Hkv, D] of positions [start, start + n) of `slot`."""
         n = k.shape[0]
         if start + n > self.capacity:
             raise ValueError(f"KV slot overflow: {start + n} > capacity {self.capacity}")
-        self.k[layer][slot, start : start + n] = k
-        self.v[layer][slot, start : start + n] = v
+        if self.layout == "token":
+            self.k[layer][slot, start : start + n] = k
+            self.v[layer][slot, start : start + n] = v
+            return
+        pos = torch.arange(start, start + n, device=k.device)
+        tiles, offsets = pos // self.tile, pos % self.tile
+        self.k[layer][slot, tiles, :, :, offsets] = k  # advanced indices first: [n, Hkv, D]
+        self.v[layer][slot, tiles, :, offsets, :] = v
+
+    def copy_from(self, old: KVPool) -> None:
+        """Take over every slot and position of a smaller pool of the same layout (pool growth)."""
+        n = old.slots
+        for dst, src in zip(self.k + self.v, old.k + old.v, strict=True):
+            dst[:n, : src.shape[1]] = src

@@ -206,7 +206,7 @@ class Engine:
         cfg = self.model.cfg
         slots, cap = len(self._running) + 1, positions
         if old is not None:
-            slots = max(slots, old.k[0].shape[0] * (1 if old.free else 2))
+            slots = max(slots, old.slots * (1 if old.free else 2))
             cap = max(cap, old.capacity * (1 if old.capacity >= positions else 2))
         slots, cap = min(slots, self.max_running), min(cap, cfg.max_position_embeddings)
         pool = KVPool(
@@ -218,11 +218,10 @@ class Engine:
             self.model.kernels.kv_cache_dtype(self.model.dtype),
             self.model.kernels.attention_tile,
             self.model.model.embed_tokens.weight.device,
+            self.model.kernels.kv_pool_layout,
         )
         if old is not None:
-            n, c = old.k[0].shape[0], old.capacity
-            for dst, src in zip(pool.k + pool.v, old.k + old.v, strict=True):
-                dst[:n, :c] = src
+            pool.copy_from(old)
         used = {r.slot for r in self._running}
         pool.free = [s for s in range(slots - 1, -1, -1) if s not in used]  # lowest slot first, as KVPool
         self._pool = pool

@@ -1,0 +1,65 @@
+"""The performance targets the benchmarks check (issue 13), and where their results go.
+
+Each benchmark measures both sides in one run, prints every target as `measured / target pass|MISS` and
+writes `results/<bench>.json`; `perf_report.py` turns those files into `results/perf_targets.md`,
+`results/perf_targets.png` and README's table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+ENGINE_RATIO = 1.2  # embedded engine, contract time / plain time (prefill and decode)
+TRAINER_RATIO = 1.1  # trainer step, contract spec / stock spec
+SGLANG_RATIO = 1.0  # embedded server (contract) tokens/s / stock SGLang tokens/s
+MEMORY_RATIO = 1.1  # bytes held by a bf16 model under the contract / plain (weights + KV pool)
+CONTEXT_RATIO = 1.5  # decode time per token at context 4096 / at context 512
+
+
+@dataclass
+class Check:
+    name: str
+    measured: float
+    target: float
+    at_most: bool = True  # the measured value must be <= target (False: >=)
+
+    @property
+    def passed(self) -> bool:
+        return self.measured <= self.target if self.at_most else self.measured >= self.target
+
+    def line(self) -> str:
+        sign = "<=" if self.at_most else ">="
+        return f"{self.name}: {self.measured:.2f} / {sign} {self.target:.2f}  {'pass' if self.passed else 'MISS'}"
+
+
+def report(bench: str, checks: list[Check], data: dict[str, Any]) -> Path:
+    """Print every target and write results/<bench>.json (checks, raw numbers, machine)."""
+    print(f"\n{bench}: targets (measured / target)")
+    for c in checks:
+        print("  " + c.line())
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{bench}.json"
+    body = {
+        "bench": bench,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+        },
+        "checks": [asdict(c) | {"passed": c.passed} for c in checks],
+        "data": data,
+    }
+    path.write_text(json.dumps(body, indent=2) + "\n")
+    print(f"  -> {path}")
+    return path
