@@ -1,13 +1,15 @@
 """Rollout servers side by side on this machine: stock SGLang, SGLang with tonpolicy's contract model
 package, and tonpolicy's embedded server (contract kernels), on the same checkpoint and workload.
 
-    .venv/bin/python experiments/bench_sglang.py [--models tiny,large] [--dtype float32] [--gen 128]
+    .venv/bin/python experiments/bench_sglang.py [--models tiny,large] [--dtypes bfloat16,float32] [--gen 128]
 
 Each server is started with the command and environment tonpolicy's launch plan renders (all under
 the SGLang environment's Python, so they share one torch build), warmed up, then driven by the same
 HTTP client at 1, 8 and 32 concurrent streams (8-token prompts, `--gen` new tokens, sampling at T=1).
-Prints tokens/s per server and concurrency and the ratios against stock SGLang, measured in one run.
-Needs the SGLang environment (scripts/setup_sglang.sh).
+Prints tokens/s per server and concurrency and the ratios against stock SGLang, measured in one run,
+and the target (embedded server with contract kernels >= 1.0x stock SGLang) as measured / target;
+results/bench_sglang.json gets the numbers. Without the SGLang environment (scripts/setup_sglang.sh) it
+says so and compares nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 from bench_models import CPU_1024
+from perf_targets import SGLANG_RATIO, Check, report
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.model import ModelConfig
@@ -139,30 +141,45 @@ def bench_server(kind: str, ckpt: Path, cfg: ModelConfig, dtype: str, gen: int, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,large")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--gen", type=int, default=128)
     args = ap.parse_args()
     py = sglang_python(compose_config(["rollout=sglang"]))
     if subprocess.run([py, "-c", "import sglang"], capture_output=True).returncode != 0:
-        sys.exit(f"no SGLang environment at {py}: run `bash scripts/setup_sglang.sh` first")
+        print(f"SKIPPED: no SGLang environment at {py} (run `bash scripts/setup_sglang.sh` to compare with it)")
+        report("bench_sglang", [], {"skipped": f"no SGLang environment at {py}"})
+        return
     kinds = ("sglang", "sglang+contract", "embedded")
+    checks, runs = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
-            cfg = MODELS[name]
-            ckpt = Path(tmp) / name
-            save_hf(init_state_dict(cfg, getattr(torch, args.dtype), 0), cfg, ckpt)
-            results = {
-                k: bench_server(k, ckpt, cfg, args.dtype, args.gen, Path(tmp) / f"{name}_{k}.log") for k in kinds
-            }
-            print(
-                f"\n{name} (hidden {cfg.hidden_size}, {cfg.num_layers} layers), {args.dtype}, "
-                f"8-token prompts, {args.gen} new tokens: tokens/s (ratio to stock SGLang)"
-            )
-            print("| server | " + " | ".join(f"{c} concurrent" for c in CONCURRENCY) + " |")
-            print("|---|" + "---|" * len(CONCURRENCY))
-            for k in kinds:
-                cells = [f"{results[k][c]:.0f} ({results[k][c] / results['sglang'][c]:.2f}x)" for c in CONCURRENCY]
-                print(f"| {k} | " + " | ".join(cells) + " |")
+        for dtype in args.dtypes.split(","):
+            short = "bf16" if dtype == "bfloat16" else "fp32"
+            for name in args.models.split(","):
+                cfg = MODELS[name]
+                ckpt = Path(tmp) / f"{name}_{dtype}"
+                save_hf(init_state_dict(cfg, getattr(torch, dtype), 0), cfg, ckpt)
+                results = {k: bench_server(k, ckpt, cfg, dtype, args.gen, Path(tmp) / f"{name}_{k}.log") for k in kinds}
+                runs[f"{name}/{short}"] = results
+                print(
+                    f"\n{name} (hidden {cfg.hidden_size}, {cfg.num_layers} layers), {dtype}, "
+                    f"8-token prompts, {args.gen} new tokens: tokens/s (ratio to stock SGLang)"
+                )
+                print("| server | " + " | ".join(f"{c} concurrent" for c in CONCURRENCY) + " |")
+                print("|---|" + "---|" * len(CONCURRENCY))
+                for k in kinds:
+                    cells = [f"{results[k][c]:.0f} ({results[k][c] / results['sglang'][c]:.2f}x)" for c in CONCURRENCY]
+                    print(f"| {k} | " + " | ".join(cells) + " |")
+                for c in CONCURRENCY:
+                    ratio = results["embedded"][c] / results["sglang"][c]
+                    checks.append(
+                        Check(
+                            f"embedded (contract) / stock SGLang tok/s, {name} {short}, {c} concurrent",
+                            ratio,
+                            SGLANG_RATIO,
+                            at_most=False,
+                        )
+                    )
+    report("bench_sglang", checks, {"gen": args.gen, "prompt_tokens": 8, "tok_s": runs})
 
 
 if __name__ == "__main__":

@@ -4,13 +4,15 @@ step spent in the logprob recipe (TP vocab gather -> fp32 log-softmax -> gather;
 the parity comparison.
 
     .venv/bin/python experiments/bench_trainer.py [--samples 8] [--prompt-len 96] [--response-len 32]
-        [--steps 3] [--dtype bfloat16] [--tp 1 2] [--json out.json]
+        [--steps 3] [--dtypes float32,bfloat16] [--tp 1 2]
+
+Every target (contract step / stock step <= 1.1 at each TP and dtype) is printed as measured / target;
+results/bench_trainer.json gets the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -21,6 +23,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf_targets import TRAINER_RATIO, Check, report  # noqa: E402
 
 from tonpolicy.config.model import ModelConfig  # noqa: E402
 from tonpolicy.parity import harness  # noqa: E402
@@ -77,15 +81,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--prompt-len", type=int, default=96)
     ap.add_argument("--response-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     from tonpolicy.model.checkpoint import init_state_dict, save_hf
 
     cfg = ModelConfig()
-    ck = str(Path(tempfile.mkdtemp()) / "ckpt")
-    save_hf(init_state_dict(cfg, torch.float32 if a.dtype == "float32" else torch.bfloat16, 3), cfg, ck)
     g = torch.Generator().manual_seed(0)
     batch = {
         "prompts": [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.samples)],
@@ -94,16 +95,24 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ],
         "advantages": torch.randn(a.samples, generator=g).tolist(),
     }
-    results = [spawn(_bench, tp, Layout(tp=tp), a.dtype, ck, batch, a.steps) for tp in a.tp]
-    for r in results:
-        c, s = r["contract"], r["stock"]
-        print(
-            f"{r['layout']:>8} {r['dtype']}: contract {c['step_s'] * 1e3:8.1f} ms  stock {s['step_s'] * 1e3:8.1f} ms"
-            f"  ratio {r['contract_over_stock']:.2f}x  | logprob recipe {c['recipe_share']:.2%} of the contract step"
-            f" (stock {s['recipe_share']:.2%}), parity compare {c['parity_compare_share']:.3%}"
-        )
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=2))
+    results, checks = [], []
+    for dtype in a.dtypes.split(","):
+        ck = str(Path(tempfile.mkdtemp()) / "ckpt")
+        save_hf(init_state_dict(cfg, getattr(torch, dtype), 3), cfg, ck)
+        for tp in a.tp:
+            r = spawn(_bench, tp, Layout(tp=tp), dtype, ck, batch, a.steps)
+            results.append(r)
+            c, s = r["contract"], r["stock"]
+            print(
+                f"{r['layout']:>8} {dtype}: contract {c['step_s'] * 1e3:8.1f} ms  stock {s['step_s'] * 1e3:8.1f} ms"
+                f"  ratio {r['contract_over_stock']:.2f}x  | logprob recipe {c['recipe_share']:.2%} of the contract "
+                f"step (stock {s['recipe_share']:.2%}), parity compare {c['parity_compare_share']:.3%}"
+            )
+            short = "bf16" if dtype == "bfloat16" else "fp32"
+            checks.append(
+                Check(f"trainer step tp{tp} {short}, contract/stock spec", r["contract_over_stock"], TRAINER_RATIO)
+            )
+    report("bench_trainer", checks, {"workload": vars(a), "runs": results})
     return results
 
 

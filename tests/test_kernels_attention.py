@@ -49,6 +49,30 @@ def test_prefill_decode_chunked_equal(dtype, tile, art):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_row_tile_is_a_speed_knob(dtype):
+    """Query rows per attention GEMM change no bit as long as every GEMM has a multiple of 4 rows
+    (the `row_tile` granule), which is why decode pads one query only to 4 rows, and why
+    `attention_row_tile` is tuned for speed. Negative control: GEMMs of 1-2 rows (granule 1, no GQA
+    group) take another path and differ."""
+    rng = random.Random(5)
+    for hq, hkv, d in HEADS:
+        n = 70
+        q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=hq)
+        pos = torch.arange(n)
+        ref = get_kernels("contract", attention_row_tile=8).attention(q, kk, v, pos, pos, d**-0.5)
+        for art in (1, 2, 4, 16, 32, 64):
+            k = get_kernels("contract", attention_row_tile=art)
+            assert torch.equal(k.attention(q, kk, v, pos, pos, d**-0.5), ref), (hq, hkv, art)
+            i = rng.randrange(n)
+            one = k.attention(q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], pos[: i + 1], d**-0.5)
+            assert torch.equal(one, ref[i : i + 1])
+    q, kk, v = _qkv(n, 4, 4, 64, torch.float32, seed=9)
+    ref = get_kernels("contract").attention(q, kk, v, pos, pos, 0.125)
+    ungrouped = get_kernels("contract", attention_row_tile=1, row_tile=1).attention(q, kk, v, pos, pos, 0.125)
+    assert not torch.equal(ungrouped, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_batched_decode_equals_alone(dtype):
     """Sequences of different lengths share one batched call (keys padded past each length)."""
     k = get_kernels("contract")

@@ -44,7 +44,7 @@ def get_kernels(
     attention_tile: int = 32,
     canonical_shards: int = 4,
     row_tile: int = 4,
-    attention_row_tile: int = 8,
+    attention_row_tile: int = 16,
     prefill_row_tile: int = 128,
 ) -> KernelSet:
     """Build a kernel set by name ("contract", "triton" or "default").

@@ -31,7 +31,7 @@ class ContractKernels:
         attention_tile: int = 32,
         canonical_shards: int = 4,
         row_tile: int = 4,
-        attention_row_tile: int = 8,
+        attention_row_tile: int = 16,
         prefill_row_tile: int = 128,
     ) -> None:
         self.attention_tile = attention_tile

@@ -28,11 +28,12 @@ NEG_INF = float("-inf")
 
 
 def query_row_tile(nq: int, group: int, row_tile: int, granule: int) -> int:
-    """Queries per GEMM row tile: `row_tile`, or for fewer queries (decode) the fewest whose row count
-    (queries x `group` heads) is a multiple of `granule` -- every such count gives the same row bits
-    (measured, tests/test_kernels_attention.py), so decode pads 1 query to 2 rows' worth, not 8."""
+    """Queries per GEMM row tile: `row_tile` (rounded up so that its rows, queries x `group` heads, are a
+    multiple of `granule`), or for fewer queries (decode) the fewest such. Every multiple-of-4 row count
+    gives the same row bits (measured, tests/test_kernels_attention.py), so the tile is a speed knob and
+    decode pads 1 query to 4 rows, not to a whole tile."""
     step = granule // math.gcd(group, granule)
-    return min(row_tile, -(-nq // step) * step)
+    return min(-(-row_tile // step) * step, -(-nq // step) * step)
 
 
 def _safe(m: torch.Tensor) -> torch.Tensor:
