@@ -169,6 +169,13 @@ CASES = [
         ],
     ),
     (
+        ["contract.row_tile=6", "contract.prefill_row_tile=500"],
+        [
+            "contract.row_tile=6: must be a multiple of 4 (GEMMs of 1-3 rows take another path, other bits)",
+            "contract.prefill_row_tile=500: must be a multiple of contract.row_tile=6",
+        ],
+    ),
+    (
         ["task.max_digits=7"],
         ["task.max_digits=7: a prompt of 7 digits and two words exceeds experiment.max_prompt_len=8"],
     ),

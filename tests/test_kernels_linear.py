@@ -258,10 +258,18 @@ def test_bf16_linear_is_one_rounding_of_an_fp32_accumulation():
     assert torch.equal(k.lm_head(x, w), get_kernels("contract").lm_head(x.float(), w.float()))
 
 
-def test_linear_long_prefill_rows():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_long_prefill_rows(dtype):
+    """Tiles of `prefill_row_tile` (512) rows plus one tail GEMM give the bits of 16-row tiles."""
+    from tonpolicy.kernels.contract_linear import tiled_partials
+
     k = get_kernels("contract")
-    x = randn(700, 1024, dtype=torch.bfloat16, seed=5)  # 5 tiles of 128 + 60 rows in 16-row tiles
-    w = randn(1024, 1024, dtype=torch.bfloat16, seed=6, std=1 / 32)
+    x = randn(1100, 1024, dtype=dtype, seed=5)  # 2 tiles of 512 + a tail of 76 rows
+    w = randn(1024, 1024, dtype=dtype, seed=6, std=1 / 32)
     full = k.linear(x, w)
-    for off, m in [(0, 1), (130, 1), (639, 2), (650, 50), (100, 300)]:
+    assert torch.equal(full, tiled_partials(x, w, 1, 16)[0].to(dtype))
+    for off, m in [(0, 1), (130, 1), (639, 2), (650, 50), (100, 300), (3, 1090)]:
         assert torch.equal(k.linear(x[off : off + m], w), full[off : off + m])
+    sharded = k.linear_k_sharded(x, w)
+    with num_threads(1):
+        assert torch.equal(k.linear_k_sharded(x[500:1100], w), sharded[500:1100])

@@ -312,6 +312,12 @@ def _check_contract(cfg: Config, bad: Any) -> None:
         )
     if c.sglang.rl_on_policy_target not in (None, "fsdp"):
         bad("contract.sglang.rl_on_policy_target", "released SGLang accepts only 'fsdp' (or null to omit the flag)")
+    if c.kernels == "contract" and c.row_tile >= 1:
+        # Measured on CPU GEMMs: any multiple-of-4 row count gives the same row bits, 1-3 rows do not.
+        if c.row_tile % 4:
+            bad("contract.row_tile", "must be a multiple of 4 (GEMMs of 1-3 rows take another path, other bits)")
+        if c.prefill_row_tile >= 1 and c.prefill_row_tile % c.row_tile:
+            bad("contract.prefill_row_tile", f"must be a multiple of contract.row_tile={c.row_tile}")
 
 
 def _check_checkpoint(cfg: Config, issues: list[ConfigIssue]) -> None:

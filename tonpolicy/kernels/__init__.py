@@ -45,7 +45,7 @@ def get_kernels(
     canonical_shards: int = 4,
     row_tile: int = 4,
     attention_row_tile: int = 16,
-    prefill_row_tile: int = 128,
+    prefill_row_tile: int = 512,
 ) -> KernelSet:
     """Build a kernel set by name ("contract", "triton" or "default").
 

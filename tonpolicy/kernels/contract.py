@@ -32,7 +32,7 @@ class ContractKernels:
         canonical_shards: int = 4,
         row_tile: int = 4,
         attention_row_tile: int = 16,
-        prefill_row_tile: int = 128,
+        prefill_row_tile: int = 512,
     ) -> None:
         self.attention_tile = attention_tile
         self.canonical_shards = canonical_shards
