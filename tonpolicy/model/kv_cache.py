@@ -61,10 +61,23 @@ class KVPool:
             self.k[layer][slot, start : start + n] = k
             self.v[layer][slot, start : start + n] = v
             return
-        pos = torch.arange(start, start + n, device=k.device)
-        tiles, offsets = pos // self.tile, pos % self.tile
-        self.k[layer][slot, tiles, :, :, offsets] = k  # advanced indices first: [n, Hkv, D]
-        self.v[layer][slot, tiles, :, offsets, :] = v
+        self.write_tokens(layer, torch.full((n,), slot), torch.arange(start, start + n), k, v)
+
+    def write_tokens(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store k/v [n, Hkv, D] of token i at position positions[i] of slot slots[i] (one scatter for a
+        whole decode batch)."""
+        if positions.numel() and int(positions.max()) >= self.capacity:
+            raise ValueError(f"KV slot overflow: position {int(positions.max())} >= capacity {self.capacity}")
+        slots, positions = slots.to(k.device), positions.to(k.device)
+        if self.layout == "token":
+            self.k[layer][slots, positions] = k
+            self.v[layer][slots, positions] = v
+            return
+        tiles, offsets = positions // self.tile, positions % self.tile
+        self.k[layer][slots, tiles, :, :, offsets] = k  # advanced indices first: [n, Hkv, D]
+        self.v[layer][slots, tiles, :, offsets, :] = v
 
     def copy_from(self, old: KVPool) -> None:
         """Take over every slot and position of a smaller pool of the same layout (pool growth)."""

@@ -196,10 +196,10 @@ class Qwen3(nn.Module):
                 out[sl] = kern.attention(q[sl], k[sl], v[sl], pos[sl], pos[sl], scale)
                 continue
             assert kv is not None
-            kv.write(li, s.slot, s.start, k[sl], v[sl])
             if s.length == 1:
-                decode.append(i)
+                decode.append(i)  # written below, all in one scatter
                 continue
+            kv.write(li, s.slot, s.start, k[sl], v[sl])
             out[sl] = kern.attention_pooled(
                 q[None, sl],
                 pos[None, sl],
@@ -214,12 +214,14 @@ class Qwen3(nn.Module):
             # are masked by position (and their tiles skipped), so different lengths can share it.
             assert kv is not None
             rows = torch.tensor([offs[i] for i in decode], device=q.device)
+            slots = torch.tensor([segments[i].slot for i in decode])
+            kv.write_tokens(li, slots, torch.tensor([segments[i].start for i in decode]), k[rows], v[rows])
             res = kern.attention_pooled(
                 q.index_select(0, rows)[:, None],
                 pos.index_select(0, rows)[:, None],
                 kv.k[li],
                 kv.v[li],
-                torch.tensor([segments[i].slot for i in decode], device=q.device),
+                slots.to(q.device),
                 max(segments[i].start + 1 for i in decode),
                 scale,
             )

@@ -1,0 +1,53 @@
+"""The engine's KV pool: the tile layout (keys and values stored in the layout the contract's attention
+GEMMs read) holds exactly what the token layout holds, through writes that cross tiles, one-scatter
+decode writes and pool growth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tonpolicy.model.kv_cache import KVPool
+
+
+def _as_tokens(pool: KVPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = pool.k[layer], pool.v[layer]
+    if pool.layout == "token":
+        return k, v
+    s, kt, h, d, t = k.shape
+    return k.permute(0, 1, 4, 2, 3).reshape(s, kt * t, h, d), v.permute(0, 1, 3, 2, 4).reshape(s, kt * t, h, d)
+
+
+def _fill(pool: KVPool) -> None:
+    g = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        pool.write(layer, 1, 30, torch.randn(5, 2, 4, generator=g), torch.randn(5, 2, 4, generator=g))  # crosses 32
+        pool.write(layer, 0, 0, torch.randn(40, 2, 4, generator=g), torch.randn(40, 2, 4, generator=g))
+        slots, pos = torch.tensor([0, 2, 1]), torch.tensor([40, 7, 35])
+        pool.write_tokens(layer, slots, pos, torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, 4, generator=g))
+
+
+def test_tile_layout_holds_what_the_token_layout_holds() -> None:
+    token = KVPool(2, 3, 64, 2, 4, torch.float32, 32, layout="token")
+    tile = KVPool(2, 3, 64, 2, 4, torch.float32, 32, layout="tile")
+    assert tile.k[0].shape == (3, 2, 2, 4, 32) and tile.v[0].shape == (3, 2, 2, 32, 4)
+    _fill(token)
+    _fill(tile)
+    for layer in range(2):
+        for a, b in zip(_as_tokens(token, layer), _as_tokens(tile, layer), strict=True):
+            assert torch.equal(a, b)
+    assert _as_tokens(tile, 1)[0][2, 7].abs().sum() > 0  # the scattered decode token landed
+    bigger = KVPool(2, 6, 128, 2, 4, torch.float32, 32, layout="tile")
+    bigger.copy_from(tile)
+    assert torch.equal(_as_tokens(bigger, 0)[0][:3, :64], _as_tokens(tile, 0)[0])
+    assert torch.equal(_as_tokens(bigger, 1)[1][:3, :64], _as_tokens(tile, 1)[1])
+
+
+def test_overflow_and_unknown_layout_are_refused() -> None:
+    pool = KVPool(1, 2, 32, 1, 4, torch.float32, 32, layout="tile")
+    with pytest.raises(ValueError, match="overflow"):
+        pool.write(0, 0, 30, torch.zeros(3, 1, 4), torch.zeros(3, 1, 4))
+    with pytest.raises(ValueError, match="overflow"):
+        pool.write_tokens(0, torch.tensor([1]), torch.tensor([32]), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+    with pytest.raises(ValueError, match="layout"):
+        KVPool(1, 2, 32, 1, 4, torch.float32, 32, layout="paged")
