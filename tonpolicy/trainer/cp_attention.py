@@ -35,6 +35,17 @@ def context_parallel_attention(
     raise ValueError(f"unknown CP mode {mode!r}")
 
 
+def batched_attention(
+    kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Rows of one whole sequence each, no CP: q [B, s, Hq, D], k/v [B, s, Hkv, D], positions [B, s]."""
+
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return kernels.attention_batched(q, k, v, positions, positions, scale)
+
+    return KernelAttention.apply(q, k, v, positions, scale, fwd)
+
+
 def _attention(
     kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:

@@ -43,24 +43,28 @@ class KernelLinear(torch.autograd.Function):
 def _plain_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    g = q.shape[1] // k.shape[1]
-    if torch.equal(positions, torch.arange(positions.numel(), device=positions.device)):
-        mask, causal = None, True  # whole sequence from position 0: the fast causal path
+    """q [(B,) s, Hq, D], k/v [(B,) s, Hkv, D], positions [(B,) s]."""
+    if q.dim() == 3:
+        return _plain_attention(q[None], k[None], v[None], positions[None], scale)[0]
+    g = q.shape[2] // k.shape[2]
+    if torch.equal(positions, torch.arange(positions.shape[1], device=positions.device).expand_as(positions)):
+        mask, causal = None, True  # whole sequences from position 0: the fast causal path
     else:
-        mask, causal = positions[None, :] <= positions[:, None], False  # key j visible to query i
+        mask, causal = (positions[:, None, :] <= positions[:, :, None])[:, None], False  # key j visible to query i
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.repeat_interleave(g, dim=1).transpose(0, 1),
-        v.repeat_interleave(g, dim=1).transpose(0, 1),
+        q.transpose(1, 2),
+        k.repeat_interleave(g, dim=2).transpose(1, 2),
+        v.repeat_interleave(g, dim=2).transpose(1, 2),
         attn_mask=mask,
         is_causal=causal,
         scale=scale,
     )
-    return out.transpose(0, 1)
+    return out.transpose(1, 2)
 
 
 class KernelAttention(torch.autograd.Function):
-    """Causal attention of one whole sequence: contract kernel forward, SDPA-gradient backward."""
+    """Causal attention of whole sequences ([s, ...] or a batch [B, s, ...]): the kernel set's forward,
+    SDPA-gradient backward."""
 
     @staticmethod
     def forward(
