@@ -124,11 +124,14 @@ def tile_partials(
     a = q_tiles[bi, qi].reshape(npairs * hkv, r, d).contiguous()
     # Whole tiles gathered, already in the GEMM layout (contiguous; the fp32 upcast is exact).
     kt_ = k_store[si, ki].float().reshape(npairs * hkv, d, tile).contiguous()
-    s = torch.bmm(a, kt_).view(npairs, hkv, r, tile) * scale
-    visible = kpos[bi, ki].view(npairs, 1, 1, tile) <= qpos_rows[bi, qi].view(npairs, 1, r, 1)
-    s = torch.where(visible, s, torch.full_like(s, NEG_INF))
+    # In place where nothing is differentiated (the same ops, so the same bits, without fresh buffers).
+    inplace = not (torch.is_grad_enabled() and (q.requires_grad or k_store.requires_grad or v_store.requires_grad))
+    s = torch.bmm(a, kt_).view(npairs, hkv, r, tile)
+    s = s.mul_(scale) if inplace else s * scale
+    hidden = kpos[bi, ki].view(npairs, 1, 1, tile) > qpos_rows[bi, qi].view(npairs, 1, r, 1)
+    s = s.masked_fill_(hidden, NEG_INF) if inplace else s.masked_fill(hidden, NEG_INF)
     m = s.amax(dim=-1)
-    p = torch.exp(s - _safe(m).unsqueeze(-1))
+    p = s.sub_(_safe(m).unsqueeze(-1)).exp_() if inplace else torch.exp(s - _safe(m).unsqueeze(-1))
     l = p.sum(dim=-1)  # noqa: E741
     vt = v_store[si, ki].float().reshape(npairs * hkv, tile, d).contiguous()
     acc = torch.bmm(p.reshape(npairs * hkv, r, tile).contiguous(), vt).view(npairs, hkv, r, d)
