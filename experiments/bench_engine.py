@@ -36,6 +36,8 @@ MODELS = {
     "large": (CPU_1024, dict(requests=16, prompt=128, gen=16)),
 }
 KINDS = ("contract", "default")
+# Also measured in bf16: the contract with contract.logits_dtype=bfloat16 (the LM head on the bf16 GEMM).
+BF16_LOGITS = "contract_bf16_logits"
 POOL = dict(slots=16, capacity=1024)  # the fixed KV pool the memory comparison counts
 
 
@@ -114,24 +116,29 @@ def held_bytes(model: Qwen3) -> int:
     return sum(storages.values())
 
 
+def _kernels(kind: str):  # noqa: ANN202
+    return get_kernels("contract", logits_dtype="bfloat16") if kind == BF16_LOGITS else get_kernels(kind)
+
+
 def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
     cfg, w = MODELS[name]
     sd = init_state_dict(cfg, dtype, seed=0)
     pre = _requests(cfg, w["requests"], w["prompt"], 1)
     full = _requests(cfg, w["requests"], w["prompt"], 1 + w["gen"])
+    kinds = KINDS + ((BF16_LOGITS,) if dtype == torch.bfloat16 else ())
     models, memory = {}, {}
-    for k in KINDS:
+    for k in kinds:
         contract_linear.clear_weight_cache()
-        models[k] = Qwen3(cfg, get_kernels(k), dtype, state_dict=sd)
+        models[k] = Qwen3(cfg, _kernels(k), dtype, state_dict=sd)
         _time(models[k], pre[:1])  # warm-up: builds every cache the kernels keep
         memory[k] = held_bytes(models[k])
-    times: dict[str, dict[str, list[float]]] = {k: {"pre": [], "full": []} for k in KINDS}
+    times: dict[str, dict[str, list[float]]] = {k: {"pre": [], "full": []} for k in kinds}
     for _ in range(repeats):
         for k, m in models.items():
             times[k]["pre"].append(_time(m, pre))
             times[k]["full"].append(_time(m, full))
     out: dict = {"workload": w, "hidden": cfg.hidden_size, "layers": cfg.num_layers, "bytes": memory}
-    for k in KINDS:
+    for k in kinds:
         tp = statistics.median(times[k]["pre"])
         td = max(statistics.median(times[k]["full"]) - tp, 1e-9)
         out[f"{k}_prefill_tok_s"] = w["requests"] * w["prompt"] / tp
@@ -139,6 +146,9 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
     out["prefill_ratio"] = out["default_prefill_tok_s"] / out["contract_prefill_tok_s"]
     out["decode_ratio"] = out["default_decode_tok_s"] / out["contract_decode_tok_s"]
     out["memory_ratio"] = memory["contract"] / memory["default"]
+    if BF16_LOGITS in models:
+        out["bf16_logits_decode_ratio"] = out["default_decode_tok_s"] / out[f"{BF16_LOGITS}_decode_tok_s"]
+        out["bf16_logits_memory_ratio"] = memory[BF16_LOGITS] / memory["default"]
     out["profile"] = {k: {"prefill": breakdown(m, pre), "full": breakdown(m, full)} for k, m in models.items()}
     return out
 
@@ -199,6 +209,12 @@ def main() -> None:
             checks.append(Check(f"engine {name} {short} decode, contract/plain time", r["decode_ratio"], ENGINE_RATIO))
             if dtype == torch.bfloat16:
                 checks.append(Check(f"memory {name} bf16, contract/plain bytes", r["memory_ratio"], MEMORY_RATIO))
+                print(
+                    f"    with contract.logits_dtype=bfloat16: decode ratio {r['bf16_logits_decode_ratio']:.2f}x, "
+                    f"memory ratio {r['bf16_logits_memory_ratio']:.2f}x"
+                )
+                label = f"engine {name} bf16 decode, contract (logits_dtype=bfloat16)/plain time"
+                checks.append(Check(label, r["bf16_logits_decode_ratio"], ENGINE_RATIO))
     if args.context_model:
         contexts = [int(c) for c in args.contexts.split(",")]
         dtype = getattr(torch, args.dtypes.split(",")[0])

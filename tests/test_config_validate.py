@@ -176,6 +176,14 @@ CASES = [
         ],
     ),
     (
+        ["contract.logits_dtype=fp8"],
+        ["contract.logits_dtype='fp8': must be one of ['float32', 'bfloat16']"],
+    ),
+    (
+        ["contract=off_policy", "contract.logits_dtype=bfloat16"],
+        ["contract.logits_dtype='bfloat16': bfloat16 logits are a choice of the contract kernels on a bfloat16 model"],
+    ),
+    (
         ["task.max_digits=7"],
         ["task.max_digits=7: a prompt of 7 digits and two words exceeds experiment.max_prompt_len=8"],
     ),

@@ -45,6 +45,18 @@ def test_distributed_weight_sync_writes_nothing_and_stays_exact(tmp_path: Path) 
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["init"]
 
 
+def test_bf16_logits_contract_stays_exact(tmp_path: Path) -> None:
+    """contract.logits_dtype=bfloat16 (the LM head on the native bf16 GEMM, logits rounded to bf16 as
+    stock SGLang does): another fingerprint, and still exact zero at TP 2 on every step (the trainer's
+    vocab-parallel head gives the same bits)."""
+    proc, run_dir = run_job(tmp_path, "parallel=tp2", "experiment.steps=2", "contract.logits_dtype=bfloat16")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = records(run_dir)
+    assert all(r["tokens_scored"] > 0 and r["mismatched_tokens"] == 0 for r in recs) and len(recs) == 2
+    plan = json.loads((run_dir / "launch_plan.json").read_text())
+    assert plan["megatron"]["kernels"]["logits_dtype"] == "bfloat16"
+
+
 def test_sweep_over_layouts_exact_zero(tmp_path: Path) -> None:
     """`-m parallel=...`: each layout's job proves exact zero; the sweep writes a table and a chart."""
     layouts = ["tp2", "pp2", "cp2_ulysses", "cp2_ring"]

@@ -273,3 +273,21 @@ def test_linear_long_prefill_rows(dtype):
     sharded = k.linear_k_sharded(x, w)
     with num_threads(1):
         assert torch.equal(k.linear_k_sharded(x[500:1100], w), sharded[500:1100])
+
+
+def test_bf16_logits_option():
+    """logits_dtype=bfloat16: the LM head is the bf16 linear, upcast (no fp32 weight copy); the default
+    fp32 head differs from it by bf16 rounding, and its vocab shards still equal its columns."""
+    k16 = get_kernels("contract", logits_dtype="bfloat16")
+    k32 = get_kernels("contract")
+    x = randn(9, 256, dtype=torch.bfloat16, seed=1)
+    w = randn(2004, 256, dtype=torch.bfloat16, seed=2, std=1 / 16)
+    logits = k16.lm_head(x, w)
+    assert logits.dtype == torch.float32 and torch.equal(logits, k16.linear(x, w).float())
+    assert torch.equal(k16.lm_head(x, w[:1002]), logits[:, :1002])
+    diff = (k32.lm_head(x, w) - logits).abs().max().item()
+    assert 0 < diff < 0.05
+    assert k16.lm_head_weight_dtype(torch.bfloat16) == torch.bfloat16
+    assert k32.lm_head_weight_dtype(torch.bfloat16) == torch.float32
+    with pytest.raises(ValueError, match="logits_dtype"):
+        get_kernels("default", logits_dtype="bfloat16")

@@ -47,6 +47,10 @@ class ContractConfig:
     prefill_row_tile: int = 512  # GEMM row tile for long inputs (same row bits, proven by tests)
     attention_row_tile: int = 16  # query rows per attention GEMM tile
     canonical_shards: int = 4  # row-parallel K-shards; any TP dividing this gives the same bits
+    # The LM head's output: "float32" (an fp32 GEMM: unrounded logits) or "bfloat16" (the native bf16
+    # GEMM, logits rounded to bf16 as stock SGLang and Megatron do; half the bandwidth). Logprobs are
+    # fp32 either way, and both engines compute the same bits either way.
+    logits_dtype: str = "float32"
     logprob_recipe: str = "fp32_log_softmax_real_vocab_at_sampling_decode"
     supported_cp_types: list[str] = field(default_factory=lambda: ["ulysses", "ring"])
     supported_rollout_backends: list[str] = field(default_factory=lambda: ["embedded", "sglang"])

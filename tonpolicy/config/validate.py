@@ -17,7 +17,7 @@ from tonpolicy.config.ranges import LOOPBACK, check_ranges
 from tonpolicy.config.schema import Config, value_at
 from tonpolicy.config.sglang_rules import check_sglang
 from tonpolicy.config.sizes import microbatches_per_replica, seq_pad_multiple, world_size
-from tonpolicy.kernels import INVARIANT_KERNEL_SETS
+from tonpolicy.kernels import INVARIANT_KERNEL_SETS, LOGITS_DTYPES
 
 KNOWN = {
     "mode": ("plan", "run", "align"),
@@ -312,6 +312,10 @@ def _check_contract(cfg: Config, bad: Any) -> None:
         )
     if c.sglang.rl_on_policy_target not in (None, "fsdp"):
         bad("contract.sglang.rl_on_policy_target", "released SGLang accepts only 'fsdp' (or null to omit the flag)")
+    if c.logits_dtype not in LOGITS_DTYPES:
+        bad("contract.logits_dtype", f"must be one of {list(LOGITS_DTYPES)}")
+    elif c.logits_dtype == "bfloat16" and (c.kernels != "contract" or c.dtype != "bfloat16"):
+        bad("contract.logits_dtype", "bfloat16 logits are a choice of the contract kernels on a bfloat16 model")
     if c.kernels == "contract" and c.row_tile >= 1:
         # Measured on CPU GEMMs: any multiple-of-4 row count gives the same row bits, 1-3 rows do not.
         if c.row_tile % 4:

@@ -13,7 +13,14 @@ from typing import Any
 from tonpolicy.config.schema import ContractConfig
 
 # Contract fields handed to tonpolicy.kernels.get_kernels as keyword arguments.
-KERNEL_PARAM_FIELDS = ("attention_tile", "canonical_shards", "row_tile", "prefill_row_tile", "attention_row_tile")
+KERNEL_PARAM_FIELDS = (
+    "attention_tile",
+    "canonical_shards",
+    "row_tile",
+    "prefill_row_tile",
+    "attention_row_tile",
+    "logits_dtype",
+)
 # Fields that change the bits. Name/version label the contract; supported_* only gate layouts.
 NUMERICS_FIELDS = (
     "family",

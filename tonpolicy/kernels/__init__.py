@@ -21,6 +21,7 @@ INVARIANT_KERNEL_SETS = ("contract", "triton")
 # The triton set's key tile (tonpolicy.kernels.triton_attention.TILE; here so config validation need
 # not import Triton).
 TRITON_ATTENTION_TILE = 64
+LOGITS_DTYPES = ("float32", "bfloat16")
 
 
 def logprob_temperature(temperature: float) -> float:
@@ -46,12 +47,18 @@ def get_kernels(
     row_tile: int = 4,
     attention_row_tile: int = 16,
     prefill_row_tile: int = 512,
+    logits_dtype: str = "float32",
 ) -> KernelSet:
     """Build a kernel set by name ("contract", "triton" or "default").
 
     attention_tile: keys per split-KV tile; canonical_shards: K-shards of the row-parallel linears (TP
     must divide it); row_tile: every GEMM's row count is a multiple of it; prefill_row_tile: rows per
-    linear GEMM for long inputs (same bits); attention_row_tile: queries per attention GEMM row tile."""
+    linear GEMM for long inputs (same bits); attention_row_tile: queries per attention GEMM row tile;
+    logits_dtype: "float32" (an fp32 LM head GEMM) or "bfloat16" (the native bf16 one, contract only)."""
+    if logits_dtype not in LOGITS_DTYPES:
+        raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype!r}")
+    if name != "contract" and logits_dtype != "float32":
+        raise ValueError(f"logits_dtype={logits_dtype!r} is a choice of the contract kernel set, not of {name!r}")
     if name == "contract":
         from tonpolicy.kernels.contract import ContractKernels
 
@@ -61,6 +68,7 @@ def get_kernels(
             row_tile=row_tile,
             attention_row_tile=attention_row_tile,
             prefill_row_tile=prefill_row_tile,
+            logits_dtype=logits_dtype,
         )
     if name == "triton":
         # Fixed tiles of its own (64-key attention tiles); only the canonical shard count is a choice.

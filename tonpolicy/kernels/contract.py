@@ -33,6 +33,7 @@ class ContractKernels:
         row_tile: int = 4,
         attention_row_tile: int = 16,
         prefill_row_tile: int = 512,
+        logits_dtype: str = "float32",
     ) -> None:
         self.attention_tile = attention_tile
         self.canonical_shards = canonical_shards
@@ -44,6 +45,9 @@ class ContractKernels:
         self.attention_row_tile = attention_row_tile
         # Rows per linear GEMM for long inputs (same row bits as `row_tile`, proven by tests; faster).
         self.prefill_row_tile = prefill_row_tile
+        # "bfloat16": with bf16 operands the LM head is the native bf16 GEMM (logits rounded to bf16,
+        # then fp32), half the bytes per decode step of the fp32 GEMM that "float32" runs.
+        self.logits_dtype = logits_dtype
 
     def describe(self) -> dict[str, Any]:
         """Everything that affects numerics, for the contract fingerprint."""
@@ -54,11 +58,14 @@ class ContractKernels:
             "row_tile": self.row_tile,
             "attention_row_tile": self.attention_row_tile,
             "prefill_row_tile": self.prefill_row_tile,
+            "logits_dtype": self.logits_dtype,
             "linear": "bmm (bf16 operands: native bf16 GEMM, bf16 out; else fp32) of [prefill_row_tile, K] x "
             "[K, N] tiles, the rest in one GEMM padded to a multiple of row_tile rows; K whole (column-parallel)",
             "linear_k_sharded": "the same GEMMs per canonical K-shard [K/C], partials summed in fp32 in a "
             "pairwise tree, one rounding (o_proj, down)",
-            "logits": "fp32 GEMM (bf16 weights upcast), K whole",
+            "logits": "fp32 GEMM (bf16 weights upcast), K whole"
+            if self.logits_dtype == "float32"
+            else "as linear (bf16 operands: native bf16 GEMM, rounded to bf16), then fp32",
             "attention": "split-KV fixed tile, fp32 (m,l,acc), left-to-right merge in key order; query rows "
             "x G per GEMM: attention_row_tile x G, fewer padded to a multiple of row_tile",
             "rms_norm": "fp32 sum(x^2)/K, x/sqrt(var+eps)*w, one rounding",
@@ -81,8 +88,10 @@ class ContractKernels:
         return self.combine_partials(self.linear_partials(x, weight, self.canonical_shards), x.dtype)
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """fp32 logits (no rounding to the activation dtype); K whole, like every column-parallel linear."""
-        return tiled_partials(x, weight, 1, self.row_tile, self.prefill_row_tile, fp32=True)[0]
+        """fp32 logits; K whole, like every column-parallel linear. `logits_dtype` "float32": an fp32 GEMM
+        (no rounding); "bfloat16": the linear's GEMM (bf16 operands: rounded to bf16), then fp32."""
+        fp32 = self.logits_dtype == "float32"
+        return tiled_partials(x, weight, 1, self.row_tile, self.prefill_row_tile, fp32=fp32)[0].float()
 
     # --- norms / activations / rotary ----------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -156,7 +165,8 @@ class ContractKernels:
         )
 
     def lm_head_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return torch.float32  # the fp32 logits GEMM reads fp32 (bf16 upcast exactly, once)
+        # The fp32 logits GEMM reads fp32 (bf16 upcast exactly, once).
+        return torch.float32 if self.logits_dtype == "float32" else dtype
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Keys/values are cached in the model dtype (what the projections produced); each tile is

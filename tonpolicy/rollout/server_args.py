@@ -35,7 +35,7 @@ class ServerArgs:
     # there is no checkpoint, the checkpoint's own config.json otherwise.
     model: ModelConfig | None = None
     kernels: str = "contract"
-    kernel_params: dict[str, int] = field(default_factory=dict)
+    kernel_params: dict[str, Any] = field(default_factory=dict)
     dtype: str = "bfloat16"
     max_running_requests: int = 8
     chunked_prefill_size: int | None = None
@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--kernels", help="kernel set name (tonpolicy.kernels.get_kernels)")
     for name in KERNEL_PARAM_FIELDS:
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"kernel set parameter {name}")
+        kind = str if name == "logits_dtype" else int
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"kernel set parameter {name}")
     p.add_argument("--dtype", choices=DTYPES)
     p.add_argument("--contract-name")
     p.add_argument("--contract-version")
