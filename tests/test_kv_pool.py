@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tonpolicy.model.kv_cache import KVPool
+from tonpolicy.model.kv_cache import KVPool, convert_layout
 
 
 def _as_tokens(pool: KVPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,3 +51,13 @@ def test_overflow_and_unknown_layout_are_refused() -> None:
         pool.write_tokens(0, torch.tensor([1]), torch.tensor([32]), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
     with pytest.raises(ValueError, match="layout"):
         KVPool(1, 2, 32, 1, 4, torch.float32, 32, layout="paged")
+
+
+def test_convert_layout_round_trips() -> None:
+    token = KVPool(1, 3, 64, 2, 4, torch.float32, 32, layout="token")
+    gen = torch.Generator().manual_seed(1)
+    token.write(0, 2, 0, torch.randn(50, 2, 4, generator=gen), torch.randn(50, 2, 4, generator=gen))
+    kt, vt = convert_layout(token.k[0], token.v[0], "token", "tile", 32)
+    assert kt.shape == (3, 2, 2, 4, 32) and vt.shape == (3, 2, 2, 32, 4)
+    k, v = convert_layout(kt, vt, "tile", "token", 32)
+    assert torch.equal(k, token.k[0]) and torch.equal(v, token.v[0])

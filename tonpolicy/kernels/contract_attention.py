@@ -6,8 +6,9 @@ l = last-dim sum of p over `tile` values, acc = p @ v. Scores and p @ v are fixe
 ([R, D] x [D, tile] and [R, tile] x [tile, D], R = row_tile queries x the G query heads of one KV head)
 batched by `torch.bmm`, whose per-matrix result was measured invariant to the batch count, the thread
 count and the row's position inside its tile. Partials are merged left to right in key order by
-`merge`. A fully masked tile yields exactly (m=-inf, l=0, acc=0) and merging it is an exact no-op, so
-such (query tile, key tile) pairs are skipped rather than computed; prefill (all tiles), decode (tiles
+`merge`. A fully masked tile yields exactly (m=-inf, l=0, acc=0) and merging it is an exact no-op (up to
+the sign of an all-zero accumulator), so such (query tile, key tile) pairs are neither computed nor
+merged; prefill (all tiles), decode (tiles
 up to the cache length) and chunked prefill therefore give the same bits. `torch.exp` is used (its
 scalar-tail and vector paths agreed on millions of inputs); `sigmoid`/`silu` are avoided (they do not).
 """
@@ -15,6 +16,7 @@ scalar-tail and vector paths agreed on millions of inputs); `sigmoid`/`silu` are
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -59,30 +61,7 @@ def finalize(p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
     return (p.acc / l.unsqueeze(-1)).to(dtype)
 
 
-def merge_tiles(p: AttnPartial) -> AttnPartial:
-    """Left-to-right `merge` over the tile axis, which is dim 0 (m/l [Kt, ...], acc [Kt, ..., D]).
-
-    Bitwise equal to folding `merge` tile by tile: the running max is an exact cummax, and the
-    factors exp(M_prev - M) and exp(m_t - M) are the very values `merge` would compute."""
-    kt = p.m.shape[0]
-    if kt == 1:
-        return AttnPartial(p.m[0], p.l[0], p.acc[0])
-    run_m = torch.cummax(p.m, dim=0).values
-    prev_m = torch.cat([p.m[:1], run_m[:-1]], dim=0)
-    ms = _safe(run_m)
-    ca = torch.exp(prev_m - ms)
-    cb = torch.exp(p.m - ms)
-    lb = p.l * cb
-    ab = p.acc * cb.unsqueeze(-1)
-    ca_acc = ca.unsqueeze(-1)
-    l_run, a_run = p.l[0], p.acc[0]
-    for t in range(1, kt):
-        l_run = l_run * ca[t] + lb[t]
-        a_run = a_run * ca_acc[t] + ab[t]
-    return AttnPartial(run_m[-1], l_run, a_run)
-
-
-def tile_partials(
+def pair_partials(
     q: torch.Tensor,
     q_pos: torch.Tensor,
     k_store: torch.Tensor,
@@ -92,14 +71,13 @@ def tile_partials(
     num_tiles: int,
     scale: float,
     row_tile: int,
-) -> AttnPartial:
-    """Per-tile partials of a batch of query blocks over tiled key stores.
+) -> PairPartials:
+    """Per-tile partials of a batch of query blocks over tiled key stores, for the visible pairs.
 
     q [B, Nq, Hq, D], q_pos [B, Nq]. Keys live in stores, each tile in its GEMM layout: k_store
     [S, Kt_s, Hkv, D, T], v_store [S, Kt_s, Hkv, T, D], kpos_store [S, Kt_s, T]; batch row b reads
     store `store_index[b]`, tiles [0, num_tiles).
-    Returns dense partials with m/l [Kt, B, Qt, Hkv, R] and acc [Kt, B, Qt, Hkv, R, D]
-    (Kt = num_tiles first, for the key-order merge; R = row_tile * G rows ordered (query, head in group)).
+    R = row_tile * G rows per query block, ordered (query, head in group).
     """
     b, nq, hq, d = q.shape
     hkv, tile = k_store.shape[2], k_store.shape[4]
@@ -135,18 +113,83 @@ def tile_partials(
     l = p.sum(dim=-1)  # noqa: E741
     vt = v_store[si, ki].float().reshape(npairs * hkv, tile, d).contiguous()
     acc = torch.bmm(p.reshape(npairs * hkv, r, tile).contiguous(), vt).view(npairs, hkv, r, d)
-    if npairs == num_tiles * b * qt:  # every pair visible: the tile-major pair order is the dense order
+    return PairPartials(AttnPartial(m, l, acc), ki, bi * qt + qi, num_tiles, b, qt)
+
+
+class PairPartials(NamedTuple):
+    """Partials of the computed (query tile, key tile) pairs, tile-major: `parts` m/l [P, Hkv, R],
+    acc [P, Hkv, R, D]; `tile` [P] the key tile, `block` [P] the query block (b * Qt + q)."""
+
+    parts: AttnPartial
+    tile: torch.Tensor
+    block: torch.Tensor
+    num_tiles: int
+    batch: int
+    query_tiles: int
+
+
+def tile_partials(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    kpos_store: torch.Tensor,
+    store_index: torch.Tensor,
+    num_tiles: int,
+    scale: float,
+    row_tile: int,
+) -> AttnPartial:
+    """`pair_partials` as dense partials, m/l [Kt, B, Qt, Hkv, R] and acc [Kt, B, Qt, Hkv, R, D]; a
+    skipped pair holds exactly what computing it would give: (-inf, 0, 0)."""
+    pp = pair_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
+    m, l, acc = pp.parts  # noqa: E741
+    num_tiles, b, qt = pp.num_tiles, pp.batch, pp.query_tiles
+    hkv, r, d = acc.shape[1:]
+    if m.shape[0] == num_tiles * b * qt:  # every pair visible: the tile-major pair order is the dense order
         return AttnPartial(
             m.view(num_tiles, b, qt, hkv, r), l.view(num_tiles, b, qt, hkv, r), acc.view(num_tiles, b, qt, hkv, r, d)
         )
-    # Skipped pairs hold exactly what computing them would give: (-inf, 0, 0).
-    m_d = m.new_full((num_tiles, b, qt, hkv, r), NEG_INF)
-    l_d = l.new_zeros(num_tiles, b, qt, hkv, r)
-    acc_d = acc.new_zeros(num_tiles, b, qt, hkv, r, d)
-    m_d[ki, bi, qi] = m
-    l_d[ki, bi, qi] = l
-    acc_d[ki, bi, qi] = acc
-    return AttnPartial(m_d, l_d, acc_d)
+    m_d = m.new_full((num_tiles, b * qt, hkv, r), NEG_INF)
+    l_d = l.new_zeros(num_tiles, b * qt, hkv, r)
+    acc_d = acc.new_zeros(num_tiles, b * qt, hkv, r, d)
+    m_d[pp.tile, pp.block] = m
+    l_d[pp.tile, pp.block] = l
+    acc_d[pp.tile, pp.block] = acc
+    return AttnPartial(
+        m_d.view(num_tiles, b, qt, hkv, r), l_d.view(num_tiles, b, qt, hkv, r), acc_d.view(num_tiles, b, qt, hkv, r, d)
+    )
+
+
+def merge_pairs(pp: PairPartials) -> AttnPartial:
+    """`merge_tiles` of the dense partials, computed over the computed pairs only: per key tile, the
+    query blocks that see it take one `merge` step (the others would take an exact no-op step: factor
+    exp(0) = 1 and an added 0). Returns m/l [B, Qt, Hkv, R], acc [B, Qt, Hkv, R, D]."""
+    m, l, acc = pp.parts  # noqa: E741
+    blocks = pp.batch * pp.query_tiles
+    hkv, r, d = acc.shape[1:]
+    m_run = m.new_full((blocks, hkv, r), NEG_INF)
+    l_run = l.new_zeros(blocks, hkv, r)
+    a_run = acc.new_zeros(blocks, hkv, r, d)
+    ends = torch.bincount(pp.tile, minlength=pp.num_tiles).cumsum(0).tolist()
+    start = 0
+    for t, end in enumerate(ends):
+        if end == start:
+            continue
+        blk, sl = pp.block[start:end], slice(start, end)
+        if t == 0:  # the first tile of every block that sees any (keys start at position 0)
+            m_run[blk], l_run[blk], a_run[blk] = m[sl], l[sl], acc[sl]
+        else:
+            prev = m_run[blk]
+            new_m = torch.maximum(prev, m[sl])
+            ms = _safe(new_m)
+            ca = torch.exp(prev - ms)
+            cb = torch.exp(m[sl] - ms)
+            l_run[blk] = l_run[blk] * ca + l[sl] * cb
+            a_run[blk] = a_run[blk] * ca.unsqueeze(-1) + acc[sl] * cb.unsqueeze(-1)
+            m_run[blk] = new_m
+        start = end
+    shape = (pp.batch, pp.query_tiles, hkv, r)
+    return AttnPartial(m_run.view(shape), l_run.view(shape), a_run.view(*shape, d))
 
 
 def unpack_rows(x: torch.Tensor, nq: int, row_tile: int) -> torch.Tensor:
@@ -187,8 +230,8 @@ def attention_stores(
 ) -> torch.Tensor:
     """Attention of q [B, Nq, Hq, D] over tiled key stores (see tile_partials) -> [B, Nq, Hq, D]."""
     row_tile = query_row_tile(q.shape[1], q.shape[2] // k_store.shape[2], row_tile, granule)
-    parts = tile_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
-    out = finalize(merge_tiles(parts), q.dtype)  # [B, Qt, Hkv, R, D]
+    pairs = pair_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
+    out = finalize(merge_pairs(pairs), q.dtype)  # [B, Qt, Hkv, R, D]
     return unpack_rows(out, q.shape[1], row_tile)
 
 

@@ -16,6 +16,21 @@ import torch
 LAYOUTS = ("token", "tile")
 
 
+def convert_layout(
+    k: torch.Tensor, v: torch.Tensor, src: str, dst: str, tile: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's pooled k/v in layout `src` as layout `dst` (copies; for a kernel set of another layout)."""
+    if src == dst:
+        return k, v
+    if src == "tile":  # k [S, Kt, H, D, T], v [S, Kt, H, T, D] -> [S, Kt*T, H, D]
+        s, kt, h, d, t = k.shape
+        return k.permute(0, 1, 4, 2, 3).reshape(s, kt * t, h, d), v.permute(0, 1, 3, 2, 4).reshape(s, kt * t, h, d)
+    s, cap, h, d = k.shape
+    kt = k.view(s, cap // tile, tile, h, d)
+    vt = v.view(s, cap // tile, tile, h, d)
+    return kt.permute(0, 1, 3, 4, 2).contiguous(), vt.permute(0, 1, 3, 2, 4).contiguous()
+
+
 class KVPool:
     def __init__(
         self,

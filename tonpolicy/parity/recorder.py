@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tonpolicy.model.kv_cache import convert_layout
 from tonpolicy.parity.names import POST_OPS, TP_COLUMN_OPS, Checkpoint, checkpoint, split_gate_up, split_qkv
 
 
@@ -288,9 +289,11 @@ class RecordingKernels:
         self, q: torch.Tensor, q_pos: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *args: Any
     ) -> torch.Tensor:
         k = self._kern(self._layer, "attn_out")
-        if k is not self.inner:  # the pool holds the engine's cache dtype; hand the other set its own
+        if k is not self.inner:  # the pool holds the engine's cache dtype and layout; hand the other set its own
             dt = k.kv_cache_dtype(q.dtype)
-            k_pool, v_pool = k_pool.to(dt), v_pool.to(dt)
+            k_pool, v_pool = convert_layout(
+                k_pool.to(dt), v_pool.to(dt), self.inner.kv_pool_layout, k.kv_pool_layout, k.attention_tile
+            )
         return k.attention_pooled(q, q_pos, k_pool, v_pool, *args)
 
     def attention_tile_partial(self, *args: Any) -> Any:
