@@ -61,6 +61,29 @@ def finalize(p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
     return (p.acc / l.unsqueeze(-1)).to(dtype)
 
 
+def merge_tiles(p: AttnPartial) -> AttnPartial:
+    """Left-to-right `merge` over the tile axis, which is dim 0 (m/l [Kt, ...], acc [Kt, ..., D]).
+
+    Bitwise equal to folding `merge` tile by tile: the running max is an exact cummax, and the
+    factors exp(M_prev - M) and exp(m_t - M) are the very values `merge` would compute."""
+    kt = p.m.shape[0]
+    if kt == 1:
+        return AttnPartial(p.m[0], p.l[0], p.acc[0])
+    run_m = torch.cummax(p.m, dim=0).values
+    prev_m = torch.cat([p.m[:1], run_m[:-1]], dim=0)
+    ms = _safe(run_m)
+    ca = torch.exp(prev_m - ms)
+    cb = torch.exp(p.m - ms)
+    lb = p.l * cb
+    ab = p.acc * cb.unsqueeze(-1)
+    ca_acc = ca.unsqueeze(-1)
+    l_run, a_run = p.l[0], p.acc[0]
+    for t in range(1, kt):
+        l_run = l_run * ca[t] + lb[t]
+        a_run = a_run * ca_acc[t] + ab[t]
+    return AttnPartial(run_m[-1], l_run, a_run)
+
+
 def pair_partials(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -141,7 +164,13 @@ def tile_partials(
 ) -> AttnPartial:
     """`pair_partials` as dense partials, m/l [Kt, B, Qt, Hkv, R] and acc [Kt, B, Qt, Hkv, R, D]; a
     skipped pair holds exactly what computing it would give: (-inf, 0, 0)."""
-    pp = pair_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
+    return dense_partials(
+        pair_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
+    )
+
+
+def dense_partials(pp: PairPartials) -> AttnPartial:
+    """Pair partials laid out densely by (key tile, batch row, query block); skipped pairs (-inf, 0, 0)."""
     m, l, acc = pp.parts  # noqa: E741
     num_tiles, b, qt = pp.num_tiles, pp.batch, pp.query_tiles
     hkv, r, d = acc.shape[1:]
@@ -231,7 +260,12 @@ def attention_stores(
     """Attention of q [B, Nq, Hq, D] over tiled key stores (see tile_partials) -> [B, Nq, Hq, D]."""
     row_tile = query_row_tile(q.shape[1], q.shape[2] // k_store.shape[2], row_tile, granule)
     pairs = pair_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
-    out = finalize(merge_pairs(pairs), q.dtype)  # [B, Qt, Hkv, R, D]
+    skipped = pairs.parts.m.shape[0] < num_tiles * pairs.batch * pairs.query_tiles
+    if skipped and pairs.query_tiles > 1:  # causal prefill skips about half the pairs: merge only those
+        merged = merge_pairs(pairs)
+    else:  # decode: (nearly) every pair is computed, and one vectorised fold over the tiles is cheapest
+        merged = merge_tiles(dense_partials(pairs))
+    out = finalize(merged, q.dtype)  # [B, Qt, Hkv, R, D]
     return unpack_rows(out, q.shape[1], row_tile)
 
 
