@@ -73,26 +73,6 @@ def test_attention_row_tile_is_a_speed_knob(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sparse_merge_equals_the_dense_fold(dtype):
-    """Causal prefill merges only the computed (query block, key tile) pairs; that gives the bits of the
-    dense left-to-right fold over every tile (skipped pairs as (-inf, 0, 0))."""
-    from tonpolicy.kernels import contract_attention as ca
-
-    for hq, hkv, d in HEADS:
-        n, b = 150, 3
-        q = randn(b, n, hq, d, dtype=dtype, seed=1)
-        kk = randn(b, n, hkv, d, dtype=dtype, seed=2)
-        v = randn(b, n, hkv, d, dtype=dtype, seed=3)
-        pos = torch.arange(n).expand(b, n)
-        ks, vs, kps, kt = ca.to_store(kk, v, pos, 32)
-        pp = ca.pair_partials(q, pos, ks, vs, kps, torch.arange(b), kt, d**-0.5, 16)
-        assert pp.parts.m.shape[0] < kt * b * pp.query_tiles  # some pairs skipped
-        sparse, dense = ca.merge_pairs(pp), ca.merge_tiles(ca.dense_partials(pp))
-        for x, y in zip(sparse, dense, strict=True):
-            assert torch.equal(x.view(y.shape), y)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_batched_decode_equals_alone(dtype):
     """Sequences of different lengths share one batched call (keys padded past each length)."""
     k = get_kernels("contract")

@@ -7,10 +7,10 @@ l = last-dim sum of p over `tile` values, acc = p @ v. Scores and p @ v are fixe
 batched by `torch.bmm`, whose per-matrix result was measured invariant to the batch count, the thread
 count and the row's position inside its tile. Partials are merged left to right in key order by
 `merge`. A fully masked tile yields exactly (m=-inf, l=0, acc=0) and merging it is an exact no-op (up to
-the sign of an all-zero accumulator), so such (query tile, key tile) pairs are neither computed nor
-merged; prefill (all tiles), decode (tiles
-up to the cache length) and chunked prefill therefore give the same bits. `torch.exp` is used (its
-scalar-tail and vector paths agreed on millions of inputs); `sigmoid`/`silu` are avoided (they do not).
+the sign of an all-zero accumulator), so such (query tile, key tile) pairs are not computed; prefill
+(all tiles), decode (tiles up to the cache length) and chunked prefill therefore give the same bits.
+`torch.exp` is used (its scalar-tail and vector paths agreed on millions of inputs); `sigmoid`/`silu`
+are avoided (they do not).
 """
 
 from __future__ import annotations
@@ -189,38 +189,6 @@ def dense_partials(pp: PairPartials) -> AttnPartial:
     )
 
 
-def merge_pairs(pp: PairPartials) -> AttnPartial:
-    """`merge_tiles` of the dense partials, computed over the computed pairs only: per key tile, the
-    query blocks that see it take one `merge` step (the others would take an exact no-op step: factor
-    exp(0) = 1 and an added 0). Returns m/l [B, Qt, Hkv, R], acc [B, Qt, Hkv, R, D]."""
-    m, l, acc = pp.parts  # noqa: E741
-    blocks = pp.batch * pp.query_tiles
-    hkv, r, d = acc.shape[1:]
-    m_run = m.new_full((blocks, hkv, r), NEG_INF)
-    l_run = l.new_zeros(blocks, hkv, r)
-    a_run = acc.new_zeros(blocks, hkv, r, d)
-    ends = torch.bincount(pp.tile, minlength=pp.num_tiles).cumsum(0).tolist()
-    start = 0
-    for t, end in enumerate(ends):
-        if end == start:
-            continue
-        blk, sl = pp.block[start:end], slice(start, end)
-        if t == 0:  # the first tile of every block that sees any (keys start at position 0)
-            m_run[blk], l_run[blk], a_run[blk] = m[sl], l[sl], acc[sl]
-        else:
-            prev = m_run[blk]
-            new_m = torch.maximum(prev, m[sl])
-            ms = _safe(new_m)
-            ca = torch.exp(prev - ms)
-            cb = torch.exp(m[sl] - ms)
-            l_run[blk] = l_run[blk] * ca + l[sl] * cb
-            a_run[blk] = a_run[blk] * ca.unsqueeze(-1) + acc[sl] * cb.unsqueeze(-1)
-            m_run[blk] = new_m
-        start = end
-    shape = (pp.batch, pp.query_tiles, hkv, r)
-    return AttnPartial(m_run.view(shape), l_run.view(shape), a_run.view(*shape, d))
-
-
 def unpack_rows(x: torch.Tensor, nq: int, row_tile: int) -> torch.Tensor:
     """[B, Qt, Hkv, R(, D)] -> [B, Nq, Hq(, D)]."""
     b, qt, hkv, r = x.shape[:4]
@@ -260,12 +228,9 @@ def attention_stores(
     """Attention of q [B, Nq, Hq, D] over tiled key stores (see tile_partials) -> [B, Nq, Hq, D]."""
     row_tile = query_row_tile(q.shape[1], q.shape[2] // k_store.shape[2], row_tile, granule)
     pairs = pair_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
-    skipped = pairs.parts.m.shape[0] < num_tiles * pairs.batch * pairs.query_tiles
-    if skipped and pairs.query_tiles > 1:  # causal prefill skips about half the pairs: merge only those
-        merged = merge_pairs(pairs)
-    else:  # decode: (nearly) every pair is computed, and one vectorised fold over the tiles is cheapest
-        merged = merge_tiles(dense_partials(pairs))
-    out = finalize(merged, q.dtype)  # [B, Qt, Hkv, R, D]
+    # Measured: one vectorised fold over the dense tiles beats merging only the computed pairs (whose
+    # per-tile gathers cost more than the exact no-op steps they save), prefill and decode alike.
+    out = finalize(merge_tiles(dense_partials(pairs)), q.dtype)  # [B, Qt, Hkv, R, D]
     return unpack_rows(out, q.shape[1], row_tile)
 
 
