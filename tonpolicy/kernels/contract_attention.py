@@ -7,16 +7,15 @@ l = last-dim sum of p over `tile` values, acc = p @ v. Scores and p @ v are fixe
 batched by `torch.bmm`, whose per-matrix result was measured invariant to the batch count, the thread
 count and the row's position inside its tile. Partials are merged left to right in key order by
 `merge`. A fully masked tile yields exactly (m=-inf, l=0, acc=0) and merging it is an exact no-op (up to
-the sign of an all-zero accumulator), so such (query tile, key tile) pairs are not computed; prefill
-(all tiles), decode (tiles up to the cache length) and chunked prefill therefore give the same bits.
-`torch.exp` is used (its scalar-tail and vector paths agreed on millions of inputs); `sigmoid`/`silu`
-are avoided (they do not).
+the sign of an all-zero accumulator), so such (query tile, key tile) pairs are skipped rather than
+computed; prefill (all tiles), decode (tiles up to the cache length) and chunked prefill therefore give
+the same bits. `torch.exp` is used (its scalar-tail and vector paths agreed on millions of inputs);
+`sigmoid`/`silu` are avoided (they do not).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
@@ -84,7 +83,7 @@ def merge_tiles(p: AttnPartial) -> AttnPartial:
     return AttnPartial(run_m[-1], l_run, a_run)
 
 
-def pair_partials(
+def tile_partials(
     q: torch.Tensor,
     q_pos: torch.Tensor,
     k_store: torch.Tensor,
@@ -94,13 +93,14 @@ def pair_partials(
     num_tiles: int,
     scale: float,
     row_tile: int,
-) -> PairPartials:
-    """Per-tile partials of a batch of query blocks over tiled key stores, for the visible pairs.
+) -> AttnPartial:
+    """Per-tile partials of a batch of query blocks over tiled key stores.
 
     q [B, Nq, Hq, D], q_pos [B, Nq]. Keys live in stores, each tile in its GEMM layout: k_store
     [S, Kt_s, Hkv, D, T], v_store [S, Kt_s, Hkv, T, D], kpos_store [S, Kt_s, T]; batch row b reads
     store `store_index[b]`, tiles [0, num_tiles).
-    R = row_tile * G rows per query block, ordered (query, head in group).
+    Returns dense partials with m/l [Kt, B, Qt, Hkv, R] and acc [Kt, B, Qt, Hkv, R, D]
+    (Kt = num_tiles first, for the key-order merge; R = row_tile * G rows ordered (query, head in group)).
     """
     b, nq, hq, d = q.shape
     hkv, tile = k_store.shape[2], k_store.shape[4]
@@ -136,57 +136,18 @@ def pair_partials(
     l = p.sum(dim=-1)  # noqa: E741
     vt = v_store[si, ki].float().reshape(npairs * hkv, tile, d).contiguous()
     acc = torch.bmm(p.reshape(npairs * hkv, r, tile).contiguous(), vt).view(npairs, hkv, r, d)
-    return PairPartials(AttnPartial(m, l, acc), ki, bi * qt + qi, num_tiles, b, qt)
-
-
-class PairPartials(NamedTuple):
-    """Partials of the computed (query tile, key tile) pairs, tile-major: `parts` m/l [P, Hkv, R],
-    acc [P, Hkv, R, D]; `tile` [P] the key tile, `block` [P] the query block (b * Qt + q)."""
-
-    parts: AttnPartial
-    tile: torch.Tensor
-    block: torch.Tensor
-    num_tiles: int
-    batch: int
-    query_tiles: int
-
-
-def tile_partials(
-    q: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_store: torch.Tensor,
-    v_store: torch.Tensor,
-    kpos_store: torch.Tensor,
-    store_index: torch.Tensor,
-    num_tiles: int,
-    scale: float,
-    row_tile: int,
-) -> AttnPartial:
-    """`pair_partials` as dense partials, m/l [Kt, B, Qt, Hkv, R] and acc [Kt, B, Qt, Hkv, R, D]; a
-    skipped pair holds exactly what computing it would give: (-inf, 0, 0)."""
-    return dense_partials(
-        pair_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
-    )
-
-
-def dense_partials(pp: PairPartials) -> AttnPartial:
-    """Pair partials laid out densely by (key tile, batch row, query block); skipped pairs (-inf, 0, 0)."""
-    m, l, acc = pp.parts  # noqa: E741
-    num_tiles, b, qt = pp.num_tiles, pp.batch, pp.query_tiles
-    hkv, r, d = acc.shape[1:]
-    if m.shape[0] == num_tiles * b * qt:  # every pair visible: the tile-major pair order is the dense order
+    if npairs == num_tiles * b * qt:  # every pair visible: the tile-major pair order is the dense order
         return AttnPartial(
             m.view(num_tiles, b, qt, hkv, r), l.view(num_tiles, b, qt, hkv, r), acc.view(num_tiles, b, qt, hkv, r, d)
         )
-    m_d = m.new_full((num_tiles, b * qt, hkv, r), NEG_INF)
-    l_d = l.new_zeros(num_tiles, b * qt, hkv, r)
-    acc_d = acc.new_zeros(num_tiles, b * qt, hkv, r, d)
-    m_d[pp.tile, pp.block] = m
-    l_d[pp.tile, pp.block] = l
-    acc_d[pp.tile, pp.block] = acc
-    return AttnPartial(
-        m_d.view(num_tiles, b, qt, hkv, r), l_d.view(num_tiles, b, qt, hkv, r), acc_d.view(num_tiles, b, qt, hkv, r, d)
-    )
+    # Skipped pairs hold exactly what computing them would give: (-inf, 0, 0).
+    m_d = m.new_full((num_tiles, b, qt, hkv, r), NEG_INF)
+    l_d = l.new_zeros(num_tiles, b, qt, hkv, r)
+    acc_d = acc.new_zeros(num_tiles, b, qt, hkv, r, d)
+    m_d[ki, bi, qi] = m
+    l_d[ki, bi, qi] = l
+    acc_d[ki, bi, qi] = acc
+    return AttnPartial(m_d, l_d, acc_d)
 
 
 def unpack_rows(x: torch.Tensor, nq: int, row_tile: int) -> torch.Tensor:
@@ -227,10 +188,8 @@ def attention_stores(
 ) -> torch.Tensor:
     """Attention of q [B, Nq, Hq, D] over tiled key stores (see tile_partials) -> [B, Nq, Hq, D]."""
     row_tile = query_row_tile(q.shape[1], q.shape[2] // k_store.shape[2], row_tile, granule)
-    pairs = pair_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
-    # Measured: one vectorised fold over the dense tiles beats merging only the computed pairs (whose
-    # per-tile gathers cost more than the exact no-op steps they save), prefill and decode alike.
-    out = finalize(merge_tiles(dense_partials(pairs)), q.dtype)  # [B, Qt, Hkv, R, D]
+    parts = tile_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
+    out = finalize(merge_tiles(parts), q.dtype)  # [B, Qt, Hkv, R, D]
     return unpack_rows(out, q.shape[1], row_tile)
 
 
