@@ -5,6 +5,8 @@ reported, leaves the served weights alone, and does not leave the sender waiting
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +20,7 @@ from tonpolicy.launch.weight_push import WeightPusher
 from tonpolicy.model.checkpoint import init_state_dict, load_hf
 from tonpolicy.rollout.client import RolloutClient, RolloutError
 from tonpolicy.rollout.types import GenRequest
-from tonpolicy.rollout.weight_sync import buckets
+from tonpolicy.rollout.weight_sync import DEFAULT_GROUP, buckets, init_update_group, listen
 
 PROMPTS = [[3, 11, 12], [5, 17, 18, 19, 4]]
 PARAMS = [{"max_new_tokens": 5, "sampling_seed": s} for s in (1, 2)]
@@ -139,3 +141,60 @@ def test_buckets_stay_within_their_size() -> None:
     sizes = [torch.zeros(n) for n in (10, 10, 30, 5, 5)]  # fp32: 40, 40, 120, 20, 20 bytes
     assert buckets(sizes, 80) == [[0, 1], [2], [3, 4]]  # a tensor larger than a bucket goes alone
     assert buckets(sizes, 1 << 20) == [[0, 1, 2, 3, 4]]
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* write them) listening on `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                found.append(local.rsplit(":", 1)[0])
+    return found
+
+
+def test_only_ranks_told_the_group_name_can_join() -> None:
+    """The trainer's rendezvous store listens on the trainer's address alone (not every interface),
+    and a process that reaches its port but was not told the run's secret group name (here: SGLang's
+    default one) never meets rank 0: the group does not form with it."""
+    listener = listen("127.0.0.1")
+    port = listener.getsockname()[1]
+    intruder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tonpolicy.rollout.weight_sync import init_update_group; "
+         f"init_update_group('gloo', '127.0.0.1', {port}, 2, 1, {DEFAULT_GROUP!r}, timeout_s=5)"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        with pytest.raises(Exception, match="(?i)timeout|timed out|wait"):
+            init_update_group("gloo", "127.0.0.1", port, 2, 0, f"{DEFAULT_GROUP}_secret", 5, listener=listener)
+        assert _listening(port) in ([], ["0100007F"])  # only loopback, if the store still listens
+    finally:
+        _, err = intruder.communicate(timeout=60)
+    assert intruder.returncode != 0, "the intruder joined the group"
+    assert "timeout" in err.lower() or "timed out" in err.lower(), err[-2000:]
+
+
+def test_the_store_listens_on_the_given_address_only() -> None:
+    import threading
+
+    listener = listen("127.0.0.1")
+    port = listener.getsockname()[1]
+    joined: dict[str, object] = {}
+    rank0 = threading.Thread(
+        target=lambda: joined.setdefault("pg", init_update_group("gloo", "127.0.0.1", port, 2, 0, "g", 10, listener)),
+        daemon=True,
+    )
+    rank0.start()
+    deadline = time.monotonic() + 10
+    while not _listening(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _listening(port) == ["0100007F"]  # 127.0.0.1 only: no 0.0.0.0 or [::] socket for the store
+    peer = subprocess.run(
+        [sys.executable, "-c", "from tonpolicy.rollout.weight_sync import init_update_group, destroy; "
+         f"destroy(init_update_group('gloo', '127.0.0.1', {port}, 2, 1, 'g', 10))"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    rank0.join(30)
+    assert peer.returncode == 0, peer.stderr[-2000:]
+    assert "pg" in joined  # the rank told the name joins

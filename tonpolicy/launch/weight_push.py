@@ -7,13 +7,13 @@ the other side takes part, so the HTTP call runs in a thread beside the broadcas
 from __future__ import annotations
 
 import contextlib
+import secrets
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from tonpolicy.ports import free_port
 from tonpolicy.rollout.weight_sync import (
     DEFAULT_GROUP,
     FLATTENED_BUCKET,
@@ -21,6 +21,7 @@ from tonpolicy.rollout.weight_sync import (
     destroy,
     dtype_name,
     init_update_group,
+    listen,
     send,
 )
 
@@ -59,16 +60,20 @@ class WeightPusher:
         backend: str,
         timeout_s: float,
         address: str = "127.0.0.1",
-        group_name: str = DEFAULT_GROUP,
+        group_name: str | None = None,
         bucket_bytes: int = 0,
     ) -> None:
+        # The store listens on `address` alone, and only the ranks told this run's secret group name
+        # (over the server's authenticated HTTP) can find each other in it: nobody else joins the group.
+        group_name = group_name or f"{DEFAULT_GROUP}_{secrets.token_hex(16)}"
         self.client, self.group_name, self.group = client, group_name, None
         # > 0: tensors go as flat byte buckets of at most this size (one broadcast each, SGLang's
         # "flattened_bucket"); 0: one broadcast per tensor.
         self.bucket_bytes = bucket_bytes
         self.device = "cuda" if backend == "nccl" else "cpu"  # NCCL moves CUDA tensors only
         self.broken: str | None = None  # why the group can no longer be used
-        port, world = free_port(address), 1 + engine_ranks
+        listener = listen(address)
+        port, world = listener.getsockname()[1], 1 + engine_ranks
 
         def join(failed: Callable[[], bool]) -> None:
             # In a thread: a server that refuses to join must not leave the store waiting timeout_s.
@@ -76,7 +81,9 @@ class WeightPusher:
 
             def make() -> None:
                 try:
-                    made["group"] = init_update_group(backend, address, port, world, 0, group_name, timeout_s)
+                    made["group"] = init_update_group(
+                        backend, address, port, world, 0, group_name, timeout_s, listener=listener
+                    )
                 except BaseException as e:  # noqa: BLE001 - re-raised below
                     made["error"] = e
 

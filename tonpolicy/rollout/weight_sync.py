@@ -11,6 +11,7 @@ It lives beside the processes' default group (torchrun's, or none in the embedde
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -26,6 +27,17 @@ DEFAULT_GROUP = "weight_update_group"  # SGLang's default group name
 FLATTENED_BUCKET = "flattened_bucket"
 
 
+def listen(address: str) -> socket.socket:
+    """A listening socket on `address` alone, its port chosen by the OS, for rank 0's rendezvous store:
+    torch's store would otherwise listen on every interface (and a port guessed free can be raced for)."""
+    family, kind, proto, _, where = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(where)
+    sock.listen(128)
+    return sock
+
+
 def init_update_group(
     backend: str,
     master_address: str,
@@ -34,14 +46,17 @@ def init_update_group(
     rank: int,
     group_name: str,
     timeout_s: float = 300.0,
+    listener: socket.socket | None = None,
 ) -> Any:
-    """Join the weight-update group (rank 0: the trainer, which hosts the rendezvous)."""
+    """Join the weight-update group (rank 0: the trainer, which hosts the rendezvous, on `listener`
+    when given: see `listen`). Only ranks that know `group_name` find each other in the store."""
     from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
     # The store by hand, not torch's tcp:// rendezvous: under torchrun that would make rank 0 a client
     # of the agent's store (TORCHELASTIC_USE_AGENT_STORE) and nobody would host this one.
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    bound = {"master_listen_fd": listener.detach()} if listener is not None else {}  # the store owns it now
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, **bound)
     store = PrefixStore(group_name, store)  # as SGLang does: one rendezvous may serve several groups
     pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
