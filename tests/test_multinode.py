@@ -6,33 +6,38 @@ a node that dies ends the other within seconds, its completed records intact."""
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from e2e_common import records, start_job, summary, wait_for
+from e2e_common import FAST, records, start_job, summary, wait_for
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
 from tonpolicy.ports import free_port
 
 
-def start_nodes(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path, subprocess.Popen, Path]:
+def save_checkpoint(tmp_path: Path) -> Path:
     ckpt = tmp_path / "ckpt"  # one checkpoint every node reads (a shared file system, here one disk)
     save_hf(init_state_dict(ModelConfig(), torch.bfloat16, 0), ModelConfig(), ckpt)
+    return ckpt
+
+
+def start_nodes(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path, subprocess.Popen, Path]:
+    ckpt = save_checkpoint(tmp_path)
     common = [
         "trainer.nnodes=2",
         f"trainer.master_port={free_port()}",
         f"model.checkpoint={ckpt}",
         *overrides,
     ]
-    nodes = []
-    for rank in (1, 0):  # either order works: torchrun's store waits for both nodes
-        (tmp_path / f"node{rank}").mkdir()
-        nodes.append(start_job(tmp_path / f"node{rank}", *common, f"trainer.node_rank={rank}"))
-    (p1, d1), (p0, d0) = nodes
-    return p0, d0, p1, d1
+    # Either order works (torchrun's store waits for both nodes); one run directory for both, as on a
+    # shared file system: node 1 writes under node1/ inside it.
+    p1, run_dir = start_job(tmp_path, *common, "trainer.node_rank=1")
+    p0, _ = start_job(tmp_path, *common, "trainer.node_rank=0")
+    return p0, run_dir, p1, run_dir / "node1"
 
 
 @pytest.mark.parametrize("layout", ["parallel=tp2", "parallel=pp2"])
@@ -48,7 +53,8 @@ def test_two_nodes_are_exact(tmp_path: Path, layout: str) -> None:
         r["tokens_scored"] > 0 and r["mismatched_tokens"] == 0 and r["max_abs_logprob_diff"] == 0.0 for r in recs
     )
     assert not records(d1)  # node 1 holds no rank 0: it writes no step records
-    assert summary(d1)["status"] == "ok"
+    assert summary(d1)["status"] == "ok" and summary(d0)["steps_completed"] == 2  # neither overwrote the other
+    assert (d1 / "logs" / "trainer.log").exists() and (d0 / "logs" / "rollout.log").exists()
 
 
 def test_a_node_that_dies_ends_the_other(tmp_path: Path) -> None:
@@ -64,3 +70,39 @@ def test_a_node_that_dies_ends_the_other(tmp_path: Path) -> None:
     assert "trainer exited" in err
     kept = records(d0)
     assert len(kept) >= 1 and summary(d0)["steps_completed"] == len(kept)
+
+
+def test_submitit_starts_one_task_per_node(tmp_path: Path) -> None:
+    """Hydra's submitit launcher with `hydra/launcher=local_nodes` (submitit's local executor; on a
+    cluster `slurm_nodes`, the same launcher with SLURM's executor) starts one task per node; each task
+    runs the launcher as the node of its task rank, both in one job directory. Exact zero at TP 2, one
+    rank per node."""
+    argv = [
+        sys.executable, "-m", "tonpolicy", "-m", "hydra/launcher=local_nodes", *FAST,
+        "trainer.nnodes=2", f"trainer.master_port={free_port()}", f"model.checkpoint={save_checkpoint(tmp_path)}",
+        "parallel=tp2", "experiment.steps=2", "rollout.weight_sync=distributed",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}", f"hydra.launcher.submitit_folder={tmp_path / 'submitit'}",
+    ]  # fmt: skip
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    job = tmp_path / "sweep" / "0_tp2"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = records(job)
+    assert [r["step"] for r in recs] == [0, 1], proc.stderr[-3000:]
+    assert all(r["tokens_scored"] > 0 and r["mismatched_tokens"] == 0 for r in recs)
+    assert summary(job / "node1")["status"] == "ok"  # task 1 ran node 1 (trainer ranks only)
+    assert not records(job / "node1")
+    assert "| ok " in (tmp_path / "sweep" / "sweep_summary.md").read_text()
+
+
+def test_a_job_whose_tasks_are_not_its_nodes_is_refused(tmp_path: Path) -> None:
+    """Two submitit tasks for a one-node run would each start the whole run: refused, key and rule named."""
+    argv = [
+        sys.executable, "-m", "tonpolicy", "-m", "hydra/launcher=local_nodes", *FAST,
+        "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        f"hydra.launcher.submitit_folder={tmp_path / 'submitit'}",
+    ]  # fmt: skip
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = summary(tmp_path / "sweep" / "0_tp1")
+    assert result["status"] == "invalid_config", proc.stderr[-3000:]
+    assert "hydra.launcher.tasks_per_node=2" in result["error"] and "trainer.nnodes=1" in result["error"]
+    assert not (tmp_path / "sweep" / "0_tp1" / "logs").exists()  # nothing started

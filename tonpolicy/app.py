@@ -30,6 +30,11 @@ def write_plan(cfg: Config, run_dir: Path) -> dict:
 def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) -> int:
     """Return the process exit code. `unknown`: keys the composed config had that the schema lacks."""
     validate(cfg, unknown=unknown)
+    if cfg.mode == "run":  # which node this launcher is (a scheduler's task, $NODE_RANK, ...)
+        from tonpolicy.launch.nodes import node_dir, place, scheduler_task
+
+        cfg = place(cfg, scheduler_task())
+        run_dir = node_dir(cfg, run_dir)
     plan = write_plan(cfg, run_dir)
     if cfg.mode == "plan":
         print(json.dumps(plan, indent=2))

@@ -160,19 +160,12 @@ def start_rollout(
     return server, url
 
 
-def node_rank(cfg: Config) -> int:
-    """This node's rank: trainer.node_rank, else $NODE_RANK, else SLURM's $SLURM_NODEID, else 0."""
-    if cfg.trainer.node_rank is not None:
-        return cfg.trainer.node_rank
-    return int(os.environ.get("NODE_RANK") or os.environ.get("SLURM_NODEID") or 0)
-
-
 def start_trainer(cfg: Config, run_dir: Path, plan: dict[str, Any], url: str, ckpt: Path, procs: ProcessGroup) -> Child:
     nproc = cfg.trainer.nproc_per_node or world_size(cfg) // cfg.trainer.nnodes
     master_port = cfg.trainer.master_port or free_port()
     flags: dict[str, Any] = {"--master-port": master_port, "--server-url": url, "--checkpoint": ckpt}
     if cfg.trainer.nnodes > 1:
-        flags["--node-rank"] = node_rank(cfg)
+        flags["--node-rank"] = cfg.trainer.node_rank or 0
     argv = with_flags(plan["trainer_command"], flags, python=trainer_python(cfg))
     env = dict(plan["environment"])
     if plan["device"] == "cpu":
@@ -286,7 +279,7 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
     status, code = "failed", EXIT_CHILD_FAILED
     try:
         ckpt = prepare_checkpoint(cfg, run_dir)
-        if node_rank(cfg) > 0:  # a worker node: trainer ranks only; node 0 hosts the server and rank 0
+        if cfg.trainer.node_rank:  # a worker node (nodes.place): trainer ranks only; node 0 hosts the server
             trainer = start_trainer(cfg, run_dir, plan, "http://node-0", ckpt, procs)
             write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
             code = supervise_worker_node(trainer)
