@@ -1,4 +1,4 @@
-"""Engine throughput and memory under the `contract` kernels vs the `default` (plain torch) kernels.
+"""Engine throughput and memory under the `invariant` kernels vs the `default` (plain torch) kernels.
 
 Same model weights, same workload, one process; runs alternate between the two kernel sets and the
 median of `--repeats` is kept, so machine noise hits both alike. Prefill tokens/s comes from runs with
@@ -26,7 +26,7 @@ from bench_models import CPU_1024
 from perf_targets import CONTEXT_RATIO, ENGINE_RATIO, MEMORY_RATIO, Check, report
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.kernels import contract_linear, get_kernels
+from tonpolicy.kernels import get_kernels, invariant_linear
 from tonpolicy.model import Qwen3, init_state_dict
 from tonpolicy.model.kv_cache import KVPool
 from tonpolicy.rollout.engine import Engine, GenRequest
@@ -35,9 +35,9 @@ MODELS = {
     "tiny": (ModelConfig(), dict(requests=16, prompt=200, gen=32)),
     "large": (CPU_1024, dict(requests=16, prompt=128, gen=16)),
 }
-KINDS = ("contract", "default")
+KINDS = ("invariant", "default")
 # Also measured in bf16: the contract with contract.logits_dtype=bfloat16 (the LM head on the bf16 GEMM).
-BF16_LOGITS = "contract_bf16_logits"
+BF16_LOGITS = "invariant_bf16_logits"
 POOL = dict(slots=16, capacity=1024)  # the fixed KV pool the memory comparison counts
 
 
@@ -106,7 +106,7 @@ def held_bytes(model: Qwen3) -> int:
         add(t)
     if model._lm_cache is not None:
         add(model._lm_cache[1])
-    for entry in contract_linear._FP32.values():
+    for entry in invariant_linear._FP32.values():
         add(entry[3])
     cfg = model.cfg
     dtype = model.kernels.kv_cache_dtype(model.dtype)
@@ -117,7 +117,7 @@ def held_bytes(model: Qwen3) -> int:
 
 
 def _kernels(kind: str):  # noqa: ANN202
-    return get_kernels("contract", logits_dtype="bfloat16") if kind == BF16_LOGITS else get_kernels(kind)
+    return get_kernels("invariant", logits_dtype="bfloat16") if kind == BF16_LOGITS else get_kernels(kind)
 
 
 def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
@@ -128,7 +128,7 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
     kinds = KINDS + ((BF16_LOGITS,) if dtype == torch.bfloat16 else ())
     models, memory = {}, {}
     for k in kinds:
-        contract_linear.clear_weight_cache()
+        invariant_linear.clear_weight_cache()
         models[k] = Qwen3(cfg, _kernels(k), dtype, state_dict=sd)
         _time(models[k], pre[:1])  # warm-up: builds every cache the kernels keep
         memory[k] = held_bytes(models[k])
@@ -143,9 +143,9 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
         td = max(statistics.median(times[k]["full"]) - tp, 1e-9)
         out[f"{k}_prefill_tok_s"] = w["requests"] * w["prompt"] / tp
         out[f"{k}_decode_tok_s"] = w["requests"] * w["gen"] / td
-    out["prefill_ratio"] = out["default_prefill_tok_s"] / out["contract_prefill_tok_s"]
-    out["decode_ratio"] = out["default_decode_tok_s"] / out["contract_decode_tok_s"]
-    out["memory_ratio"] = memory["contract"] / memory["default"]
+    out["prefill_ratio"] = out["default_prefill_tok_s"] / out["invariant_prefill_tok_s"]
+    out["decode_ratio"] = out["default_decode_tok_s"] / out["invariant_decode_tok_s"]
+    out["memory_ratio"] = memory["invariant"] / memory["default"]
     if BF16_LOGITS in models:
         out["bf16_logits_decode_ratio"] = out["default_decode_tok_s"] / out[f"{BF16_LOGITS}_decode_tok_s"]
         out["bf16_logits_memory_ratio"] = memory[BF16_LOGITS] / memory["default"]
@@ -196,12 +196,12 @@ def main() -> None:
             data["runs"][f"{name}/{short}"] = r
             print(
                 f"{name:6s} {short} (hidden {r['hidden']}, {r['layers']} layers): prefill tok/s contract "
-                f"{r['contract_prefill_tok_s']:.0f} default {r['default_prefill_tok_s']:.0f} ratio "
-                f"{r['prefill_ratio']:.2f}x | decode tok/s contract {r['contract_decode_tok_s']:.1f} default "
+                f"{r['invariant_prefill_tok_s']:.0f} default {r['default_prefill_tok_s']:.0f} ratio "
+                f"{r['prefill_ratio']:.2f}x | decode tok/s contract {r['invariant_decode_tok_s']:.1f} default "
                 f"{r['default_decode_tok_s']:.1f} ratio {r['decode_ratio']:.2f}x | memory "
-                f"{r['bytes']['contract'] / 2**20:.1f} / {r['bytes']['default'] / 2**20:.1f} MiB"
+                f"{r['bytes']['invariant'] / 2**20:.1f} / {r['bytes']['default'] / 2**20:.1f} MiB"
             )
-            prof = r["profile"]["contract"]["full"]
+            prof = r["profile"]["invariant"]["full"]
             print("    contract, where the time goes: " + ", ".join(f"{n} {s:.0%}" for n, s in prof.items()))
             checks.append(
                 Check(f"engine {name} {short} prefill, contract/plain time", r["prefill_ratio"], ENGINE_RATIO)

@@ -61,7 +61,7 @@ def server_command(
             "--model-path",
             str(ckpt),
             "--kernels",
-            "contract",
+            "invariant",
             "--dtype",
             dtype,
             "--port",

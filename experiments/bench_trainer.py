@@ -1,4 +1,4 @@
-"""Benchmark: one trainer training step (forward, backward, optimizer) with the contract layer spec vs
+"""Benchmark: one trainer training step (forward, backward, optimizer) with the kernel layer spec vs
 megatron's stock local spec on the same batch, in one run, at TP1 and TP2; plus the share of the
 step spent in the logprob recipe (TP vocab gather -> fp32 log-softmax -> gather; forward part) and in
 the parity comparison.
@@ -47,8 +47,8 @@ def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int)
 
     trainer_forward.token_logprobs = timed
     out: dict[str, Any] = {"layout": str(layout), "dtype": dtype}
-    for spec in ("contract", "stock"):
-        cfg = harness.make_config(layout, dtype, "contract", 1.0, checkpoint)
+    for spec in ("kernels", "stock"):
+        cfg = harness.make_config(layout, dtype, "exact", 1.0, checkpoint)
         w = TrainerWorker(cfg, checkpoint, spec=spec)
         p, r = batch["prompts"], batch["responses"]
         old = w.logprobs(p, r)
@@ -71,7 +71,7 @@ def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int)
         }
         w.close()
         reset_model_parallel()
-    out["contract_over_stock"] = out["contract"]["step_s"] / out["stock"]["step_s"]
+    out["contract_over_stock"] = out["kernels"]["step_s"] / out["stock"]["step_s"]
     return out
 
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for tp in a.tp:
             r = spawn(_bench, tp, Layout(tp=tp), dtype, ck, batch, a.steps)
             results.append(r)
-            c, s = r["contract"], r["stock"]
+            c, s = r["kernels"], r["stock"]
             print(
                 f"{r['layout']:>8} {dtype}: contract {c['step_s'] * 1e3:8.1f} ms  stock {s['step_s'] * 1e3:8.1f} ms"
                 f"  ratio {r['contract_over_stock']:.2f}x  | logprob recipe {c['recipe_share']:.2%} of the contract "

@@ -2,7 +2,7 @@
 
 On one GPU (NCCL, TP1) it records, stage by stage (a failing stage is reported, the rest still run):
   env        torch/CUDA/megatron versions, whether the CPU compatibility layer stayed off;
-  parity     trainer logprobs on the GPU (contract spec, bf16 and fp32) vs the embedded engine's decode
+  parity     trainer logprobs on the GPU (kernel spec, bf16 and fp32) vs the embedded engine's decode
              logprobs computed on CPU, and vs the stock spec (negative control);
   invariance the contract trainer on the GPU scoring each sample alone (short padding) vs in the batch;
   step       one PPO step, contract vs stock spec: step time, ratio, grad_norm.
@@ -67,7 +67,7 @@ def env() -> dict:
 def _worker(dtype: str, spec: str, ck: str) -> Any:
     from tonpolicy.trainer.worker import TrainerWorker
 
-    cfg = harness.make_config(Layout(), dtype, "contract", 0.8, ck)
+    cfg = harness.make_config(Layout(), dtype, "exact", 0.8, ck)
     return TrainerWorker(cfg, ck, spec=spec)
 
 
@@ -76,7 +76,7 @@ def parity(cks: dict, ros: dict) -> dict:
     out = {}
     for dtype, ck in cks.items():
         ro = ros[dtype]
-        for spec in ("contract", "stock"):
+        for spec in ("kernels", "stock"):
             w = _worker(dtype, spec, ck)
             lps = w.logprobs(ro["prompts"], ro["responses"])
             out[f"{dtype}_{spec}"] = harness.compare(lps, ro["logprobs"])
@@ -89,7 +89,7 @@ def invariance(cks: dict, ros: dict) -> dict:
     out = {}
     for dtype, ck in cks.items():
         ro = ros[dtype]
-        w = _worker(dtype, "contract", ck)
+        w = _worker(dtype, "kernels", ck)
         batch = w.logprobs(ro["prompts"], ro["responses"])
         alone = [w.logprobs([p], [r])[0] for p, r in zip(ro["prompts"], ro["responses"], strict=True)]
         out[dtype] = harness.compare(alone, batch)
@@ -103,7 +103,7 @@ def step(cks: dict, ros: dict, steps: int) -> dict:
     for dtype, ck in cks.items():
         ro = ros[dtype]
         adv = [(-1.0) ** i * (0.5 + 0.1 * i) for i in range(len(ro["prompts"]))]
-        for spec in ("contract", "stock"):
+        for spec in ("kernels", "stock"):
             w = _worker(dtype, spec, ck)
             old = w.logprobs(ro["prompts"], ro["responses"])
             times, m = [], {}
@@ -121,7 +121,7 @@ def step(cks: dict, ros: dict, steps: int) -> dict:
                     out[f"{dtype}_{spec}_train_rollout_logprob_abs_diff"] = m["train_rollout_logprob_abs_diff"]
             out[f"{dtype}_{spec}_step_s"] = sorted(times)[len(times) // 2]
             w.close()
-        out[f"{dtype}_contract_over_stock"] = out[f"{dtype}_contract_step_s"] / out[f"{dtype}_stock_step_s"]
+        out[f"{dtype}_contract_over_stock"] = out[f"{dtype}_kernels_step_s"] / out[f"{dtype}_stock_step_s"]
     return out
 
 
@@ -145,7 +145,7 @@ def main() -> None:
     for name, dt in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         cks[name] = str(root / name)
         save_hf(init_state_dict(cfg, dt, 11), cfg, cks[name])
-        ros[name] = harness.rollout(cks[name], "contract", a.samples, 64, a.new_tokens, 0.8)  # engine on CPU
+        ros[name] = harness.rollout(cks[name], "invariant", a.samples, 64, a.new_tokens, 0.8)  # engine on CPU
     parity(cks, ros)
     invariance(cks, ros)
     step(cks, ros, a.steps)

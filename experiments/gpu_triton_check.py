@@ -243,7 +243,7 @@ def model(root: Path) -> dict:
             pre.append(kern.logprobs(logits, torch.tensor(r, device=DEV), c.vocab_size, 0.8).cpu())
         out[f"{dtype_name}_prefill_vs_decode"] = harness.compare(pre, [torch.tensor(x) for x in ro["logprobs"]])
         adv = [(-1.0) ** i * (0.5 + 0.1 * i) for i in range(len(ro["prompts"]))]
-        for spec in ("contract", "stock"):
+        for spec in ("kernels", "stock"):
             w = TrainerWorker(harness.make_config(Layout(), dtype_name, "triton", 0.8, ck), ck, spec=spec)
             lps = w.logprobs(ro["prompts"], ro["responses"])
             out[f"{dtype_name}_trainer_{spec}_vs_engine"] = harness.compare(lps, ro["logprobs"])
@@ -260,7 +260,7 @@ def model(root: Path) -> dict:
                     out[f"{dtype_name}_{spec}_first_grad_norm"] = met["grad_norm"]
             out[f"{dtype_name}_{spec}_step_s"] = sorted(times)[len(times) // 2]
             w.close()
-        out[f"{dtype_name}_step_ratio"] = out[f"{dtype_name}_contract_step_s"] / out[f"{dtype_name}_stock_step_s"]
+        out[f"{dtype_name}_step_ratio"] = out[f"{dtype_name}_kernels_step_s"] / out[f"{dtype_name}_stock_step_s"]
     return out
 
 

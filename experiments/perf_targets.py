@@ -20,7 +20,7 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 ENGINE_RATIO = 1.2  # embedded engine, contract time / plain time (prefill and decode)
-TRAINER_RATIO = 1.1  # trainer step, contract spec / stock spec
+TRAINER_RATIO = 1.1  # trainer step, kernel spec / stock spec
 SGLANG_RATIO = 1.0  # embedded server (contract) tokens/s / stock SGLang tokens/s
 MEMORY_RATIO = 1.1  # bytes held by a bf16 model under the contract / plain (weights + KV pool)
 CONTEXT_RATIO = 1.5  # decode time per token at context 4096 / at context 512

@@ -1,6 +1,6 @@
 """The rollout dumper: the engine's decode path against a full forward of the same model.
 
-Under `contract` they must match bit for bit; a checkpoint forced onto the `default` kernels must be
+Under `invariant` they must match bit for bit; a checkpoint forced onto the `default` kernels must be
 reported at exactly that (layer, op); `default` everywhere (the negative control) must diverge.
 """
 
@@ -16,14 +16,14 @@ from tonpolicy.parity.compare import compare_dumps
 from tonpolicy.parity.names import Checkpoint, checkpoint
 from tonpolicy.parity.recorder import Selection
 from tonpolicy.parity.rollout_dump import decode_dump, full_forward_dump
-from tonpolicy.rollout.types import GenRequest
+from tonpolicy.rollout.requests import GenRequest
 
 CFG = ModelConfig()
 PROMPT = [3, 11, 12, 13, 14, 15, 4]
 _MODELS: dict[tuple[str, torch.dtype], Qwen3] = {}
 
 
-def _model(kernels: str = "contract", dtype: torch.dtype = torch.bfloat16) -> Qwen3:
+def _model(kernels: str = "invariant", dtype: torch.dtype = torch.bfloat16) -> Qwen3:
     if (kernels, dtype) not in _MODELS:
         _MODELS[(kernels, dtype)] = Qwen3(CFG, get_kernels(kernels), dtype)
     return _MODELS[(kernels, dtype)]

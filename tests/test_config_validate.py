@@ -75,6 +75,7 @@ CASES = [
         ["SGLang deterministic inference accepts only"],
     ),
     (["mode=train"], ["mode='train': must be one of ['plan', 'run', 'align']"]),
+    (["contract.kernels=contract"], ["contract.kernels='contract': must be one of", "(renamed: use 'invariant')"]),
     # Ranges of every numeric field a process acts on (each of these used to fail after start).
     (["experiment.seed=-1"], ["experiment.seed=-1: must be in [0, 4294967295]"]),
     (["experiment.seed=20000000000000"], ["experiment.seed=20000000000000: must be in [0, 4294967295]"]),

@@ -11,7 +11,7 @@ from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model import Qwen3
 from tonpolicy.rollout.engine import Engine, GenRequest
-from tonpolicy.rollout.sampling import make_generator, sample_token
+from tonpolicy.rollout.logits import make_generator, sample_token
 
 CFG = ModelConfig()
 PROMPT = [5, 17, 300, 42, 1999, 7, 8]
@@ -19,7 +19,7 @@ PROMPT = [5, 17, 300, 42, 1999, 7, 8]
 
 @pytest.fixture(scope="module")
 def m() -> Qwen3:
-    return Qwen3(CFG, get_kernels("contract"), torch.bfloat16)
+    return Qwen3(CFG, get_kernels("invariant"), torch.bfloat16)
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ def _qkv(n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tile,art", [(32, 8), (16, 16), (32, 1)])
 def test_prefill_decode_chunked_equal(dtype, tile, art):
-    k = get_kernels("contract", attention_tile=tile, attention_row_tile=art)
+    k = get_kernels("invariant", attention_tile=tile, attention_row_tile=art)
     rng = random.Random(tile)
     for ci, (hq, hkv, d) in enumerate(HEADS):
         n = rng.choice([47, 100, 131]) if ci else 161
@@ -59,23 +59,23 @@ def test_attention_row_tile_is_a_speed_knob(dtype):
         n = 70
         q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=hq)
         pos = torch.arange(n)
-        ref = get_kernels("contract", attention_row_tile=8).attention(q, kk, v, pos, pos, d**-0.5)
+        ref = get_kernels("invariant", attention_row_tile=8).attention(q, kk, v, pos, pos, d**-0.5)
         for art in (1, 2, 4, 16, 32, 64):
-            k = get_kernels("contract", attention_row_tile=art)
+            k = get_kernels("invariant", attention_row_tile=art)
             assert torch.equal(k.attention(q, kk, v, pos, pos, d**-0.5), ref), (hq, hkv, art)
             i = rng.randrange(n)
             one = k.attention(q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], pos[: i + 1], d**-0.5)
             assert torch.equal(one, ref[i : i + 1])
     q, kk, v = _qkv(n, 4, 4, 64, torch.float32, seed=9)
-    ref = get_kernels("contract").attention(q, kk, v, pos, pos, 0.125)
-    ungrouped = get_kernels("contract", attention_row_tile=1, row_tile=1).attention(q, kk, v, pos, pos, 0.125)
+    ref = get_kernels("invariant").attention(q, kk, v, pos, pos, 0.125)
+    ungrouped = get_kernels("invariant", attention_row_tile=1, row_tile=1).attention(q, kk, v, pos, pos, 0.125)
     assert not torch.equal(ungrouped, ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_batched_decode_equals_alone(dtype):
     """Sequences of different lengths share one batched call (keys padded past each length)."""
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     hq, hkv, d = 8, 4, 32
     lens = [1, 5, 31, 32, 33, 77, 130]
     nk = 160
@@ -95,7 +95,7 @@ def test_tile_merge_equals_attention(dtype):
     """attention == finalize(left-to-right merge of attention_tile over key tiles, one tile at a time).
     This is what ring CP does with tiles of remote chunks (chunk boundaries on tile boundaries)."""
     tile = 32
-    k = get_kernels("contract", attention_tile=tile)
+    k = get_kernels("invariant", attention_tile=tile)
     for ci, (hq, hkv, d) in enumerate(HEADS):
         n = 150
         q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=ci + 5)
@@ -115,7 +115,7 @@ def test_tile_merge_equals_attention(dtype):
 
 
 def test_masked_tile_is_exact_noop():
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     q, kk, v = _qkv(40, 8, 4, 32, torch.float32, seed=3)
     pos = torch.arange(40)
     a = k.attention_tile_partial(q, kk[:32], v[:32], pos, pos[:32], 0.2)
@@ -128,7 +128,7 @@ def test_masked_tile_is_exact_noop():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_thread_invariance(dtype):
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     q, kk, v = _qkv(200, 16, 2, 128, dtype, seed=4)
     pos = torch.arange(200)
     with num_threads(1):
@@ -142,7 +142,7 @@ def test_attention_thread_invariance(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_contract_attention_is_accurate(dtype):
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     q, kk, v = _qkv(70, 8, 4, 32, dtype, seed=6)
     pos = torch.arange(70)
     got = k.attention(q, kk, v, pos, pos, 32**-0.5).double()
@@ -169,7 +169,7 @@ def test_default_attention_prefill_differs_from_decode():
 
 
 def test_query_seeing_no_key_gives_zero_not_nan():
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     q, kk, v = _qkv(5, 8, 4, 32, torch.float32, seed=1)
     out = k.attention(q, kk, v, torch.tensor([-1, 0, 1, 2, 3]), torch.arange(5), 0.2)
     assert torch.all(out[0] == 0) and not torch.isnan(out).any()
@@ -177,7 +177,7 @@ def test_query_seeing_no_key_gives_zero_not_nan():
 
 def test_attention_backward_matches_reference():
     """The trainer differentiates through the contract attention (skipped tiles included)."""
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     for n in (5, 70):
         q, kk, v = (t.requires_grad_() for t in _qkv(n, 8, 4, 32, torch.float32, seed=n))
         pos = torch.arange(n)

@@ -18,7 +18,7 @@ SHAPES = [(128, 256), (128, 2048), (384, 128), (1024, 1024), (1024, 3072), (3072
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_row_invariance(dtype):
     """A row's result never depends on which other rows share the call, nor where it sits."""
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     rng = random.Random(0)
     for si, (kk, n) in enumerate(SHAPES):
         x = randn(300, kk, dtype=dtype, seed=si)
@@ -36,7 +36,7 @@ def test_linear_row_invariance(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_column_shards(dtype):
     """Column-parallel shards (any TP dividing the width) equal the matching columns bitwise."""
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     for si, (kk, n) in enumerate(SHAPES):
         x = randn(37, kk, dtype=dtype, seed=si)
         w = randn(n, kk, dtype=dtype, seed=50 + si, std=kk**-0.5)
@@ -54,7 +54,7 @@ def test_linear_column_shards(dtype):
 def test_row_parallel_canonical_shards(dtype):
     """TP ranks computing their canonical K-shards, gathered in rank order and tree-combined, give the
     TP=1 bits (also for the fp32 logits path)."""
-    k = get_kernels("contract", canonical_shards=4)
+    k = get_kernels("invariant", canonical_shards=4)
     for si, (kk, n) in enumerate(SHAPES):
         x = randn(23, kk, dtype=dtype, seed=si)
         w = randn(n, kk, dtype=dtype, seed=70 + si, std=kk**-0.5)
@@ -90,7 +90,7 @@ def test_row_parallel_canonical_shards(dtype):
 
 
 def test_combine_tree_order():
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     p = torch.tensor([[1e8], [1.0], [-1e8], [1.0]], dtype=torch.float32)
     # ((1e8 + 1) + (-1e8 + 1)) in fp32 = 1e8 - 1e8 = 0 exactly; a left fold would give 1.0.
     assert k.combine_partials(p, torch.float32).item() == 0.0
@@ -98,7 +98,7 @@ def test_combine_tree_order():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_thread_invariance(dtype):
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     for si, (kk, n) in enumerate(SHAPES):
         x = randn(70, kk, dtype=dtype, seed=si)
         w = randn(n, kk, dtype=dtype, seed=10 + si, std=kk**-0.5)
@@ -112,7 +112,7 @@ def test_linear_thread_invariance(dtype):
 
 
 def test_linear_accuracy_fp32_accumulation():
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     x = randn(9, 1024, dtype=torch.bfloat16, seed=1)
     w = randn(512, 1024, dtype=torch.bfloat16, seed=2, std=0.03)
     exact = x.double() @ w.double().T
@@ -141,7 +141,7 @@ def test_padded_vocab_size():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_autograd_and_weight_cache(dtype):
     """The trainer differentiates through the contract linear; the fp32 weight cache follows updates."""
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     for m in (3, 40, 300):
         x = randn(m, 128, dtype=dtype, seed=1).requires_grad_()
         w = randn(64, 128, dtype=dtype, seed=2, std=0.1).requires_grad_()
@@ -168,7 +168,7 @@ def test_linear_autograd_and_weight_cache(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_weights_equal_separate(dtype):
     """The model runs Q/K/V and gate/up as one wide linear; each block equals its own linear."""
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     layouts = [
         (128, [256, 128, 128]),
         (128, [384, 384]),
@@ -187,7 +187,7 @@ def test_fused_weights_equal_separate(dtype):
 
 def test_linear_qwen3_4b_shapes():
     """Row, TP-shard and thread invariance at Qwen3-4B widths (hidden 2560, intermediate 9728)."""
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     for kk, n in [(2560, 9728), (9728, 2560), (2560, 4096)]:
         x = randn(40, kk, dtype=torch.bfloat16, seed=kk)
         w = randn(n, kk, dtype=torch.bfloat16, seed=n, std=kk**-0.5)
@@ -208,7 +208,7 @@ def test_linear_qwen3_4b_shapes():
 def test_linear_operand_layout_invariance(dtype):
     """Column-major (transposed-storage) inputs or weights give the same bits: operands are normalised
     to row-major, because a transposed GEMM operand selects a different kernel."""
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     x = randn(21, 256, dtype=dtype, seed=1)
     w = randn(384, 256, dtype=dtype, seed=2, std=0.06)
     ref = k.linear(x, w)
@@ -223,7 +223,7 @@ def test_gemm_row_tile_sizes_give_same_bits(dtype):
     gives the same row bits as 16-row tiles (1 and 2 threads, many widths, fp32 and native bf16), so a
     tail of rows is one GEMM padded to a multiple of 4. GEMMs of 1 row do NOT (a gemv-like path, fp32;
     bf16 too at large K), which is why no GEMM is that small."""
-    from tonpolicy.kernels.contract_linear import tiled_partials
+    from tonpolicy.kernels.invariant_linear import tiled_partials
 
     for th in (1, 2):
         with num_threads(th):
@@ -248,22 +248,22 @@ def test_bf16_linear_is_one_rounding_of_an_fp32_accumulation():
     """bf16 operands take the native bf16 GEMM: products exact, fp32 accumulation, one rounding. So the
     result is within one bf16 rounding (plus fp32 summation error) of the exact product, and the LM head
     (fp32 logits) equals the fp32 GEMM of the upcast operands."""
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     x = randn(40, 1024, dtype=torch.bfloat16, seed=3)
     w = randn(512, 1024, dtype=torch.bfloat16, seed=4, std=1 / 32)
     exact = x.double() @ w.double().t()
     y = k.linear(x, w)
     assert y.dtype == torch.bfloat16
     assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
-    assert torch.equal(k.lm_head(x, w), get_kernels("contract").lm_head(x.float(), w.float()))
+    assert torch.equal(k.lm_head(x, w), get_kernels("invariant").lm_head(x.float(), w.float()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_long_prefill_rows(dtype):
     """Tiles of `prefill_row_tile` (512) rows plus one tail GEMM give the bits of 16-row tiles."""
-    from tonpolicy.kernels.contract_linear import tiled_partials
+    from tonpolicy.kernels.invariant_linear import tiled_partials
 
-    k = get_kernels("contract")
+    k = get_kernels("invariant")
     x = randn(1100, 1024, dtype=dtype, seed=5)  # 2 tiles of 512 + a tail of 76 rows
     w = randn(1024, 1024, dtype=dtype, seed=6, std=1 / 32)
     full = k.linear(x, w)
@@ -278,8 +278,8 @@ def test_linear_long_prefill_rows(dtype):
 def test_bf16_logits_option():
     """logits_dtype=bfloat16: the LM head is the bf16 linear, upcast (no fp32 weight copy); the default
     fp32 head differs from it by bf16 rounding, and its vocab shards still equal its columns."""
-    k16 = get_kernels("contract", logits_dtype="bfloat16")
-    k32 = get_kernels("contract")
+    k16 = get_kernels("invariant", logits_dtype="bfloat16")
+    k32 = get_kernels("invariant")
     x = randn(9, 256, dtype=torch.bfloat16, seed=1)
     w = randn(2004, 256, dtype=torch.bfloat16, seed=2, std=1 / 16)
     logits = k16.lm_head(x, w)

@@ -12,7 +12,7 @@ from kernel_utils import DTYPES, num_threads, randn
 
 from tonpolicy.kernels import get_kernels
 
-K = get_kernels("contract")
+K = get_kernels("invariant")
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:

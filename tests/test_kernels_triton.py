@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tonpolicy.kernels import contract_pointwise as ref
 from tonpolicy.kernels import get_kernels
+from tonpolicy.kernels import pointwise as ref
 from tonpolicy.kernels import triton_attention as ta
 from tonpolicy.kernels import triton_linear as tlin
-from tonpolicy.kernels.contract_linear import tree_sum
+from tonpolicy.kernels.invariant_linear import tree_sum
 
 # Triton 3.6's interpreter converts 1-element arrays to Python ints the way NumPy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")

@@ -1,4 +1,4 @@
-"""Model-level invariance under `contract`: a sequence's logits rows are the same in a full forward,
+"""Model-level invariance under `invariant`: a sequence's logits rows are the same in a full forward,
 a prefix forward, and a mixed flat batch of cached prefill chunks and decode tokens of other sequences."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def _model(kernels: str, dtype: torch.dtype) -> Qwen3:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefix_and_segment_batches(dtype):
-    m = _model("contract", dtype)
+    m = _model("invariant", dtype)
     cfg = m.cfg
     rng = random.Random(0)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in (45, 70, 13)]

@@ -12,7 +12,7 @@ import torch
 from server_proc import DTYPE, IDENTITY, ServerProc, local_engine, save_checkpoint
 
 from tonpolicy.rollout.client import RolloutClient
-from tonpolicy.rollout.types import GenRequest
+from tonpolicy.rollout.requests import GenRequest
 
 LONG = ([5, 17, 300, 42, 7], {"max_new_tokens": 300, "sampling_seed": 1})  # ~2 s of decode on one core
 SHORT = ([9, 8, 7], {"max_new_tokens": 4, "sampling_seed": 2})
@@ -24,7 +24,7 @@ def batches_run(client: RolloutClient) -> int:
 
 def test_short_request_overtakes_a_long_one_in_flight(tmp_path: Path) -> None:
     ckpt = save_checkpoint(tmp_path / "ckpt", seed=1)
-    args = ["--model-path", str(ckpt), "--kernels", "contract", "--dtype", DTYPE, *IDENTITY]
+    args = ["--model-path", str(ckpt), "--kernels", "invariant", "--dtype", DTYPE, *IDENTITY]
     srv = ServerProc(tmp_path, "cb", [*args, "--num-threads", "1", "--max-running-requests", "4"])
     client = srv.start_healthy()
     try:

@@ -16,7 +16,7 @@ from tonpolicy.rollout.protocol import (
     parse_generate_request,
     parse_sampling_params,
 )
-from tonpolicy.rollout.types import GenResult
+from tonpolicy.rollout.requests import GenResult
 
 
 def _result(ids: list[int], lps: list[float], reason: str = "length") -> GenResult:

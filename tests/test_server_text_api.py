@@ -19,7 +19,7 @@ from tonpolicy.kernels import get_kernels
 from tonpolicy.model.checkpoint import load_hf
 from tonpolicy.model.qwen3 import Qwen3
 from tonpolicy.model.tokenizer import load_text_tokenizer
-from tonpolicy.rollout.scoring import score_logprobs
+from tonpolicy.rollout.logits import score_logprobs
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}{{ 'say' }}"
 
@@ -44,7 +44,7 @@ def url(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def model(ckpt: Path) -> Qwen3:
     cfg, sd = load_hf(ckpt)
-    return Qwen3(cfg, get_kernels("contract"), getattr(torch, DTYPE), sd)
+    return Qwen3(cfg, get_kernels("invariant"), getattr(torch, DTYPE), sd)
 
 
 def call(url: str, path: str, body: Any = None) -> tuple[int, Any]:

@@ -42,7 +42,7 @@ def test_model_package_gives_the_contract_bits(
     )
     try:
         client = server.start_healthy()
-        result = check_parity(sglang_py, server, ckpt, "contract", temperature)
+        result = check_parity(sglang_py, server, ckpt, "invariant", temperature)
         reported = client.contract()
     finally:
         server.stop()
@@ -60,7 +60,7 @@ def test_stock_sglang_is_close_but_not_exact(tmp_path: Path, sglang_py: str) -> 
     server = SGLangServer(tmp_path, "stock", ckpt, ["contract=off_policy", "contract.dtype=float32"])
     try:
         client = server.start_healthy()
-        result = check_parity(sglang_py, server, ckpt, "contract", 1.0)
+        result = check_parity(sglang_py, server, ckpt, "invariant", 1.0)
         assert client.contract() is None  # stock SGLang reports no tonpolicy contract
     finally:
         server.stop()
@@ -73,7 +73,7 @@ def test_trainer_refuses_a_server_built_differently(tmp_path: Path, sglang_py: s
     ckpt = save_checkpoint(tmp_path / "ckpt", "bfloat16")
     server = SGLangServer(tmp_path, "contract", ckpt, [])
     cfg = compose_config(["rollout=sglang", "trainer.device=cpu"])
-    ours = runtime_identity(get_kernels("contract"), cfg.contract.dtype, "cpu")
+    ours = runtime_identity(get_kernels("invariant"), cfg.contract.dtype, "cpu")
     try:
         client = server.start_healthy()
         theirs = client.contract()["runtime"]

@@ -23,7 +23,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
 def _check(results: list[dict]) -> None:
     for r in results:
         label = f"{r['layout']} {r['dtype']} {r['contract']}"
-        if r["contract"] == "contract":
+        if r["contract"] == "exact":
             assert r["equal"] == 1.0 and r["max_abs_diff"] == 0.0, label
             assert r["ranks_equal"] == [1.0] * len(r["ranks_equal"]), label  # every rank, not only rank 0
         else:
@@ -48,13 +48,13 @@ def test_dp2_with_tp2_and_cp2_exact(setup: tuple[dict, dict]) -> None:
 
 def test_dp2_trains_on_shares_with_dp1_grad_norm(setup: tuple[dict, dict]) -> None:
     cks, ros = setup
-    ck, ro = cks["float32"], ros[("float32", "contract")]
+    ck, ro = cks["float32"], ros[("float32", "exact")]
 
     def job(layout: Layout) -> dict:
         return dict(
             layout=layout,
             dtype="float32",
-            contract="contract",
+            contract="exact",
             checkpoint=ck,
             rollout=ro,
             temperature=T,

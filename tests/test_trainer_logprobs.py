@@ -4,7 +4,7 @@ the narrowing backward of `replicated_all_gather` (trainer/comm.py) matches TP=1
 from __future__ import annotations
 
 import torch
-from trainer_common import random_hf
+from trainer_common import grad_norm, random_hf
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.trainer.dist import Layout, spawn
@@ -12,7 +12,6 @@ from tonpolicy.trainer.dist import Layout, spawn
 
 def _loss_grad_norm(cfg: ModelConfig, hf: dict, stock_gather: bool) -> tuple[float, torch.Tensor]:
     from tonpolicy.kernels import padded_vocab_size
-    from tonpolicy.trainer.grads import grad_norm
     from tonpolicy.trainer.logprobs import token_logprobs
     from tonpolicy.trainer.model import build_gpt
     from tonpolicy.trainer.weights import load_into

@@ -29,7 +29,7 @@ def _check(results: list[dict]) -> None:
     for r in results:
         label = f"{r['layout']} {r['dtype']} {r['contract']} ({r['spec']} spec)"
         assert r["tokens"] == 32, label
-        if r["contract"] == "contract":
+        if r["contract"] == "exact":
             assert r["equal"] == 1.0 and r["max_abs_diff"] == 0.0, label
             assert r["ranks_equal"] == [1.0, 1.0], label
         else:
@@ -52,9 +52,9 @@ def test_ppo_step_with_microbatches_matches_one_sample_per_microbatch(setup: tup
     job = dict(
         layout=Layout(),
         dtype="float32",
-        contract="contract",
+        contract="exact",
         checkpoint=cks["float32"],
-        rollout=ros[("float32", "contract")],
+        rollout=ros[("float32", "exact")],
         temperature=T,
         advantages=[1.0, -0.5, 0.7, -1.2],
     )

@@ -1,5 +1,5 @@
 """One PPO/GRPO step through megatron's schedules, DDP and optimizer at several layouts on the same
-batch (fp32, contract spec). Before the update the trainer reproduces the rollout exactly (ratio 1,
+batch (fp32, kernel spec). Before the update the trainer reproduces the rollout exactly (ratio 1,
 zero train/rollout diff); grad_norm is bitwise equal to TP1's at PP2 and CP2-Ulysses, within 1e-6 relative
 at CP2-ring and 1e-5 at TP2/TP4 (backward reductions are not under the contract). The
 off_policy control shows a non-zero train/rollout diff."""
@@ -27,14 +27,14 @@ def batch(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, dict, st
     save_hf(init_state_dict(cfg, torch.bfloat16, 11), cfg, ck16)
     return (
         ck,
-        harness.rollout(ck, "contract", 4, 40, 12, T),
+        harness.rollout(ck, "invariant", 4, 40, 12, T),
         harness.rollout(ck, "default", 4, 40, 12, T),
         ck16,
-        harness.rollout(ck16, "contract", 4, 40, 12, T),
+        harness.rollout(ck16, "invariant", 4, 40, 12, T),
     )
 
 
-def _jobs(ck: str, ro: dict, layouts: list[Layout], contract: str = "contract", dtype: str = "float32") -> list[dict]:
+def _jobs(ck: str, ro: dict, layouts: list[Layout], contract: str = "exact", dtype: str = "float32") -> list[dict]:
     return [
         dict(layout=lay, dtype=dtype, contract=contract, checkpoint=ck, rollout=ro, temperature=T, advantages=ADV)
         for lay in layouts

@@ -1,4 +1,4 @@
-"""Shared helpers for the trainer tests (random HF Qwen3 weights for the tiny profile)."""
+"""Shared helpers for the trainer tests: random HF Qwen3 weights for the tiny profile, a model's grad norm."""
 
 from __future__ import annotations
 
@@ -38,3 +38,27 @@ def random_hf(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, t
             }
         )
     return sd
+
+
+def grads_for_norm(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Megatron's optimizer's filter: skip TP replicas (counted on TP rank 0) and shared copies."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    out = []
+    for p in model.parameters():
+        grad = getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+        if grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+            out.append(grad.float())
+    return out
+
+
+def grad_norm(model: torch.nn.Module) -> float:
+    """L2 norm of all gradients across TP and PP, each weight counted once, as Megatron's optimizer
+    computes it (the trainer takes it from the optimizer; tests without one use this)."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+
+    return float(
+        get_grad_norm_fp32(grads_for_norm(model), grad_stats_parallel_group=parallel_state.get_model_parallel_group())
+    )

@@ -39,7 +39,7 @@ class ContractConfig:
     family: str = "qwen3"
     # Promise of the contract: rollout and trainer logprobs are bitwise equal.
     exact_zero: bool = True
-    kernels: str = "contract"  # "contract" | "default"
+    kernels: str = "invariant"  # "invariant" | "triton" | "default" (the negative control)
     dtype: str = "bfloat16"  # "bfloat16" | "float32": weights and activations
     accumulate_dtype: str = "float32"  # matmuls, norms' statistics, softmax, logprobs
     attention_tile: int = 32  # split-KV key tile shared by prefill, decode and ring CP

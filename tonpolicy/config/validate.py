@@ -19,9 +19,11 @@ from tonpolicy.config.sglang_rules import check_sglang
 from tonpolicy.config.sizes import microbatches_per_replica, seq_pad_multiple, world_size
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, LOGITS_DTYPES
 
+# Values that were renamed, so an old config is told the new name.
+RENAMED = {("contract.kernels", "contract"): "invariant"}
 KNOWN = {
     "mode": ("plan", "run", "align"),
-    "contract.kernels": ("contract", "triton", "default"),
+    "contract.kernels": ("invariant", "triton", "default"),
     "contract.dtype": ("bfloat16", "float32"),
     "parallel.cp_type": ("none", "ulysses", "ring"),
     "rollout.backend": ("embedded", "sglang"),
@@ -87,7 +89,8 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
 
     for key, allowed in KNOWN.items():
         if value_at(cfg, key) not in allowed:
-            bad(key, f"must be one of {list(allowed)}")
+            renamed = RENAMED.get((key, value_at(cfg, key)))
+            bad(key, f"must be one of {list(allowed)}" + (f" (renamed: use {renamed!r})" if renamed else ""))
 
     m, p = cfg.model, cfg.parallel
     positive = [
@@ -314,9 +317,9 @@ def _check_contract(cfg: Config, bad: Any) -> None:
         bad("contract.sglang.rl_on_policy_target", "released SGLang accepts only 'fsdp' (or null to omit the flag)")
     if c.logits_dtype not in LOGITS_DTYPES:
         bad("contract.logits_dtype", f"must be one of {list(LOGITS_DTYPES)}")
-    elif c.logits_dtype == "bfloat16" and (c.kernels != "contract" or c.dtype != "bfloat16"):
+    elif c.logits_dtype == "bfloat16" and (c.kernels != "invariant" or c.dtype != "bfloat16"):
         bad("contract.logits_dtype", "bfloat16 logits are a choice of the contract kernels on a bfloat16 model")
-    if c.kernels == "contract" and c.row_tile >= 1:
+    if c.kernels == "invariant" and c.row_tile >= 1:
         # Measured on CPU GEMMs: any multiple-of-4 row count gives the same row bits, 1-3 rows do not.
         if c.row_tile % 4:
             bad("contract.row_tile", "must be a multiple of 4 (GEMMs of 1-3 rows take another path, other bits)")

@@ -64,21 +64,21 @@ def transformer_kwargs(
 
 
 def gpt_model_kwargs(model: ModelConfig, canonical_shards: int, spec: str) -> dict[str, Any]:
-    """GPTModel arguments. The contract spec applies RoPE inside its core attention (from absolute
+    """GPTModel arguments. The kernel spec applies RoPE inside its core attention (from absolute
     positions, CP-aware), so Megatron's own rotary embedding is off there."""
-    contract = spec == "contract"
+    kernel_spec = spec == "kernels"
     out: dict[str, Any] = {
         "vocab_size": padded_vocab_size(model.vocab_size, canonical_shards),
         "max_sequence_length": model.max_position_embeddings,
-        "position_embedding_type": "none" if contract else "rope",
+        "position_embedding_type": "none" if kernel_spec else "rope",
         "share_embeddings_and_output_weights": model.tie_word_embeddings,
         "parallel_output": True,
     }
-    if not contract:
+    if not kernel_spec:
         out["rotary_base"] = int(model.rope_theta)
     return out
 
 
 def layer_spec(kernels: str) -> str:
-    """'contract' (tonpolicy's layer spec on the kernel set) or 'stock' (megatron's local spec)."""
-    return "contract" if kernels in INVARIANT_KERNEL_SETS else "stock"
+    """'kernels' (tonpolicy's layer spec on the kernel set) or 'stock' (megatron's local spec)."""
+    return "kernels" if kernels in INVARIANT_KERNEL_SETS else "stock"

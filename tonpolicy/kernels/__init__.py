@@ -1,4 +1,4 @@
-"""Kernel sets: `contract` (bitwise-invariant numerics, CPU and any torch device), `triton` (the same
+"""Kernel sets: `invariant` (bitwise-invariant numerics, CPU and any torch device), `triton` (the same
 invariances on GPU tensor cores, its own numerics) and `default` (plain torch, the negative control)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ __all__ = [
 ]
 
 # Kernel sets that keep the contract's invariances (the others are negative controls).
-INVARIANT_KERNEL_SETS = ("contract", "triton")
+INVARIANT_KERNEL_SETS = ("invariant", "triton")
 
 # The triton set's key tile (tonpolicy.kernels.triton_attention.TILE; here so config validation need
 # not import Triton).
@@ -49,7 +49,7 @@ def get_kernels(
     prefill_row_tile: int = 512,
     logits_dtype: str = "float32",
 ) -> KernelSet:
-    """Build a kernel set by name ("contract", "triton" or "default").
+    """Build a kernel set by name ("invariant", "triton" or "default").
 
     attention_tile: keys per split-KV tile; canonical_shards: K-shards of the row-parallel linears (TP
     must divide it); row_tile: every GEMM's row count is a multiple of it; prefill_row_tile: rows per
@@ -57,12 +57,12 @@ def get_kernels(
     logits_dtype: "float32" (an fp32 LM head GEMM) or "bfloat16" (the native bf16 one, contract only)."""
     if logits_dtype not in LOGITS_DTYPES:
         raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype!r}")
-    if name != "contract" and logits_dtype != "float32":
+    if name != "invariant" and logits_dtype != "float32":
         raise ValueError(f"logits_dtype={logits_dtype!r} is a choice of the contract kernel set, not of {name!r}")
-    if name == "contract":
-        from tonpolicy.kernels.contract import ContractKernels
+    if name == "invariant":
+        from tonpolicy.kernels.invariant import InvariantKernels
 
-        return ContractKernels(
+        return InvariantKernels(
             attention_tile=attention_tile,
             canonical_shards=canonical_shards,
             row_tile=row_tile,
@@ -83,4 +83,4 @@ def get_kernels(
         from tonpolicy.kernels.default import DefaultKernels
 
         return DefaultKernels(attention_tile=attention_tile, canonical_shards=canonical_shards)
-    raise ValueError(f"unknown kernel set {name!r} (expected 'contract', 'triton' or 'default')")
+    raise ValueError(f"unknown kernel set {name!r} (expected 'invariant', 'triton' or 'default')")

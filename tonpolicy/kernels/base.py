@@ -38,7 +38,7 @@ class KernelSet(Protocol):
     # --- linear -------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """y = x @ weight.T, returned in x.dtype. Column-sharded weights give the matching columns
-        of the unsharded result (bitwise under `contract`). For linears whose K TP never splits (column-
+        of the unsharded result (bitwise under `invariant`). For linears whose K TP never splits (column-
         parallel: QKV, gate/up)."""
 
     def linear_k_sharded(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

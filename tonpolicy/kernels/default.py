@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tonpolicy.kernels.base import AttnPartial
-from tonpolicy.kernels.contract_attention import KEY_PAD_POS, finalize, merge
+from tonpolicy.kernels.invariant_attention import KEY_PAD_POS, finalize, merge
 
 
 class DefaultKernels:

@@ -8,7 +8,7 @@ the call computes. K is cut into `C` canonical shards whose fp32 partials are ad
 fixed order; a TP rank computes its shards' partials, the ranks' partials are
 gathered in rank order and folded the same way, so TP 1, 2 and 4 give the same bits.
 
-The shards are combined left to right, ((p0 + p1) + p2) + p3 (not the `contract` set's pairwise tree):
+The shards are combined left to right, ((p0 + p1) + p2) + p3 (not the `invariant` set's pairwise tree):
 the fused GEMM then keeps two accumulators live, not three. `linear` folds inside the GEMM (same fp32
 additions in the same order as partials + `fold`); for short inputs (decode) it launches one program per
 (tile, shard) and folds with a second kernel, which fills the GPU with C times more programs. Both

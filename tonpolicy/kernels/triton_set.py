@@ -1,15 +1,15 @@
 """The `triton` kernel set: the contract's invariances at tensor-core speed on GPUs.
 
-A kernel set of its own (its own fingerprint), not a CUDA build of `contract`: bf16 operands multiply
+A kernel set of its own (its own fingerprint), not a CUDA build of `invariant`: bf16 operands multiply
 on tensor cores (fp32 accumulation) instead of being upcast, K-shards fold left to right, exp/log are
-Triton's. Its bits therefore differ from `contract`'s on the CPU; what it guarantees is the same list
+Triton's. Its bits therefore differ from `invariant`'s on the CPU; what it guarantees is the same list
 of invariances (batch, row, chunking, prefill/decode, TP 1/2/4, CP), between every caller of these
 kernels on the same GPU model and Triton version (both are in the runtime fingerprint). Both engines
 call it: the embedded engine and the SGLang model package through `KernelSet`, the Megatron layer
 spec through the same functions.
 
 Only the forward is under the contract. With autograd on, each row-local op runs the kernel forward
-and the gradient of its textbook fp32 formula (`contract_pointwise`), like the linears and attention
+and the gradient of its textbook fp32 formula (`pointwise`), like the linears and attention
 of `trainer.kernel_autograd`. Runs on CPU only under TRITON_INTERPRET=1 (tests; slow).
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import triton
 
-from tonpolicy.kernels import contract_pointwise as ref
+from tonpolicy.kernels import pointwise as ref
 from tonpolicy.kernels import triton_attention as ta
 from tonpolicy.kernels import triton_linear as tlin
 from tonpolicy.kernels import triton_rowwise as trow

@@ -34,8 +34,8 @@ from tonpolicy.launch.records import (
     EXIT_SERVER_UNHEALTHY,
     STATUS_FILE,
     read_jsonl,
+    step_table,
 )
-from tonpolicy.launch.report import step_table
 from tonpolicy.ports import free_port, port_is_free
 from tonpolicy.rollout.sglang_env import trainer_python
 

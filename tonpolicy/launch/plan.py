@@ -114,7 +114,7 @@ def megatron_config(cfg: Config) -> dict[str, Any]:
         "gpt_model": gpt_model_kwargs(m, c.canonical_shards, spec),
         "layer_spec": {
             "name": spec,  # contract: tonpolicy.trainer.layer_spec on the kernel set; stock: megatron's local spec
-            "rope": {"theta": m.rope_theta, "applied_by": "core attention" if spec == "contract" else "GPTModel"},
+            "rope": {"theta": m.rope_theta, "applied_by": "core attention" if spec == "kernels" else "GPTModel"},
             "context_parallel": p.cp_type if p.cp > 1 else None,  # inside the core attention, not TE
             "real_vocab_size": m.vocab_size,
             "transformer_engine": False,

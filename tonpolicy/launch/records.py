@@ -1,4 +1,5 @@
-"""Run records in the run directory: metrics.jsonl, samples.jsonl, summary.json.
+"""Run records in the run directory (metrics.jsonl, samples.jsonl, summary.json) and their tables:
+the per-step table printed at the end of a run, the sweep's markdown table.
 
 Each step's record is one line appended and fsynced, so a crash later never loses a completed step;
 summary.json is replaced atomically.
@@ -38,3 +39,38 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             break  # a torn last line from a killed writer; earlier lines are complete
     return out
+
+
+STEP_COLUMNS = [
+    ("step", "step", "{}"),
+    ("tokens", "tokens_scored", "{}"),
+    ("mismatched", "mismatched_tokens", "{}"),
+    ("max|Δlogp|", "max_abs_logprob_diff", "{:.3e}"),
+    ("train_rollout_abs_diff", "train_rollout_logprob_abs_diff", "{:.3e}"),
+    ("K3 KL", "train_rollout_k3_kl", "{:.3e}"),
+    ("reward", "reward_mean", "{:.3f}"),
+    ("clipfrac", "clipfrac", "{:.3f}"),
+    ("grad_norm", "grad_norm", "{:.6g}"),
+]
+
+
+def _cell(fmt: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
+
+
+def step_table(records: list[dict[str, Any]]) -> str:
+    headers = [h for h, _, _ in STEP_COLUMNS]
+    rows = [[_cell(fmt, r.get(key)) for _, key, fmt in STEP_COLUMNS] for r in records]
+    return markdown_table(headers, rows)

@@ -11,7 +11,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from tonpolicy.launch.curves import reward_overlay
-from tonpolicy.launch.report import markdown_table
+from tonpolicy.launch.records import markdown_table
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from torch import nn
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import KernelSet, padded_vocab_size
-from tonpolicy.kernels.contract_linear import clear_weight_cache
+from tonpolicy.kernels.invariant_linear import clear_weight_cache
 from tonpolicy.model.checkpoint import init_state_dict, param_shapes
 from tonpolicy.model.kv_cache import KVPool
 

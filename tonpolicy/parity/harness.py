@@ -20,12 +20,12 @@ from tonpolicy.config.schema import Config, ContractConfig, ExperimentConfig, Tr
 from tonpolicy.trainer.dist import Layout
 
 CONTRACTS = {
-    "contract": dict(name="qwen3_dense_v1", kernels="contract", exact_zero=True),
+    "exact": dict(name="qwen3_dense_v1", kernels="invariant", exact_zero=True),
     "off_policy": dict(name="off_policy", kernels="default", exact_zero=False),
     # GPU (or Triton's interpreter in tests); not part of the default job lists.
     "triton": dict(name="qwen3_dense_triton_v1", kernels="triton", exact_zero=True, attention_tile=64),
 }
-CPU_CONTRACTS = ("contract", "off_policy")
+CPU_CONTRACTS = ("exact", "off_policy")
 
 
 def make_config(
@@ -83,7 +83,7 @@ def checkpoints_and_rollouts(
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         cks[name] = str(Path(root) / f"{prefix}{name}")
         save_hf(init_state_dict(cfg, dtype, seed), cfg, cks[name])
-        for contract, kernels in (("contract", "contract"), ("off_policy", "default")):
+        for contract, kernels in (("exact", "invariant"), ("off_policy", "default")):
             ros[(name, contract)] = rollout(cks[name], kernels, n, prompt_len, max_new_tokens, temperature)
     return cks, ros
 

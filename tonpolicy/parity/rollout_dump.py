@@ -21,7 +21,7 @@ from tonpolicy.parity.dump import Dump, make_dump
 from tonpolicy.parity.names import hf_weight_role
 from tonpolicy.parity.recorder import RecordingKernels, Selection
 from tonpolicy.rollout.engine import Engine
-from tonpolicy.rollout.types import GenRequest
+from tonpolicy.rollout.requests import GenRequest
 
 
 def make_recorder(model: Qwen3, selection: Selection, perturb: dict | None = None) -> RecordingKernels:

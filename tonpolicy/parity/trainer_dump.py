@@ -1,5 +1,5 @@
 """Dump of the trainer side: the trainer's own logprob recompute of one sample (TrainerWorker: megatron-
-core's GPTModel on the contract layer spec, megatron's forward schedule) at the configured TP/PP/CP
+core's GPTModel on the kernel layer spec, megatron's forward schedule) at the configured TP/PP/CP
 layout, in real processes (gloo on CPU).
 
 Every rank records what its kernels see (its TP column shards, its CP positions, its PP stage's
@@ -45,14 +45,14 @@ def _worker(
     perturb: dict[Checkpoint, Any],
     shard_dir: str,
 ) -> None:
-    """One trainer rank: the trainer's own TrainerWorker (contract layer spec, megatron's schedule,
+    """One trainer rank: the trainer's own TrainerWorker (kernel layer spec, megatron's schedule,
     response slicing, logprob recipe) with its kernel set swapped for the recording proxy."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from tonpolicy.trainer.worker import TrainerWorker
 
-    worker = TrainerWorker(cfg, cfg.model.checkpoint, spec="contract")
+    worker = TrainerWorker(cfg, cfg.model.checkpoint, spec="kernels")
     m = worker.model_cfg
     rec = RecordingKernels(
         worker.kernels, m.num_layers, m.num_attention_heads // m.num_kv_heads, m.head_dim, selection, perturb

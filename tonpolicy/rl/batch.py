@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from tonpolicy.config.schema import Config
-from tonpolicy.rl.advantages import grpo_advantages
+from tonpolicy.rl.objective import grpo_advantages
 from tonpolicy.rl.task import EOS, make_prompts, reward
 
 

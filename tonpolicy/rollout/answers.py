@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tonpolicy.rollout.protocol import GenerateItem, ProtocolError
-from tonpolicy.rollout.types import GenResult, TopLogprobs
+from tonpolicy.rollout.requests import GenResult, TopLogprobs
 
 # token ids -> text; None when the server has no tokenizer
 Decode = Callable[[list[int]], str] | None

@@ -10,7 +10,7 @@ Each engine step forwards one flat batch made of prefill chunks (admission order
 `chunked_prefill_size` token budget) and one decode token per request already past its prompt.
 A request becomes visible `arrival_step` steps after it was added (idle gaps are skipped, not
 stepped through) and is admitted while fewer than `max_running_requests` run, so batch composition
-changes as requests arrive and finish. Under the `contract` kernels each logits row is independent
+changes as requests arrive and finish. Under the `invariant` kernels each logits row is independent
 of the batch, so results equal the request run alone and `score_logprobs`.
 
 The KV pool lives as long as the engine (or until `flush_cache`) and grows on admission, in slots
@@ -28,9 +28,8 @@ import torch
 from tonpolicy.kernels import logprob_temperature
 from tonpolicy.model.kv_cache import KVPool
 from tonpolicy.model.qwen3 import Qwen3, Segment
-from tonpolicy.rollout.sampling import make_generator, sample_token
-from tonpolicy.rollout.scoring import score_logprobs, top_logprobs
-from tonpolicy.rollout.types import GenRequest, GenResult, TopLogprobs
+from tonpolicy.rollout.logits import make_generator, sample_token, score_logprobs, top_logprobs
+from tonpolicy.rollout.requests import GenRequest, GenResult, TopLogprobs
 
 __all__ = ["Engine", "GenRequest", "GenResult", "score_logprobs"]
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from tonpolicy.rollout.answers import STREAM_END, build_generate_output, stream_chunk
 from tonpolicy.rollout.protocol import GenerateRequest, ProtocolError, check_fields, parse_generate_request
+from tonpolicy.rollout.requests import GenResult
 from tonpolicy.rollout.server_state import (
     Response,
     ServerState,
@@ -24,7 +25,6 @@ from tonpolicy.rollout.server_state import (
     progress_events,
     run_items,
 )
-from tonpolicy.rollout.types import GenResult
 
 # Request fields mapped onto sampling_params (OpenAI name -> SGLang name).
 _SAMPLING = {

@@ -10,8 +10,8 @@ from tonpolicy.model.checkpoint import load_hf, param_shapes
 from tonpolicy.model.qwen3 import Qwen3
 from tonpolicy.rollout.engine import Engine
 from tonpolicy.rollout.protocol import GenerateItem
+from tonpolicy.rollout.requests import GenRequest
 from tonpolicy.rollout.server_args import ServerArgs
-from tonpolicy.rollout.types import GenRequest
 
 
 def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:

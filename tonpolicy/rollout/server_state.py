@@ -20,9 +20,9 @@ from tonpolicy.config.model import ModelConfig
 from tonpolicy.model.tokenizer import TextTokenizer
 from tonpolicy.rollout.engine_loop import EngineLoop
 from tonpolicy.rollout.protocol import GenerateItem, ProtocolError
+from tonpolicy.rollout.requests import GenResult
 from tonpolicy.rollout.server_args import ServerArgs
 from tonpolicy.rollout.server_model import to_gen_request
-from tonpolicy.rollout.types import GenResult
 
 Response = tuple[int, Any]  # (status, JSON-able body | str | Stream | None)
 

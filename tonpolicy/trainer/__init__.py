@@ -3,12 +3,12 @@
 Entry point: `worker.TrainerWorker(cfg, checkpoint_dir)` inside an initialized process group
 (torchrun, or `dist.spawn` in tests): `.logprobs(prompts, responses)`, `.ppo_step(...)`, `.save_hf(dir)`.
 
-Modules: `model` (GPTModel for a ModelConfig), `layer_spec` (the contract ModuleSpec), `cp_attention`,
-`ring_attention` and `cp` (Ulysses / zigzag-ring context parallelism, the one response slicer), `comm`
-(autograd collectives), `kernel_autograd` (kernel forward, plain backward), `logprobs` (the recipe with
-`comm.replicated_all_gather`), `forward` (megatron schedules over samples),
-`weights` (HF <-> Megatron), `grads` (grad norm), `dist` (process groups, spawn), `cpu_compat` (megatron
-on CPU). The PPO loss lives in `tonpolicy.rl`; the trainer-vs-rollout harness in `tonpolicy.parity.harness`.
+Modules: `model` (GPTModel for a ModelConfig), `layer_spec` (the kernel layer spec: Megatron modules
+that call the kernel set), `cp_attention`, `ring_attention` and `cp` (Ulysses / zigzag-ring context
+parallelism, the one response slicer), `comm` (autograd collectives), `kernel_autograd` (kernel forward,
+plain backward), `logprobs` (the recipe with `comm.replicated_all_gather`), `forward` (megatron schedules
+over samples), `weights` (HF <-> Megatron), `dist` (process groups, spawn), `cpu_compat` (megatron on
+CPU). The RL objective lives in `tonpolicy.rl`; the trainer-vs-rollout harness in `tonpolicy.parity.harness`.
 """
 
 import sys as _sys

@@ -1,4 +1,4 @@
-"""Autograd-aware collectives used by the contract layer spec (gloo and NCCL alike)."""
+"""Autograd-aware collectives used by the kernel layer spec (gloo and NCCL alike)."""
 
 from __future__ import annotations
 

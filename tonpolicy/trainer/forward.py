@@ -139,10 +139,10 @@ def local_logprobs(
 
 
 def run(
-    model: Any, mbs: list[Microbatch], seq_len: int, loss_fn: LossFn, forward_only: bool, contract_spec: bool
+    model: Any, mbs: list[Microbatch], seq_len: int, loss_fn: LossFn, forward_only: bool, kernel_spec: bool
 ) -> list[dict]:
     """Megatron schedule over the microbatches; returns loss_fn's dicts (last pipeline stage only).
-    `contract_spec`: the model's attention takes the microbatch's positions (Megatron's stock spec
+    `kernel_spec`: the model's attention takes the microbatch's positions (Megatron's stock spec
     applies its own RoPE and would read them as THD packing parameters)."""
     it = iter(mbs)
 
@@ -150,7 +150,7 @@ def run(
         mb = next(data_iterator)
         dev = device()
         positions = mb.positions.to(dev)
-        carried = cp_layout.TokenPositions(positions=positions) if contract_spec else None
+        carried = cp_layout.TokenPositions(positions=positions) if kernel_spec else None
         out = module(mb.tokens.to(dev), positions, None, packed_seq_params=carried)
         return out, functools.partial(loss_fn, mb)
 

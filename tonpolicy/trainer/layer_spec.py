@@ -1,4 +1,4 @@
-"""The contract layer spec: megatron-core's TransformerLayer/SelfAttention/MLP skeleton, with every
+"""The kernel layer spec: megatron-core's TransformerLayer/SelfAttention/MLP skeleton, with every
 numerical op routed to a tonpolicy kernel set (the same functions the rollout model calls).
 
 - column-parallel linears: `kernels.linear` on the local weight (its columns equal the unsharded op's);
@@ -42,7 +42,7 @@ class _TakesKernels:
         self.kernels = kernels
 
 
-class ContractColumnParallelLinear(_TakesKernels, ColumnParallelLinear):
+class KernelColumnParallelLinear(_TakesKernels, ColumnParallelLinear):
     def forward(
         self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
     ) -> tuple[torch.Tensor, None]:
@@ -51,7 +51,7 @@ class ContractColumnParallelLinear(_TakesKernels, ColumnParallelLinear):
         return KernelLinear.apply(x, w, self.kernels.linear), None
 
 
-class ContractRowParallelLinear(_TakesKernels, RowParallelLinear):
+class KernelRowParallelLinear(_TakesKernels, RowParallelLinear):
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         shards = self.kernels.canonical_shards
@@ -69,7 +69,7 @@ class ContractRowParallelLinear(_TakesKernels, RowParallelLinear):
         return KernelLinear.apply(input_, self.weight, canonical), None
 
 
-class ContractLMHead(ContractColumnParallelLinear):
+class KernelLMHead(KernelColumnParallelLinear):
     """Column-parallel LM head: the kernel set's own `lm_head` (fp32 logits, never rounded to the
     activation dtype), the call the rollout model makes, on this rank's vocab rows."""
 
@@ -81,7 +81,7 @@ class ContractLMHead(ContractColumnParallelLinear):
         return KernelLinear.apply(x, w, self.kernels.lm_head), None
 
 
-class ContractRMSNorm(MegatronModule):
+class KernelRMSNorm(MegatronModule):
     """RMSNorm with the kernel's formula; `weight` is named as in megatron's local spec."""
 
     def __init__(
@@ -95,7 +95,7 @@ class ContractRMSNorm(MegatronModule):
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
-class ContractMLP(_TakesKernels, MLP):
+class KernelMLP(_TakesKernels, MLP):
     """Fused gate/up column-parallel linear -> kernel SwiGLU -> row-parallel linear."""
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: Any = None, **_: Any) -> tuple[torch.Tensor, None]:
@@ -105,7 +105,7 @@ class ContractMLP(_TakesKernels, MLP):
         return out, None
 
 
-class ContractCoreAttention(MegatronModule):
+class KernelCoreAttention(MegatronModule):
     """RoPE (from the microbatch's absolute positions) + split-KV causal attention, with CP inside."""
 
     def __init__(
@@ -180,12 +180,12 @@ class ContractCoreAttention(MegatronModule):
         return out.transpose(0, 1).reshape(s, b, hq * d)
 
 
-def contract_layer_spec(kernels: Any, rope_theta: float, cp_mode: str) -> ModuleSpec:
-    norm = ModuleSpec(module=ContractRMSNorm, params={"kernels": kernels})
-    col = ModuleSpec(module=ContractColumnParallelLinear, params={"kernels": kernels})
-    row = ModuleSpec(module=ContractRowParallelLinear, params={"kernels": kernels})
+def kernel_layer_spec(kernels: Any, rope_theta: float, cp_mode: str) -> ModuleSpec:
+    norm = ModuleSpec(module=KernelRMSNorm, params={"kernels": kernels})
+    col = ModuleSpec(module=KernelColumnParallelLinear, params={"kernels": kernels})
+    row = ModuleSpec(module=KernelRowParallelLinear, params={"kernels": kernels})
     core = ModuleSpec(
-        module=ContractCoreAttention, params={"kernels": kernels, "rope_theta": rope_theta, "cp_mode": cp_mode}
+        module=KernelCoreAttention, params={"kernels": kernels, "rope_theta": rope_theta, "cp_mode": cp_mode}
     )
     return ModuleSpec(
         module=TransformerLayer,
@@ -201,7 +201,7 @@ def contract_layer_spec(kernels: Any, rope_theta: float, cp_mode: str) -> Module
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
             mlp=ModuleSpec(
-                module=ContractMLP,
+                module=KernelMLP,
                 params={"kernels": kernels},
                 submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row),
             ),
@@ -210,21 +210,21 @@ def contract_layer_spec(kernels: Any, rope_theta: float, cp_mode: str) -> Module
     )
 
 
-def contract_block_spec(
+def kernel_block_spec(
     config: TransformerConfig, kernels: Any, rope_theta: float, cp_mode: str
 ) -> TransformerBlockSubmodules:
     """This pipeline stage's layers plus the final norm, all on the contract kernels."""
-    layer = contract_layer_spec(kernels, rope_theta, cp_mode)
+    layer = kernel_layer_spec(kernels, rope_theta, cp_mode)
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config),
-        layer_norm=ModuleSpec(module=ContractRMSNorm, params={"kernels": kernels}),
+        layer_norm=ModuleSpec(module=KernelRMSNorm, params={"kernels": kernels}),
     )
 
 
-def install_contract_head(model: GPTModel, kernels: Any) -> None:
+def install_kernel_head(model: GPTModel, kernels: Any) -> None:
     """GPTModel builds its LM head itself (no spec to pass `kernels` through): swap its class so it runs
     the kernel set's head (params kept) and hand it the kernel set as every other module gets it."""
     head = getattr(model, "output_layer", None)
     if head is not None:
-        head.__class__ = ContractLMHead
+        head.__class__ = KernelLMHead
         head.kernels = kernels

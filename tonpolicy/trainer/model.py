@@ -46,7 +46,7 @@ def build_gpt(
     pp_layers: tuple[int, ...] | None = None,
     exact_zero: bool = True,
 ) -> GPTModel:
-    """`spec`: 'contract' (layer spec on the kernel set `kernels`) or 'stock' (megatron's local spec:
+    """`spec`: 'kernels' (layer spec on the kernel set `kernels`) or 'stock' (megatron's local spec:
     the off-policy negative control). `canonical_shards` is the contract's: it fixes the padded vocab."""
     config = transformer_config(cfg, dtype, pp_layers, exact_zero)
     common = dict(
@@ -55,13 +55,13 @@ def build_gpt(
         post_process=parallel_state.is_pipeline_last_stage(),
         **gpt_model_kwargs(cfg, canonical_shards, spec),
     )
-    if spec == "contract":
-        from tonpolicy.trainer.layer_spec import contract_block_spec, install_contract_head
+    if spec == "kernels":
+        from tonpolicy.trainer.layer_spec import install_kernel_head, kernel_block_spec
 
-        # RoPE is applied by the contract core attention from the microbatch's absolute positions.
-        block = contract_block_spec(config, kernels, cfg.rope_theta, cp_mode)
+        # RoPE is applied by the kernel core attention from the microbatch's absolute positions.
+        block = kernel_block_spec(config, kernels, cfg.rope_theta, cp_mode)
         model = GPTModel(transformer_layer_spec=block, **common)
-        install_contract_head(model, kernels)
+        install_kernel_head(model, kernels)
     elif spec == "stock":
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
         model = GPTModel(transformer_layer_spec=layer_spec, **common)

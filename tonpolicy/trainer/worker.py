@@ -19,7 +19,7 @@ from tonpolicy.contract.gate import compare as gate_compare
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, get_kernels, logprob_temperature, padded_vocab_size
-from tonpolicy.rl.ppo import PPOConfig, metrics, token_loss
+from tonpolicy.rl.objective import PPOConfig, metrics, token_loss
 from tonpolicy.trainer import forward as trainer_forward
 from tonpolicy.trainer.dist import Layout, init_distributed
 from tonpolicy.trainer.model import build_gpt
@@ -29,9 +29,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class TrainerWorker:
-    """`spec`: 'contract' (contract layer spec), 'stock' (megatron's local spec) or None: contract spec
+    """`spec`: 'kernels' (the kernel layer spec), 'stock' (megatron's local spec) or None: kernel spec
     for the contract kernels; for `default` kernels the stock spec, or at CP > 1 (megatron's own CP
-    needs TransformerEngine) the contract spec running the `default` kernels."""
+    needs TransformerEngine) the kernel spec running the `default` kernels."""
 
     def __init__(
         self,
@@ -52,12 +52,12 @@ class TrainerWorker:
         self.kernel_set = kernels  # what the runtime fingerprint is computed from
         if spec is None:
             # Megatron's local spec has neither CP (TransformerEngine's) nor packed rows (THD, TE's too).
-            needs_contract_spec = self.layout.cp > 1 or cfg.trainer.pack_sequences
-            spec = "contract" if (c.kernels in INVARIANT_KERNEL_SETS or needs_contract_spec) else "stock"
+            needs_kernel_spec = self.layout.cp > 1 or cfg.trainer.pack_sequences
+            spec = "kernels" if (c.kernels in INVARIANT_KERNEL_SETS or needs_kernel_spec) else "stock"
         self.spec = spec
         # The logprob recipe runs the kernel set's `logprobs` (stock spec: plain torch, same formula).
-        self.contract_spec = spec == "contract"
-        self.kernels = kernels if self.contract_spec else None
+        self.kernel_spec = spec == "kernels"
+        self.kernels = kernels if self.kernel_spec else None
         if state_dict is not None:
             self.model_cfg, hf = cfg.model, state_dict
         elif checkpoint is not None:
@@ -105,7 +105,7 @@ class TrainerWorker:
         """fp32 logprob of every response token (temperature from the experiment config)."""
         self.model.eval()
         mbs, seq_len = self._microbatches(prompts, responses)
-        outs = trainer_forward.run(self.model, mbs, seq_len, self._lp_loss, True, self.contract_spec)
+        outs = trainer_forward.run(self.model, mbs, seq_len, self._lp_loss, True, self.kernel_spec)
         return trainer_forward.assemble(outs, mbs, [len(r) for r in responses])
 
     # --- training -----------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ class TrainerWorker:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outs = trainer_forward.run(self.model, mbs, seq_len, loss_fn, False, self.contract_spec)
+        outs = trainer_forward.run(self.model, mbs, seq_len, loss_fn, False, self.kernel_spec)
         new_lp = trainer_forward.assemble(outs, mbs, [len(r) for r in responses])
         first = gate_compare([e["old"] for e in extras], new_lp)
         if exact_first_forward and not first.exact:

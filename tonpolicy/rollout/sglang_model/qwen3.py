@@ -24,7 +24,7 @@ from torch import nn
 
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.kernels import get_kernels, padded_vocab_size
-from tonpolicy.kernels.contract_linear import clear_weight_cache
+from tonpolicy.kernels.invariant_linear import clear_weight_cache
 from tonpolicy.model.checkpoint import config_from_hf
 from tonpolicy.rollout.sglang_model.attention import PooledAttention
 from tonpolicy.rollout.sglang_model.heads import ContractLogitsProcessor, contract_sampler_active

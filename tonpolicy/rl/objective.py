@@ -1,4 +1,7 @@
-"""PPO/GRPO clipped policy loss (per token) and the step metrics users expect.
+"""The RL objective: GRPO advantages, the PPO clipped policy loss (per token) and the step metrics
+users expect.
+
+Advantage of a sample: its reward minus its prompt group's mean, over the group's std.
 
 Loss per response token: max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high)) with r = exp(lp - lp_old),
 plus kl_coef * K3(lp_old || lp); aggregated as a token mean over the batch's loss-masked tokens.
@@ -9,6 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def grpo_advantages(rewards: list[float], group_size: int) -> list[float]:
+    """Reward minus its prompt group's mean, over the group's std (0 when the group agrees)."""
+    out = []
+    for i in range(0, len(rewards), group_size):
+        group = torch.tensor(rewards[i : i + group_size], dtype=torch.float64)
+        std = group.std(unbiased=False) if len(group) > 1 else torch.tensor(0.0, dtype=torch.float64)
+        out += ((group - group.mean()) / (std + 1e-6)).tolist()
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Invariant fp32-accumulating matmul for the `contract` kernel set.
+"""Invariant fp32-accumulating matmul for the `invariant` kernel set.
 
 Why this shape of computation (measured on torch 2.13 and 2.14 CPU, see tests/test_kernels_linear.py):
 - a plain GEMM's row result depends on M (MKL picks different paths), so every GEMM here has a fixed

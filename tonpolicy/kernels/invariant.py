@@ -1,4 +1,4 @@
-"""The `contract` kernel set: every op's result for a token is invariant by construction to batch
+"""The `invariant` kernel set: every op's result for a token is invariant by construction to batch
 composition, token count, prefill/decode/chunked prefill, row position, TP and thread count. TP
 invariance: a column-parallel linear (QKV, gate/up, LM head) never splits K, so it runs whole; a
 row-parallel one (o_proj, down) is defined over canonical K-shards that any TP dividing their count
@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 
-from tonpolicy.kernels import contract_attention
-from tonpolicy.kernels import contract_pointwise as pointwise
+from tonpolicy.kernels import invariant_attention, pointwise
 from tonpolicy.kernels.base import AttnPartial
-from tonpolicy.kernels.contract_linear import tiled_partials, tree_sum
+from tonpolicy.kernels.invariant_linear import tiled_partials, tree_sum
 
 
-class ContractKernels:
-    name = "contract"
+class InvariantKernels:
+    name = "invariant"
     # Key tiles pooled in their GEMM layout ([Hkv, D, T] keys, [Hkv, T, D] values): decode then gathers
     # whole tiles, where the token layout cost a transposing copy of every visible key per step.
     kv_pool_layout = "tile"
@@ -128,7 +127,7 @@ class ContractKernels:
         scale: float,
     ) -> torch.Tensor:
         """Batch of independent sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D], positions [B, N]."""
-        return contract_attention.attention_batched(
+        return invariant_attention.attention_batched(
             q, k, v, q_pos, k_pos, scale, self.attention_tile, self.attention_row_tile, self.row_tile
         )
 
@@ -151,7 +150,7 @@ class ContractKernels:
         if k_pool.shape[-1] != t:
             raise ValueError(f"the contract reads a tile-layout KV pool of {t}-key tiles, got k {tuple(k_pool.shape)}")
         kpos = torch.arange(tiles * t, device=q.device).view(1, tiles, t).expand(n, -1, -1)
-        return contract_attention.attention_stores(
+        return invariant_attention.attention_stores(
             q,
             q_pos,
             k_pool,
@@ -178,24 +177,24 @@ class ContractKernels:
     ) -> AttnPartial:
         if k.shape[0] != self.attention_tile:
             raise ValueError(f"attention_tile_partial takes exactly {self.attention_tile} keys, got {k.shape[0]}")
-        ks, vs, kps, _ = contract_attention.to_store(k[None], v[None], k_pos[None], self.attention_tile)
-        rt = contract_attention.query_row_tile(
+        ks, vs, kps, _ = invariant_attention.to_store(k[None], v[None], k_pos[None], self.attention_tile)
+        rt = invariant_attention.query_row_tile(
             q.shape[0], q.shape[1] // k.shape[1], self.attention_row_tile, self.row_tile
         )
-        parts = contract_attention.tile_partials(
+        parts = invariant_attention.tile_partials(
             q[None], q_pos[None], ks, vs, kps, torch.zeros(1, dtype=torch.long, device=q.device), 1, scale, rt
         )
         nq = q.shape[0]
-        m = contract_attention.unpack_rows(parts.m[0], nq, rt)[0]
-        l = contract_attention.unpack_rows(parts.l[0], nq, rt)[0]  # noqa: E741
-        acc = contract_attention.unpack_rows(parts.acc[0], nq, rt)[0]
+        m = invariant_attention.unpack_rows(parts.m[0], nq, rt)[0]
+        l = invariant_attention.unpack_rows(parts.l[0], nq, rt)[0]  # noqa: E741
+        acc = invariant_attention.unpack_rows(parts.acc[0], nq, rt)[0]
         return AttnPartial(m, l, acc)
 
     def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:
-        return contract_attention.merge(a, b)
+        return invariant_attention.merge(a, b)
 
     def finalize(self, p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
-        return contract_attention.finalize(p, dtype)
+        return invariant_attention.finalize(p, dtype)
 
     # --- logprobs -------------------------------------------------------------------------------
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Row-local ops of the `contract` set: RMSNorm, SwiGLU, RoPE, logprobs.
+"""Row-local ops of the `invariant` set: RMSNorm, SwiGLU, RoPE, logprobs.
 
 dtype steps: inputs upcast to fp32, all arithmetic in fp32 using only IEEE-exact elementwise ops
 (+ - * / sqrt) plus `torch.exp`/`cos`/`sin` (scalar and vector paths measured identical), last-dim

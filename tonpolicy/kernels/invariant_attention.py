@@ -1,4 +1,4 @@
-"""Split-KV causal attention with a fixed key tile, the `contract` way.
+"""Split-KV causal attention with a fixed key tile, the `invariant` way.
 
 Every query's result is built from key tiles of exactly `tile` keys. For one tile the partial is
 (m, l, acc): m = max of the scaled scores (exact), p = exp(s - m) (masked keys give exactly 0),
