@@ -10,7 +10,7 @@ import pytest
 import torch
 from kernel_utils import DTYPES, num_threads, randn
 
-from tonpolicy.kernels import get_kernels
+from tonpolicy.kernels import get_kernels, invariant_attention
 
 HEADS = [(8, 4, 32), (4, 4, 64), (16, 2, 128)]  # (Hq, Hkv, D): tiny profile, MHA, wide GQA
 
@@ -52,24 +52,57 @@ def test_prefill_decode_chunked_equal(dtype, tile, art):
 def test_attention_row_tile_is_a_speed_knob(dtype):
     """Query rows per attention GEMM change no bit as long as every GEMM has a multiple of 4 rows
     (the `row_tile` granule), which is why decode pads one query only to 4 rows, and why
-    `attention_row_tile` is tuned for speed. Negative control: GEMMs of 1-2 rows (granule 1, no GQA
-    group) take another path and differ."""
+    `attention_row_tile` (the KV-pool path's query tile) is tuned for speed. Negative control: GEMMs of
+    1-2 rows (granule 1, no GQA group) take another path and differ."""
     rng = random.Random(5)
     for hq, hkv, d in HEADS:
         n = 70
         q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=hq)
         pos = torch.arange(n)
-        ref = get_kernels("invariant", attention_row_tile=8).attention(q, kk, v, pos, pos, d**-0.5)
+        ref = get_kernels("invariant").attention(q, kk, v, pos, pos, d**-0.5)
         for art in (1, 2, 4, 16, 32, 64):
             k = get_kernels("invariant", attention_row_tile=art)
-            assert torch.equal(k.attention(q, kk, v, pos, pos, d**-0.5), ref), (hq, hkv, art)
+            assert torch.equal(_pooled(k, q, kk, v, pos, d**-0.5), ref), (hq, hkv, art)
             i = rng.randrange(n)
-            one = k.attention(q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], pos[: i + 1], d**-0.5)
+            one = _pooled(k, q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], d**-0.5)
             assert torch.equal(one, ref[i : i + 1])
     q, kk, v = _qkv(n, 4, 4, 64, torch.float32, seed=9)
     ref = get_kernels("invariant").attention(q, kk, v, pos, pos, 0.125)
-    ungrouped = get_kernels("invariant", attention_row_tile=1, row_tile=1).attention(q, kk, v, pos, pos, 0.125)
-    assert not torch.equal(ungrouped, ref)
+    ungrouped = get_kernels("invariant", attention_row_tile=1, row_tile=1)
+    assert not torch.equal(_pooled(ungrouped, q, kk, v, pos, 0.125), ref)
+    alone = [
+        ungrouped.attention(q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], pos[: i + 1], 0.125)
+        for i in range(n)
+    ]
+    assert not torch.equal(torch.cat(alone), ref)  # one query alone: a 1-row GEMM
+
+
+def _pooled(kern, q, kk, v, pos, scale):  # noqa: ANN001, ANN202
+    """`attention_pooled` over a tile-layout pool holding keys [0, len(kk)) in slot 0 (the engine's
+    decode and chunked-prefill path); queries at the last len(q) positions."""
+    ks, vs, _, _ = invariant_attention.to_store(kk[None], v[None], torch.arange(len(kk))[None], kern.attention_tile)
+    q_pos = torch.arange(len(kk) - len(q), len(kk))
+    return kern.attention_pooled(q[None], q_pos[None], ks, vs, torch.tensor([0]), len(kk), scale)[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pooled_path_equals_batched_path(dtype):
+    """The two formulations of the same partials agree bit for bit: the KV-pool path (per (query tile,
+    key tile) pair GEMMs, the engine's decode and chunked prefill) and the batched path (one scores GEMM
+    per query block over all its key tiles: prefill, the trainer, the SGLang package), for random
+    shapes, thread counts, and chunks of queries at the end of the keys."""
+    rng = random.Random(11)
+    for trial in range(24):
+        hq, hkv, d = rng.choice(HEADS)
+        n = rng.choice([1, 5, 31, 32, 33, 96, 200, 257])
+        nq = rng.choice([1, 2, 7, n])
+        q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=trial)
+        q = q[n - nq :]
+        pos = torch.arange(n)
+        k = get_kernels("invariant", attention_row_tile=rng.choice([4, 16, 32]))
+        with num_threads(rng.choice([1, 2])):
+            batched = k.attention(q, kk, v, pos[n - nq :], pos, d**-0.5)
+            assert torch.equal(_pooled(k, q, kk, v, pos, d**-0.5), batched), (hq, hkv, d, n, nq)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -193,6 +193,10 @@ def attention_stores(
     return unpack_rows(out, q.shape[1], row_tile)
 
 
+# Scores of one query block held at once (fp32 elements): bounds memory for long sequences.
+SCORE_BUDGET = 1 << 23
+
+
 def attention_batched(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -204,7 +208,66 @@ def attention_batched(
     row_tile: int,
     granule: int,
 ) -> torch.Tensor:
-    """q [B, Nq, Hq, D] over k/v [B, Nk, Hkv, D] (positions [B, N]) -> [B, Nq, Hq, D] in q.dtype."""
-    ks, vs, kps, kt = to_store(k, v, k_pos, tile)
-    index = torch.arange(q.shape[0], device=q.device)
-    return attention_stores(q, q_pos, ks, vs, kps, index, kt, scale, row_tile, granule)
+    """q [B, Nq, Hq, D] over k/v [B, Nk, Hkv, D] (positions [B, N]) -> [B, Nq, Hq, D] in q.dtype.
+
+    The same partials as `attention_stores`, computed without gathering (query tile, key tile) pairs:
+    a query block's scores for all its key tiles are one GEMM ([rows, D] x [D, tiles * T]; each score's
+    bits do not depend on the GEMM's row or column count, measured: tests/test_kernels_attention.py),
+    and each tile's p @ v one batched GEMM. A tile no query of the block sees gives exactly
+    (-inf, 0, 0), as a skipped pair does; tiles past the last one the block sees are not merged (an
+    exact no-op, as in decode). `row_tile` does not apply here."""
+    b, nq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    ks, vs, kps, kt = _key_tiles(k, v, k_pos, tile)
+    step = granule // math.gcd(g, granule)  # queries whose g rows make a multiple of the GEMM granule
+    nqp = -(-nq // step) * step
+    qf = q.float()
+    if nqp != nq:
+        qf = torch.cat([qf, qf.new_zeros(b, nqp - nq, hq, d)], dim=1)
+        q_pos = torch.cat([q_pos, q_pos.new_full((b, nqp - nq), QUERY_PAD_POS)], dim=1)
+    # Rows ordered (query, head in group) under each KV head, as in `tile_partials`.
+    q_rows = qf.view(b, nqp, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b * hkv, nqp * g, d)
+    tile_min = kps.amin(-1).amin(0)  # [Kt]: a block needs a tile if some row may see one of its keys
+    # Query blocks of one key tile's worth (measured fastest: a causal block then computes only its own
+    # diagonal tile's masked half in vain), fewer where the scores would not fit the budget.
+    block = max(step, min(-(-tile // step) * step, SCORE_BUDGET // max(1, b * hkv * g * kt * tile) // step * step))
+    out = []
+    for q0 in range(0, nqp, block):
+        q1 = min(nqp, q0 + block)
+        seen = (tile_min <= q_pos[:, q0:q1].max()).nonzero()
+        n = int(seen[-1]) + 1 if seen.numel() else 1
+        rows = (q1 - q0) * g
+        a = q_rows[:, q0 * g : q1 * g].contiguous()
+        keys = ks if n == kt else ks[..., : n * tile].contiguous()
+        s = torch.bmm(a, keys.view(b * hkv, d, n * tile)).view(b, hkv, rows, n, tile)
+        inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        s = s.mul_(scale) if inplace else s * scale
+        row_pos = q_pos[:, q0:q1, None].expand(b, q1 - q0, g).reshape(b, 1, rows, 1, 1)
+        hidden = kps[:, None, None, :n] > row_pos
+        s = s.masked_fill_(hidden, NEG_INF) if inplace else s.masked_fill(hidden, NEG_INF)
+        m = s.amax(dim=-1)  # [B, Hkv, rows, n]
+        p = s.sub_(_safe(m).unsqueeze(-1)).exp_() if inplace else torch.exp(s - _safe(m).unsqueeze(-1))
+        l = p.sum(dim=-1)  # noqa: E741
+        # Tile-major, so the merge reads each tile's accumulator contiguously.
+        p_tiles = p.permute(3, 0, 1, 2, 4).reshape(n * b * hkv, rows, tile).contiguous()
+        acc = torch.bmm(p_tiles, vs[:n].view(n * b * hkv, tile, d)).view(n, b, hkv, rows, d)
+        parts = AttnPartial(m.permute(3, 0, 1, 2).contiguous(), l.permute(3, 0, 1, 2).contiguous(), acc)
+        out.append(finalize(merge_tiles(parts), q.dtype))  # [B, Hkv, rows, D]
+    o = torch.cat(out, dim=2) if len(out) > 1 else out[0]
+    return o.view(b, hkv, nqp, g, d).permute(0, 2, 1, 3, 4).reshape(b, nqp, hq, d)[:, :nq]
+
+
+def _key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int):
+    """Keys [B, Nk, Hkv, D] -> fp32 k [B, Hkv, D, Kt*T] and v [Kt, B, Hkv, T, D] (the upcast is exact),
+    positions [B, Kt, T]; padded with zero k/v at KEY_PAD_POS."""
+    b, nk, hkv, d = k.shape
+    kt = max(1, -(-nk // tile))
+    extra = kt * tile - nk
+    if extra:
+        k = torch.cat([k, k.new_zeros(b, extra, hkv, d)], dim=1)
+        v = torch.cat([v, v.new_zeros(b, extra, hkv, d)], dim=1)
+        k_pos = torch.cat([k_pos, k_pos.new_full((b, extra), KEY_PAD_POS)], dim=1)
+    ks = k.float().permute(0, 2, 3, 1).contiguous()
+    vs = v.float().view(b, kt, tile, hkv, d).permute(1, 0, 3, 2, 4).contiguous()
+    return ks, vs, k_pos.reshape(b, kt, tile), kt
