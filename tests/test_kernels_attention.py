@@ -24,9 +24,9 @@ def _qkv(n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tile,art", [(32, 8), (16, 16), (32, 1)])
-def test_prefill_decode_chunked_equal(dtype, tile, art):
-    k = get_kernels("invariant", attention_tile=tile, attention_row_tile=art)
+@pytest.mark.parametrize("tile", [32, 16])
+def test_prefill_decode_chunked_equal(dtype, tile):
+    k = get_kernels("invariant", attention_tile=tile)
     rng = random.Random(tile)
     for ci, (hq, hkv, d) in enumerate(HEADS):
         n = rng.choice([47, 100, 131]) if ci else 161
@@ -49,27 +49,29 @@ def test_prefill_decode_chunked_equal(dtype, tile, art):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_row_tile_is_a_speed_knob(dtype):
-    """Query rows per attention GEMM change no bit as long as every GEMM has a multiple of 4 rows
-    (the `row_tile` granule), which is why decode pads one query only to 4 rows, and why
-    `attention_row_tile` (the KV-pool path's query tile) is tuned for speed. Negative control: GEMMs of
-    1-2 rows (granule 1, no GQA group) take another path and differ."""
+def test_query_block_size_is_a_speed_knob(dtype, monkeypatch):
+    """Query rows per attention GEMM change no bit as long as every GEMM has a multiple of 4 rows (the
+    `row_tile` granule), which is why decode pads one query only to 4 rows, and why the query block is
+    sized for speed and memory. Negative control: GEMMs of 1-2 rows (granule 1, no GQA group) take
+    another path and differ."""
     rng = random.Random(5)
     for hq, hkv, d in HEADS:
         n = 70
         q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=hq)
         pos = torch.arange(n)
-        ref = get_kernels("invariant").attention(q, kk, v, pos, pos, d**-0.5)
-        for art in (1, 2, 4, 16, 32, 64):
-            k = get_kernels("invariant", attention_row_tile=art)
-            assert torch.equal(_pooled(k, q, kk, v, pos, d**-0.5), ref), (hq, hkv, art)
+        k = get_kernels("invariant")
+        ref = k.attention(q, kk, v, pos, pos, d**-0.5)
+        for budget in (1, 1 << 12, 1 << 16, 1 << 30):  # blocks of 1-2 queries .. all queries at once
+            monkeypatch.setattr(invariant_attention, "SCORE_BUDGET", budget)
+            assert torch.equal(k.attention(q, kk, v, pos, pos, d**-0.5), ref), (hq, hkv, budget)
             i = rng.randrange(n)
-            one = _pooled(k, q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], d**-0.5)
+            one = k.attention(q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], pos[: i + 1], d**-0.5)
             assert torch.equal(one, ref[i : i + 1])
+    monkeypatch.undo()
     q, kk, v = _qkv(n, 4, 4, 64, torch.float32, seed=9)
     ref = get_kernels("invariant").attention(q, kk, v, pos, pos, 0.125)
-    ungrouped = get_kernels("invariant", attention_row_tile=1, row_tile=1)
-    assert not torch.equal(_pooled(ungrouped, q, kk, v, pos, 0.125), ref)
+    ungrouped = get_kernels("invariant", row_tile=1)
+    assert torch.equal(ungrouped.attention(q, kk, v, pos, pos, 0.125), ref)  # blocks of 32 rows: same bits
     alone = [
         ungrouped.attention(q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], pos[: i + 1], 0.125)
         for i in range(n)
@@ -80,17 +82,22 @@ def test_attention_row_tile_is_a_speed_knob(dtype):
 def _pooled(kern, q, kk, v, pos, scale):  # noqa: ANN001, ANN202
     """`attention_pooled` over a tile-layout pool holding keys [0, len(kk)) in slot 0 (the engine's
     decode and chunked-prefill path); queries at the last len(q) positions."""
-    ks, vs, _, _ = invariant_attention.to_store(kk[None], v[None], torch.arange(len(kk))[None], kern.attention_tile)
+    t = kern.attention_tile
+    tiles = -(-len(kk) // t)
+    pad = tiles * t - len(kk)
+    kp = torch.cat([kk, kk.new_zeros(pad, *kk.shape[1:])]).view(tiles, t, *kk.shape[1:])
+    vp = torch.cat([v, v.new_zeros(pad, *v.shape[1:])]).view(tiles, t, *v.shape[1:])
+    k_pool = kp.permute(0, 2, 3, 1).contiguous()[None]  # [1, tiles, Hkv, D, T]
+    v_pool = vp.permute(0, 2, 1, 3).contiguous()[None]  # [1, tiles, Hkv, T, D]
     q_pos = torch.arange(len(kk) - len(q), len(kk))
-    return kern.attention_pooled(q[None], q_pos[None], ks, vs, torch.tensor([0]), len(kk), scale)[0]
+    return kern.attention_pooled(q[None], q_pos[None], k_pool, v_pool, torch.tensor([0]), len(kk), scale)[0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pooled_path_equals_batched_path(dtype):
-    """The two formulations of the same partials agree bit for bit: the KV-pool path (per (query tile,
-    key tile) pair GEMMs, the engine's decode and chunked prefill) and the batched path (one scores GEMM
-    per query block over all its key tiles: prefill, the trainer, the SGLang package), for random
-    shapes, thread counts, and chunks of queries at the end of the keys."""
+    """Keys read from a tile-layout KV pool (the engine's decode and chunked prefill) and keys given
+    token-major (prefill, the trainer, the SGLang package) give the same bits, for random shapes, thread
+    counts, and chunks of queries at the end of the keys."""
     rng = random.Random(11)
     for trial in range(24):
         hq, hkv, d = rng.choice(HEADS)
@@ -99,7 +106,7 @@ def test_pooled_path_equals_batched_path(dtype):
         q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=trial)
         q = q[n - nq :]
         pos = torch.arange(n)
-        k = get_kernels("invariant", attention_row_tile=rng.choice([4, 16, 32]))
+        k = get_kernels("invariant")
         with num_threads(rng.choice([1, 2])):
             batched = k.attention(q, kk, v, pos[n - nq :], pos, d**-0.5)
             assert torch.equal(_pooled(k, q, kk, v, pos, d**-0.5), batched), (hq, hkv, d, n, nq)

@@ -58,7 +58,6 @@ def test_fingerprint_tracks_every_numerics_field() -> None:
         "attention_tile": 64,
         "row_tile": 32,
         "prefill_row_tile": 64,
-        "attention_row_tile": 32,
         "canonical_shards": 8,
         "logits_dtype": "bfloat16",
         "logprob_recipe": "other",

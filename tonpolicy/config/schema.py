@@ -45,7 +45,6 @@ class ContractConfig:
     attention_tile: int = 32  # split-KV key tile shared by prefill, decode and ring CP
     row_tile: int = 4  # every GEMM row count is a multiple of this (decode pads 1 row to 4, not more)
     prefill_row_tile: int = 512  # GEMM row tile for long inputs (same row bits, proven by tests)
-    attention_row_tile: int = 16  # query rows per attention GEMM tile
     canonical_shards: int = 4  # row-parallel K-shards; any TP dividing this gives the same bits
     # The LM head's output: "float32" (an fp32 GEMM: unrounded logits) or "bfloat16" (the native bf16
     # GEMM, logits rounded to bf16 as stock SGLang and Megatron do; half the bandwidth). Logprobs are

@@ -111,7 +111,6 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
         "contract.attention_tile",
         "contract.row_tile",
         "contract.prefill_row_tile",
-        "contract.attention_row_tile",
         "contract.canonical_shards",
         "experiment.steps",
         "experiment.prompts_per_step",

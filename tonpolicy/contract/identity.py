@@ -18,7 +18,6 @@ KERNEL_PARAM_FIELDS = (
     "canonical_shards",
     "row_tile",
     "prefill_row_tile",
-    "attention_row_tile",
     "logits_dtype",
 )
 # Fields that change the bits. Name/version label the contract; supported_* only gate layouts.

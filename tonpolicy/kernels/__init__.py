@@ -45,7 +45,6 @@ def get_kernels(
     attention_tile: int = 32,
     canonical_shards: int = 4,
     row_tile: int = 4,
-    attention_row_tile: int = 16,
     prefill_row_tile: int = 512,
     logits_dtype: str = "float32",
 ) -> KernelSet:
@@ -53,7 +52,7 @@ def get_kernels(
 
     attention_tile: keys per split-KV tile; canonical_shards: K-shards of the row-parallel linears (TP
     must divide it); row_tile: every GEMM's row count is a multiple of it; prefill_row_tile: rows per
-    linear GEMM for long inputs (same bits); attention_row_tile: queries per attention GEMM row tile;
+    linear GEMM for long inputs (same bits);
     logits_dtype: "float32" (an fp32 LM head GEMM) or "bfloat16" (the native bf16 one, contract only)."""
     if logits_dtype not in LOGITS_DTYPES:
         raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype!r}")
@@ -66,7 +65,6 @@ def get_kernels(
             attention_tile=attention_tile,
             canonical_shards=canonical_shards,
             row_tile=row_tile,
-            attention_row_tile=attention_row_tile,
             prefill_row_tile=prefill_row_tile,
             logits_dtype=logits_dtype,
         )

@@ -30,7 +30,6 @@ class InvariantKernels:
         attention_tile: int = 32,
         canonical_shards: int = 4,
         row_tile: int = 4,
-        attention_row_tile: int = 16,
         prefill_row_tile: int = 512,
         logits_dtype: str = "float32",
     ) -> None:
@@ -39,9 +38,6 @@ class InvariantKernels:
         # Every GEMM's row count is a multiple of this granule (4: the smallest that gives the same
         # row bits as any other multiple; 1-3 rows take a gemv-like path with other bits).
         self.row_tile = row_tile
-        # Queries per attention GEMM row tile (x G heads per KV head); fewer queries (decode) are
-        # padded only up to a row count that is a multiple of `row_tile`.
-        self.attention_row_tile = attention_row_tile
         # Rows per linear GEMM for long inputs (same row bits as `row_tile`, proven by tests; faster).
         self.prefill_row_tile = prefill_row_tile
         # "bfloat16": with bf16 operands the LM head is the native bf16 GEMM (logits rounded to bf16,
@@ -55,7 +51,6 @@ class InvariantKernels:
             "attention_tile": self.attention_tile,
             "canonical_shards": self.canonical_shards,
             "row_tile": self.row_tile,
-            "attention_row_tile": self.attention_row_tile,
             "prefill_row_tile": self.prefill_row_tile,
             "logits_dtype": self.logits_dtype,
             "linear": "bmm (bf16 operands: native bf16 GEMM, bf16 out; else fp32) of [prefill_row_tile, K] x "
@@ -65,8 +60,8 @@ class InvariantKernels:
             "logits": "fp32 GEMM (bf16 weights upcast), K whole"
             if self.logits_dtype == "float32"
             else "as linear (bf16 operands: native bf16 GEMM, rounded to bf16), then fp32",
-            "attention": "split-KV fixed tile, fp32 (m,l,acc), left-to-right merge in key order; query rows "
-            "x G per GEMM: attention_row_tile x G, fewer padded to a multiple of row_tile",
+            "attention": "split-KV fixed tile, fp32 (m,l,acc), left-to-right merge in key order; scores of a "
+            "query block over its key tiles in one GEMM, rows (query x G) a multiple of row_tile",
             "rms_norm": "fp32 sum(x^2)/K, x/sqrt(var+eps)*w, one rounding",
             "swiglu": "fp32 g/(1+exp(-g))*u, one rounding",
             "rope": "fp32 rotate-half, cos/sin tables in 64-position chunks",
@@ -127,9 +122,8 @@ class InvariantKernels:
         scale: float,
     ) -> torch.Tensor:
         """Batch of independent sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D], positions [B, N]."""
-        return invariant_attention.attention_batched(
-            q, k, v, q_pos, k_pos, scale, self.attention_tile, self.attention_row_tile, self.row_tile
-        )
+        keys = invariant_attention.key_tiles(k, v, k_pos, self.attention_tile)
+        return invariant_attention.attention(q, q_pos, keys, scale, self.row_tile)
 
     def attention_pooled(
         self,
@@ -143,25 +137,12 @@ class InvariantKernels:
     ) -> torch.Tensor:
         """q [B, Nq, Hq, D] at q_pos [B, Nq] over a tile-layout KV pool (k [slots, cap/T, Hkv, D, T],
         v [slots, cap/T, Hkv, T, D]; key j sits at position j), batch row b reading pool slot slots[b],
-        keys [0, num_keys) rounded up to whole tiles. Bitwise equal to `attention` over that row's keys;
-        reads only visible tiles."""
+        keys [0, num_keys) rounded up to whole tiles. Bitwise equal to `attention` over that row's keys."""
         t = self.attention_tile
-        n, tiles = k_pool.shape[:2]
         if k_pool.shape[-1] != t:
             raise ValueError(f"the contract reads a tile-layout KV pool of {t}-key tiles, got k {tuple(k_pool.shape)}")
-        kpos = torch.arange(tiles * t, device=q.device).view(1, tiles, t).expand(n, -1, -1)
-        return invariant_attention.attention_stores(
-            q,
-            q_pos,
-            k_pool,
-            v_pool,
-            kpos,
-            slots,
-            -(-num_keys // t),
-            scale,
-            self.attention_row_tile,
-            self.row_tile,
-        )
+        keys = invariant_attention.pooled_key_tiles(k_pool, v_pool, slots, -(-num_keys // t))
+        return invariant_attention.attention(q, q_pos, keys, scale, self.row_tile)
 
     def lm_head_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         # The fp32 logits GEMM reads fp32 (bf16 upcast exactly, once).
@@ -177,18 +158,8 @@ class InvariantKernels:
     ) -> AttnPartial:
         if k.shape[0] != self.attention_tile:
             raise ValueError(f"attention_tile_partial takes exactly {self.attention_tile} keys, got {k.shape[0]}")
-        ks, vs, kps, _ = invariant_attention.to_store(k[None], v[None], k_pos[None], self.attention_tile)
-        rt = invariant_attention.query_row_tile(
-            q.shape[0], q.shape[1] // k.shape[1], self.attention_row_tile, self.row_tile
-        )
-        parts = invariant_attention.tile_partials(
-            q[None], q_pos[None], ks, vs, kps, torch.zeros(1, dtype=torch.long, device=q.device), 1, scale, rt
-        )
-        nq = q.shape[0]
-        m = invariant_attention.unpack_rows(parts.m[0], nq, rt)[0]
-        l = invariant_attention.unpack_rows(parts.l[0], nq, rt)[0]  # noqa: E741
-        acc = invariant_attention.unpack_rows(parts.acc[0], nq, rt)[0]
-        return AttnPartial(m, l, acc)
+        keys = invariant_attention.key_tiles(k[None], v[None], k_pos[None], self.attention_tile)
+        return invariant_attention.tile_partial(q, q_pos, keys, scale, self.row_tile)
 
     def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:
         return invariant_attention.merge(a, b)

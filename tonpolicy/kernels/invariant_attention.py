@@ -2,15 +2,19 @@
 
 Every query's result is built from key tiles of exactly `tile` keys. For one tile the partial is
 (m, l, acc): m = max of the scaled scores (exact), p = exp(s - m) (masked keys give exactly 0),
-l = last-dim sum of p over `tile` values, acc = p @ v. Scores and p @ v are fixed-shape fp32 GEMMs
-([R, D] x [D, tile] and [R, tile] x [tile, D], R = row_tile queries x the G query heads of one KV head)
-batched by `torch.bmm`, whose per-matrix result was measured invariant to the batch count, the thread
-count and the row's position inside its tile. Partials are merged left to right in key order by
-`merge`. A fully masked tile yields exactly (m=-inf, l=0, acc=0) and merging it is an exact no-op (up to
-the sign of an all-zero accumulator), so such (query tile, key tile) pairs are skipped rather than
-computed; prefill (all tiles), decode (tiles up to the cache length) and chunked prefill therefore give
-the same bits. `torch.exp` is used (its scalar-tail and vector paths agreed on millions of inputs);
-`sigmoid`/`silu` are avoided (they do not).
+l = last-dim sum of p over `tile` values, acc = p @ v. Partials are merged left to right in key order by
+`merge`. All in fp32 (bf16 keys/values are upcast, exactly).
+
+The GEMMs: a block of queries (rows ordered (query, head in group) under each KV head) gets its scores
+for all the key tiles it may see in one GEMM, [rows, D] x [D, tiles * T], and each tile's p @ v in one
+batched GEMM, [rows, T] x [T, D]. Each score's and each accumulator's bits were measured independent of
+the GEMM's row count (any multiple of 4: the `granule`; 1-3 rows take a gemv-like path with other bits),
+of its column count, of the batch count and of the thread count (tests/test_kernels_attention.py), so
+prefill, decode, chunked prefill, any batch and any block size give the same bits. A tile no query of a
+block sees gives exactly (m=-inf, l=0, acc=0), and merging it is an exact no-op (up to the sign of an
+all-zero accumulator), so tiles past the last one a block may see are left out, as decode leaves out the
+tiles past its cache. `torch.exp` is used (its scalar-tail and vector paths agreed on millions of
+inputs); `sigmoid`/`silu` are avoided (they do not).
 """
 
 from __future__ import annotations
@@ -26,15 +30,8 @@ KEY_PAD_POS = 2**62
 # Position given to padded queries: smaller than any key, so they see nothing (their rows are dropped).
 QUERY_PAD_POS = -1
 NEG_INF = float("-inf")
-
-
-def query_row_tile(nq: int, group: int, row_tile: int, granule: int) -> int:
-    """Queries per GEMM row tile: `row_tile` (rounded up so that its rows, queries x `group` heads, are a
-    multiple of `granule`), or for fewer queries (decode) the fewest such. Every multiple-of-4 row count
-    gives the same row bits (measured, tests/test_kernels_attention.py), so the tile is a speed knob and
-    decode pads 1 query to 4 rows, not to a whole tile."""
-    step = granule // math.gcd(group, granule)
-    return min(-(-row_tile // step) * step, -(-nq // step) * step)
+# Scores of one query block held at once (fp32 elements): bounds memory for long sequences.
+SCORE_BUDGET = 1 << 23
 
 
 def _safe(m: torch.Tensor) -> torch.Tensor:
@@ -83,184 +80,88 @@ def merge_tiles(p: AttnPartial) -> AttnPartial:
     return AttnPartial(run_m[-1], l_run, a_run)
 
 
-def tile_partials(
-    q: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_store: torch.Tensor,
-    v_store: torch.Tensor,
-    kpos_store: torch.Tensor,
-    store_index: torch.Tensor,
-    num_tiles: int,
-    scale: float,
-    row_tile: int,
-) -> AttnPartial:
-    """Per-tile partials of a batch of query blocks over tiled key stores.
+class _Keys:
+    """Key tiles in the GEMM layouts, fp32: k [B*Hkv, D, Kt*T], v [Kt, B*Hkv, T, D]; positions [B, Kt, T]."""
 
-    q [B, Nq, Hq, D], q_pos [B, Nq]. Keys live in stores, each tile in its GEMM layout: k_store
-    [S, Kt_s, Hkv, D, T], v_store [S, Kt_s, Hkv, T, D], kpos_store [S, Kt_s, T]; batch row b reads
-    store `store_index[b]`, tiles [0, num_tiles).
-    Returns dense partials with m/l [Kt, B, Qt, Hkv, R] and acc [Kt, B, Qt, Hkv, R, D]
-    (Kt = num_tiles first, for the key-order merge; R = row_tile * G rows ordered (query, head in group)).
-    """
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, heads: int) -> None:
+        self.k, self.v, self.pos, self.heads = k, v, pos, heads
+        self.tiles, self.tile = pos.shape[1], pos.shape[2]
+
+    def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first n tiles (contiguous: a GEMM reading a strided operand may take another path)."""
+        if n == self.tiles:
+            return self.k, self.v, self.pos
+        t = self.tile
+        k = self.k.view(*self.k.shape[:2], self.tiles, t)[..., :n, :].reshape(*self.k.shape[:2], n * t)
+        return k, self.v[:n], self.pos[:, :n]
+
+
+def _query_rows(q: torch.Tensor, q_pos: torch.Tensor, heads: int, granule: int):
+    """q [B, Nq, Hq, D] -> fp32 rows [B*Hkv, Nqp*G, D] ordered (query, head in group), Nq padded to Nqp
+    so that a block's row count is a multiple of `granule`; positions [B, Nqp] (padding sees nothing)."""
     b, nq, hq, d = q.shape
-    hkv, tile = k_store.shape[2], k_store.shape[4]
-    g = hq // hkv
-    qt = max(1, -(-nq // row_tile))
-    qp = qt * row_tile
-    r = row_tile * g
-    qf = q.float()
-    if qp != nq:
-        qf = torch.cat([qf, qf.new_zeros(b, qp - nq, hq, d)], dim=1)
-        q_pos = torch.cat([q_pos, q_pos.new_full((b, qp - nq), QUERY_PAD_POS)], dim=1)
-    q_tiles = qf.view(b, qt, row_tile, hkv, g, d).permute(0, 1, 3, 2, 4, 5).reshape(b, qt, hkv, r, d)
-    qpos_rows = q_pos.view(b, qt, row_tile, 1).expand(b, qt, row_tile, g).reshape(b, qt, r)
-    kpos = kpos_store[store_index, :num_tiles]  # [B, Kt, T]
-    # A (query tile, key tile) pair is computed only if some key of the tile is visible to some query.
-    valid = kpos.amin(-1)[:, None, :] <= q_pos.view(b, qt, row_tile).amax(-1)[:, :, None]
-    ki, bi, qi = valid.permute(2, 0, 1).nonzero(as_tuple=True)  # tile-major pair order
-    npairs = bi.numel()
-    si = store_index[bi]
-    # Every GEMM operand is made row-major contiguous: bmm picks a different kernel for a transposed
-    # operand (and reshape of a permuted view may or may not copy), which changes the bits.
-    a = q_tiles[bi, qi].reshape(npairs * hkv, r, d).contiguous()
-    # Whole tiles gathered, already in the GEMM layout (contiguous; the fp32 upcast is exact).
-    kt_ = k_store[si, ki].float().reshape(npairs * hkv, d, tile).contiguous()
-    # In place where nothing is differentiated (the same ops, so the same bits, without fresh buffers).
-    inplace = not (torch.is_grad_enabled() and (q.requires_grad or k_store.requires_grad or v_store.requires_grad))
-    s = torch.bmm(a, kt_).view(npairs, hkv, r, tile)
-    s = s.mul_(scale) if inplace else s * scale
-    hidden = kpos[bi, ki].view(npairs, 1, 1, tile) > qpos_rows[bi, qi].view(npairs, 1, r, 1)
-    s = s.masked_fill_(hidden, NEG_INF) if inplace else s.masked_fill(hidden, NEG_INF)
-    m = s.amax(dim=-1)
-    p = s.sub_(_safe(m).unsqueeze(-1)).exp_() if inplace else torch.exp(s - _safe(m).unsqueeze(-1))
-    l = p.sum(dim=-1)  # noqa: E741
-    vt = v_store[si, ki].float().reshape(npairs * hkv, tile, d).contiguous()
-    acc = torch.bmm(p.reshape(npairs * hkv, r, tile).contiguous(), vt).view(npairs, hkv, r, d)
-    if npairs == num_tiles * b * qt:  # every pair visible: the tile-major pair order is the dense order
-        return AttnPartial(
-            m.view(num_tiles, b, qt, hkv, r), l.view(num_tiles, b, qt, hkv, r), acc.view(num_tiles, b, qt, hkv, r, d)
-        )
-    # Skipped pairs hold exactly what computing them would give: (-inf, 0, 0).
-    m_d = m.new_full((num_tiles, b, qt, hkv, r), NEG_INF)
-    l_d = l.new_zeros(num_tiles, b, qt, hkv, r)
-    acc_d = acc.new_zeros(num_tiles, b, qt, hkv, r, d)
-    m_d[ki, bi, qi] = m
-    l_d[ki, bi, qi] = l
-    acc_d[ki, bi, qi] = acc
-    return AttnPartial(m_d, l_d, acc_d)
-
-
-def unpack_rows(x: torch.Tensor, nq: int, row_tile: int) -> torch.Tensor:
-    """[B, Qt, Hkv, R(, D)] -> [B, Nq, Hq(, D)]."""
-    b, qt, hkv, r = x.shape[:4]
-    g = r // row_tile
-    tail = x.shape[4:]
-    x = x.reshape(b, qt, hkv, row_tile, g, *tail).transpose(2, 3).reshape(b, qt * row_tile, hkv * g, *tail)
-    return x[:, :nq]
-
-
-def to_store(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int):
-    """Token-major keys [B, Nk, Hkv, D] -> tiled stores in the GEMM layout (k [B, Kt, Hkv, D, T],
-    v [B, Kt, Hkv, T, D]), padded with zero k/v at KEY_PAD_POS."""
-    b, nk, hkv, d = k.shape
-    kt = max(1, -(-nk // tile))
-    extra = kt * tile - nk
-    if extra:
-        k = torch.cat([k, k.new_zeros(b, extra, hkv, d)], dim=1)
-        v = torch.cat([v, v.new_zeros(b, extra, hkv, d)], dim=1)
-        k_pos = torch.cat([k_pos, k_pos.new_full((b, extra), KEY_PAD_POS)], dim=1)
-    ks = k.view(b, kt, tile, hkv, d).permute(0, 1, 3, 4, 2).contiguous()
-    vs = v.view(b, kt, tile, hkv, d).permute(0, 1, 3, 2, 4).contiguous()
-    return ks, vs, k_pos.reshape(b, kt, tile), kt
-
-
-def attention_stores(
-    q: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_store: torch.Tensor,
-    v_store: torch.Tensor,
-    kpos_store: torch.Tensor,
-    store_index: torch.Tensor,
-    num_tiles: int,
-    scale: float,
-    row_tile: int,
-    granule: int,
-) -> torch.Tensor:
-    """Attention of q [B, Nq, Hq, D] over tiled key stores (see tile_partials) -> [B, Nq, Hq, D]."""
-    row_tile = query_row_tile(q.shape[1], q.shape[2] // k_store.shape[2], row_tile, granule)
-    parts = tile_partials(q, q_pos, k_store, v_store, kpos_store, store_index, num_tiles, scale, row_tile)
-    out = finalize(merge_tiles(parts), q.dtype)  # [B, Qt, Hkv, R, D]
-    return unpack_rows(out, q.shape[1], row_tile)
-
-
-# Scores of one query block held at once (fp32 elements): bounds memory for long sequences.
-SCORE_BUDGET = 1 << 23
-
-
-def attention_batched(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    scale: float,
-    tile: int,
-    row_tile: int,
-    granule: int,
-) -> torch.Tensor:
-    """q [B, Nq, Hq, D] over k/v [B, Nk, Hkv, D] (positions [B, N]) -> [B, Nq, Hq, D] in q.dtype.
-
-    The same partials as `attention_stores`, computed without gathering (query tile, key tile) pairs:
-    a query block's scores for all its key tiles are one GEMM ([rows, D] x [D, tiles * T]; each score's
-    bits do not depend on the GEMM's row or column count, measured: tests/test_kernels_attention.py),
-    and each tile's p @ v one batched GEMM. A tile no query of the block sees gives exactly
-    (-inf, 0, 0), as a skipped pair does; tiles past the last one the block sees are not merged (an
-    exact no-op, as in decode). `row_tile` does not apply here."""
-    b, nq, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
-    ks, vs, kps, kt = _key_tiles(k, v, k_pos, tile)
-    step = granule // math.gcd(g, granule)  # queries whose g rows make a multiple of the GEMM granule
+    g = hq // heads
+    step = granule // math.gcd(g, granule)
     nqp = -(-nq // step) * step
     qf = q.float()
     if nqp != nq:
         qf = torch.cat([qf, qf.new_zeros(b, nqp - nq, hq, d)], dim=1)
         q_pos = torch.cat([q_pos, q_pos.new_full((b, nqp - nq), QUERY_PAD_POS)], dim=1)
-    # Rows ordered (query, head in group) under each KV head, as in `tile_partials`.
-    q_rows = qf.view(b, nqp, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b * hkv, nqp * g, d)
-    tile_min = kps.amin(-1).amin(0)  # [Kt]: a block needs a tile if some row may see one of its keys
-    # Query blocks of one key tile's worth (measured fastest: a causal block then computes only its own
-    # diagonal tile's masked half in vain), fewer where the scores would not fit the budget.
-    block = max(step, min(-(-tile // step) * step, SCORE_BUDGET // max(1, b * hkv * g * kt * tile) // step * step))
+    rows = qf.view(b, nqp, heads, g, d).permute(0, 2, 1, 3, 4).reshape(b * heads, nqp * g, d)
+    return rows, q_pos, step
+
+
+def _block_partials(
+    rows: torch.Tensor, row_pos: torch.Tensor, keys: _Keys, n: int, scale: float, inplace: bool
+) -> AttnPartial:
+    """Partials of query rows [B*Hkv, R, D] at row_pos [B, R] over the first n key tiles, tile-major:
+    m/l [n, B*Hkv, R], acc [n, B*Hkv, R, D]."""
+    bh, r, d = rows.shape
+    b, t = row_pos.shape[0], keys.tile
+    k, v, kpos = keys.first(n)
+    s = torch.bmm(rows, k).view(b, bh // b, r, n, t)
+    s = s.mul_(scale) if inplace else s * scale
+    hidden = kpos[:, None, None] > row_pos.view(b, 1, r, 1, 1)
+    s = s.masked_fill_(hidden, NEG_INF) if inplace else s.masked_fill(hidden, NEG_INF)
+    m = s.amax(dim=-1)  # [B, Hkv, R, n]
+    p = s.sub_(_safe(m).unsqueeze(-1)).exp_() if inplace else torch.exp(s - _safe(m).unsqueeze(-1))
+    l = p.sum(dim=-1)  # noqa: E741
+    # Tile-major, so the merge reads each tile's partials contiguously.
+    p_tiles = p.permute(3, 0, 1, 2, 4).reshape(n * bh, r, t).contiguous()
+    acc = torch.bmm(p_tiles, v.reshape(n * bh, t, d)).view(n, bh, r, d)
+    return AttnPartial(m.permute(3, 0, 1, 2).reshape(n, bh, r), l.permute(3, 0, 1, 2).reshape(n, bh, r), acc)
+
+
+def _blocks(nqp: int, step: int, keys: _Keys, g: int, batch: int):
+    """Query blocks of one key tile's worth (measured fastest: a causal block then computes only its own
+    diagonal tile's masked half in vain), fewer where the scores would not fit SCORE_BUDGET."""
+    per_query = max(1, batch * keys.heads * g * keys.tiles * keys.tile)
+    block = max(step, min(-(-keys.tile // step) * step, SCORE_BUDGET // per_query // step * step))
+    return [(q0, min(nqp, q0 + block)) for q0 in range(0, nqp, block)]
+
+
+def _attend(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, granule: int) -> torch.Tensor:
+    """q [B, Nq, Hq, D] at q_pos [B, Nq] over `keys` -> [B, Nq, Hq, D] in q.dtype."""
+    b, nq, hq, d = q.shape
+    heads, g = keys.heads, hq // keys.heads
+    rows, q_pos, step = _query_rows(q, q_pos, heads, granule)
+    nqp = q_pos.shape[1]
+    inplace = not (torch.is_grad_enabled() and (q.requires_grad or keys.k.requires_grad or keys.v.requires_grad))
+    tile_min = keys.pos.amin(-1).amin(0)  # [Kt]: a block needs a tile if some row may see one of its keys
     out = []
-    for q0 in range(0, nqp, block):
-        q1 = min(nqp, q0 + block)
+    for q0, q1 in _blocks(nqp, step, keys, g, b):
         seen = (tile_min <= q_pos[:, q0:q1].max()).nonzero()
         n = int(seen[-1]) + 1 if seen.numel() else 1
-        rows = (q1 - q0) * g
-        a = q_rows[:, q0 * g : q1 * g].contiguous()
-        keys = ks if n == kt else ks[..., : n * tile].contiguous()
-        s = torch.bmm(a, keys.view(b * hkv, d, n * tile)).view(b, hkv, rows, n, tile)
-        inplace = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-        s = s.mul_(scale) if inplace else s * scale
-        row_pos = q_pos[:, q0:q1, None].expand(b, q1 - q0, g).reshape(b, 1, rows, 1, 1)
-        hidden = kps[:, None, None, :n] > row_pos
-        s = s.masked_fill_(hidden, NEG_INF) if inplace else s.masked_fill(hidden, NEG_INF)
-        m = s.amax(dim=-1)  # [B, Hkv, rows, n]
-        p = s.sub_(_safe(m).unsqueeze(-1)).exp_() if inplace else torch.exp(s - _safe(m).unsqueeze(-1))
-        l = p.sum(dim=-1)  # noqa: E741
-        # Tile-major, so the merge reads each tile's accumulator contiguously.
-        p_tiles = p.permute(3, 0, 1, 2, 4).reshape(n * b * hkv, rows, tile).contiguous()
-        acc = torch.bmm(p_tiles, vs[:n].view(n * b * hkv, tile, d)).view(n, b, hkv, rows, d)
-        parts = AttnPartial(m.permute(3, 0, 1, 2).contiguous(), l.permute(3, 0, 1, 2).contiguous(), acc)
-        out.append(finalize(merge_tiles(parts), q.dtype))  # [B, Hkv, rows, D]
-    o = torch.cat(out, dim=2) if len(out) > 1 else out[0]
-    return o.view(b, hkv, nqp, g, d).permute(0, 2, 1, 3, 4).reshape(b, nqp, hq, d)[:, :nq]
+        row_pos = q_pos[:, q0:q1, None].expand(b, q1 - q0, g).reshape(b, (q1 - q0) * g)
+        parts = _block_partials(rows[:, q0 * g : q1 * g].contiguous(), row_pos, keys, n, scale, inplace)
+        out.append(finalize(merge_tiles(parts), q.dtype))  # [B*Hkv, rows, D]
+    o = torch.cat(out, dim=1) if len(out) > 1 else out[0]
+    return o.view(b, heads, nqp, g, d).permute(0, 2, 1, 3, 4).reshape(b, nqp, hq, d)[:, :nq]
 
 
-def _key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int):
-    """Keys [B, Nk, Hkv, D] -> fp32 k [B, Hkv, D, Kt*T] and v [Kt, B, Hkv, T, D] (the upcast is exact),
-    positions [B, Kt, T]; padded with zero k/v at KEY_PAD_POS."""
+def key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int) -> _Keys:
+    """Token-major keys [B, Nk, Hkv, D] (positions [B, Nk]) as fp32 tiles, padded with zero k/v at
+    KEY_PAD_POS."""
     b, nk, hkv, d = k.shape
     kt = max(1, -(-nk // tile))
     extra = kt * tile - nk
@@ -268,6 +169,52 @@ def _key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int)
         k = torch.cat([k, k.new_zeros(b, extra, hkv, d)], dim=1)
         v = torch.cat([v, v.new_zeros(b, extra, hkv, d)], dim=1)
         k_pos = torch.cat([k_pos, k_pos.new_full((b, extra), KEY_PAD_POS)], dim=1)
-    ks = k.float().permute(0, 2, 3, 1).contiguous()
-    vs = v.float().view(b, kt, tile, hkv, d).permute(1, 0, 3, 2, 4).contiguous()
-    return ks, vs, k_pos.reshape(b, kt, tile), kt
+    # One transposing upcast each (the upcast is exact).
+    ks = torch.empty(b, hkv, d, kt * tile, device=k.device).copy_(k.permute(0, 2, 3, 1))
+    vs = torch.empty(kt, b, hkv, tile, d, device=v.device).copy_(v.view(b, kt, tile, hkv, d).permute(1, 0, 3, 2, 4))
+    return _Keys(ks.view(b * hkv, d, kt * tile), vs.view(kt, b * hkv, tile, d), k_pos.reshape(b, kt, tile), hkv)
+
+
+def pooled_key_tiles(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, num_tiles: int) -> _Keys:
+    """Tiles [0, num_tiles) of pool slots `slots` from a tile-layout KV pool (k [S, cap/T, Hkv, D, T],
+    v [S, cap/T, Hkv, T, D]; key j sits at position j) as fp32 tiles."""
+    b, n = slots.numel(), num_tiles
+    hkv, d, t = k_pool.shape[2:]
+    ks = torch.empty(b, hkv, d, n, t, device=k_pool.device)
+    ks.copy_(k_pool[slots, :n].permute(0, 2, 3, 1, 4))  # one gather, then one transposing upcast
+    vs = torch.empty(n, b, hkv, t, d, device=v_pool.device)
+    vs.copy_(v_pool[slots, :n].transpose(0, 1))
+    pos = torch.arange(n * t, device=k_pool.device).view(1, n, t).expand(b, n, t)
+    return _Keys(ks.view(b * hkv, d, n * t), vs.view(n, b * hkv, t, d), pos, hkv)
+
+
+def attention(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, granule: int) -> torch.Tensor:
+    """q [B, Nq, Hq, D] at positions q_pos [B, Nq] over `keys` (from `key_tiles` or `pooled_key_tiles`)."""
+    return _attend(q, q_pos, keys, scale, granule)
+
+
+def tile_partial(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, granule: int) -> AttnPartial:
+    """The partial of q [Nq, Hq, D] over one key tile (ring context parallelism merges these):
+    m/l [Nq, Hq], acc [Nq, Hq, D]."""
+    nq, hq, d = q.shape
+    heads, g = keys.heads, hq // keys.heads
+    rows, q_pos, step = _query_rows(q[None], q_pos[None], heads, granule)
+    nqp = q_pos.shape[1]
+    inplace = not (torch.is_grad_enabled() and (q.requires_grad or keys.k.requires_grad or keys.v.requires_grad))
+    parts = [
+        _block_partials(
+            rows[:, q0 * g : q1 * g].contiguous(),
+            q_pos[:, q0:q1, None].expand(1, q1 - q0, g).reshape(1, -1),
+            keys,
+            1,
+            scale,
+            inplace,
+        )
+        for q0, q1 in _blocks(nqp, step, keys, g, 1)
+    ]
+    m, l, acc = (torch.cat([getattr(p, f)[0] for p in parts], dim=1) for f in ("m", "l", "acc"))  # noqa: E741
+
+    def unpack(x: torch.Tensor) -> torch.Tensor:  # [Hkv, Nqp*G(, D)] -> [Nq, Hq(, D)]
+        return x.view(heads, nqp, g, *x.shape[2:]).transpose(0, 1).reshape(nqp, hq, *x.shape[2:])[:nq]
+
+    return AttnPartial(unpack(m), unpack(l), unpack(acc))
