@@ -26,7 +26,7 @@ from bench_models import CPU_1024
 from perf_targets import CONTEXT_RATIO, ENGINE_RATIO, MEMORY_RATIO, Check, report
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.kernels import get_kernels, invariant_linear
+from tonpolicy.kernels import get_kernels
 from tonpolicy.model import Qwen3, init_state_dict
 from tonpolicy.model.kv_cache import KVPool
 from tonpolicy.rollout.engine import Engine, GenRequest
@@ -106,8 +106,6 @@ def held_bytes(model: Qwen3) -> int:
         add(t)
     if model._lm_cache is not None:
         add(model._lm_cache[1])
-    for entry in invariant_linear._FP32.values():
-        add(entry[3])
     cfg = model.cfg
     dtype = model.kernels.kv_cache_dtype(model.dtype)
     pool = KVPool(cfg.num_layers, POOL["slots"], POOL["capacity"], cfg.num_kv_heads, cfg.head_dim, dtype, 32)
@@ -128,7 +126,6 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
     kinds = KINDS + ((BF16_LOGITS,) if dtype == torch.bfloat16 else ())
     models, memory = {}, {}
     for k in kinds:
-        invariant_linear.clear_weight_cache()
         models[k] = Qwen3(cfg, _kernels(k), dtype, state_dict=sd)
         _time(models[k], pre[:1])  # warm-up: builds every cache the kernels keep
         memory[k] = held_bytes(models[k])

@@ -139,8 +139,8 @@ def test_padded_vocab_size():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_autograd_and_weight_cache(dtype):
-    """The trainer differentiates through the contract linear; the fp32 weight cache follows updates."""
+def test_linear_autograd_and_weight_updates(dtype):
+    """The trainer differentiates through the contract linear; no stale copy survives a weight update."""
     k = get_kernels("invariant")
     for m in (3, 40, 300):
         x = randn(m, 128, dtype=dtype, seed=1).requires_grad_()
@@ -160,7 +160,7 @@ def test_linear_autograd_and_weight_cache(dtype):
     xb = randn(5, 128, dtype=torch.bfloat16, seed=4)
     before = k.linear(xb, wb)
     with torch.no_grad():
-        wb.mul_(2)  # in-place update (weight sync) must invalidate the cached fp32 copy
+        wb.mul_(2)  # an in-place update (weight sync) is seen at once
     assert torch.equal(k.linear(xb, wb), k.linear(xb, wb.clone()))  # a fresh tensor is never cached
     assert not torch.equal(k.linear(xb, wb), before)
 
@@ -287,7 +287,28 @@ def test_bf16_logits_option():
     assert torch.equal(k16.lm_head(x, w[:1002]), logits[:, :1002])
     diff = (k32.lm_head(x, w) - logits).abs().max().item()
     assert 0 < diff < 0.05
-    assert k16.lm_head_weight_dtype(torch.bfloat16) == torch.bfloat16
-    assert k32.lm_head_weight_dtype(torch.bfloat16) == torch.float32
     with pytest.raises(ValueError, match="logits_dtype"):
         get_kernels("default", logits_dtype="bfloat16")
+
+
+def test_fp32_gemm_on_a_bf16_weight_goes_by_slabs():
+    """An fp32 GEMM on a bf16 weight (the LM head's fp32 logits) upcasts one WEIGHT_SLAB of output
+    columns at a time instead of keeping an fp32 copy: the same bits as the GEMM on the whole upcast
+    weight, for widths that are not a multiple of the slab (the last slab overlaps its neighbour), decode
+    and prefill row counts, K-shards. Negative control: a last slab of a few columns differs."""
+    from tonpolicy.kernels import invariant_linear
+
+    rng = random.Random(4)
+    for n in (7, 1000, 1025, 2003, 4097, 9728):
+        for m in (1, 16, 33, 600):
+            kk, shards = rng.choice([128, 1024]), rng.choice([1, 4])
+            x = randn(m, kk, dtype=torch.bfloat16, seed=n + m)
+            w = randn(n, kk, dtype=torch.bfloat16, seed=n, std=kk**-0.5)
+            by_slabs = invariant_linear.tiled_partials(x, w, shards, 4, 512, fp32=True)
+            whole = invariant_linear.tiled_partials(x.float(), w.float(), shards, 4, 512)
+            assert torch.equal(by_slabs, whole), (n, m, kk, shards)
+    x = randn(16, 128, dtype=torch.bfloat16, seed=1)
+    w = randn(1030, 128, dtype=torch.bfloat16, seed=2, std=0.1)
+    whole = invariant_linear.tiled_partials(x, w, 1, 4, 512, fp32=True)
+    narrow = invariant_linear.tiled_partials(x, w[1024:], 1, 4, 512, fp32=True)  # a 6-column GEMM
+    assert not torch.equal(narrow, whole[..., 1024:])

@@ -119,9 +119,6 @@ class KernelSet(Protocol):
     # tonpolicy/model/kv_cache.py).
     kv_pool_layout: str
 
-    def lm_head_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype `lm_head` reads its weight in (a model holding a prepared LM head copy keeps it so)."""
-
     def attention_tile_partial(
         self,
         q: torch.Tensor,

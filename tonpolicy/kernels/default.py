@@ -110,9 +110,6 @@ class DefaultKernels:
         k_pos = torch.arange(nk, device=q.device)[None].expand(q.shape[0], nk)
         return self.attention_batched(q, k_pool[slots, :nk], v_pool[slots, :nk], q_pos, k_pos, scale)
 
-    def lm_head_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return dtype
-
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
 

@@ -144,10 +144,6 @@ class InvariantKernels:
         keys = invariant_attention.pooled_key_tiles(k_pool, v_pool, slots, -(-num_keys // t))
         return invariant_attention.attention(q, q_pos, keys, scale, self.row_tile)
 
-    def lm_head_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        # The fp32 logits GEMM reads fp32 (bf16 upcast exactly, once).
-        return torch.float32 if self.logits_dtype == "float32" else dtype
-
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Keys/values are cached in the model dtype (what the projections produced); each tile is
         upcast to fp32 when the attention GEMM reads it (exact), so no fp32 copy of the cache is kept."""

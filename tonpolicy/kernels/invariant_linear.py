@@ -10,42 +10,18 @@ Why this shape of computation (measured on torch 2.13 and 2.14 CPU, see tests/te
   and `tree_sum` adds them in fp32 in a fixed pairwise tree, so TP=1/2/4 give the same bits.
 GEMM precision: bf16 operands go to the CPU's native bf16 GEMM (exact products, fp32 accumulation inside
 the kernel, one rounding of each output to bf16: what the trainer and SGLang do in bf16); fp32 operands,
-mixed operands and the LM head's fp32 logits use an fp32 GEMM (bf16 upcast exactly).
+mixed operands and the LM head's fp32 logits use an fp32 GEMM (bf16 upcast exactly, a cache-sized slab
+of the weight at a time: no fp32 copy of any weight is kept).
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
-# fp32 copies of low-precision weights, keyed by tensor identity and checked against its version
-# counter (in-place updates such as weight sync bump it). Upcasting is exact, so caching changes no
-# bits; it only saves re-converting every weight on every call (a 5x memory-traffic tax on decode).
-_FP32: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
-
-
-def clear_weight_cache() -> None:
-    """Forget every cached fp32 weight (call after updating weights through `.data`, which does not
-    bump the version counter)."""
-    _FP32.clear()
-
-
-def fp32_weight(w: torch.Tensor) -> torch.Tensor:
-    if w.dtype == torch.float32:
-        return w
-    if w.requires_grad:
-        # Trainer parameters: keep the autograd graph, and never cache, because optimizers write them
-        # through `.data`, which the version counter does not see (a stale cache broke weight sync).
-        return w.float()
-    key = id(w)
-    hit = _FP32.get(key)
-    if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == w.data_ptr():
-        return hit[3]
-    f = w.detach().float().contiguous()
-    _FP32[key] = (weakref.ref(w, lambda _ref, k=key: _FP32.pop(k, None)), w._version, w.data_ptr(), f)
-    return f
+# Output columns per upcast slab of a low-precision weight in an fp32 GEMM: the slab ([slab, K] fp32)
+# stays in cache, so the GEMM reads the weight's own bytes once instead of an fp32 copy twice as large.
+WEIGHT_SLAB = 1024
 
 
 def _tile_gemms(x: torch.Tensor, wf: torch.Tensor, num_shards: int, rows: int, out: torch.Tensor | None):
@@ -111,7 +87,6 @@ def tiled_partials(
     n = weight.shape[0]
     if weight.shape[1] != k or k % num_shards:
         raise ValueError(f"K={k} must match weight {tuple(weight.shape)} and divide into {num_shards} shards")
-    ks = k // num_shards
     m = x.numel() // k
     big = big_row_tile if big_row_tile and big_row_tile > row_granule else row_granule
     m_big = (m // big) * big
@@ -120,25 +95,49 @@ def tiled_partials(
         x2 = F.pad(x.reshape(-1, k), (0, 0, 0, m_pad - m))
         return _bf16_partials(x2, weight, num_shards, big, m_big)[:, :m].reshape(num_shards, *lead, n)
     # Row-major operands always: a transposed operand selects another GEMM kernel (other bits).
-    x2, wf = x.reshape(-1, k).float().contiguous(), fp32_weight(weight)
-    if m_big == 0:
-        # Short input (decode): one GEMM of the padded rows, the shards as the bmm batch (same
-        # per-matrix GEMM as below, measured).
-        x2 = F.pad(x2, (0, 0, 0, m_pad - m))
-        a = x2.unflatten(1, (num_shards, ks)).transpose(0, 1)
-        b = wf.unflatten(1, (num_shards, ks)).permute(1, 2, 0)
-        return torch.bmm(a, b)[:, :m].reshape(num_shards, *lead, n)
+    x2 = x.reshape(-1, k).float().contiguous()
     if m_pad != m:
         x2 = F.pad(x2, (0, 0, 0, m_pad - m))
     tracked = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    # Without autograd the tiles write straight into one buffer (bmm out=, same kernel, no copies).
-    out = None if tracked else x2.new_empty(num_shards, m_pad, n)
+    if tracked:  # trainer parameters: the autograd graph through one upcast
+        full = _fp32_gemms(x2, weight.float(), num_shards, big, m_big, None)
+    elif weight.dtype == torch.float32:
+        full = _fp32_gemms(x2, weight, num_shards, big, m_big, x2.new_empty(num_shards, m_pad, n))
+    else:
+        # Upcast (exactly) one slab of output columns at a time into one buffer: every score's bits are
+        # independent of the GEMM's column count (measured), so slabs give the full GEMM's bits.
+        # Every slab is WEIGHT_SLAB columns wide: the last one overlaps its neighbour (those columns come
+        # out the same) rather than being a few columns, which a GEMM computes another way.
+        width = min(n, WEIGHT_SLAB)
+        full = x2.new_empty(num_shards, m_pad, n)
+        slab = x2.new_empty(width, k)
+        for c0 in range(0, n, width):
+            c0 = min(c0, n - width)
+            wf = slab.copy_(weight[c0 : c0 + width])
+            _fp32_gemms(x2, wf, num_shards, big, m_big, full[:, :, c0 : c0 + width])
+    return full[:, :m].reshape(num_shards, *lead, n)
+
+
+def _fp32_gemms(
+    x2: torch.Tensor, wf: torch.Tensor, num_shards: int, big: int, m_big: int, out: torch.Tensor | None
+) -> torch.Tensor:
+    """fp32 partials [C, M_pad, N] of padded rows x2 [M_pad, K] and wf [N, K] (row tiles of `big`
+    rows, then the tail in one GEMM); written into `out` when given (no autograd, no copies)."""
+    m_pad, k = x2.shape
+    ks = k // num_shards
+    if m_big == 0:
+        # Short input (decode): one GEMM of the padded rows, the shards as the bmm batch (same
+        # per-matrix GEMM as the tiles', measured).
+        a = x2.unflatten(1, (num_shards, ks)).transpose(0, 1)
+        b = wf.unflatten(1, (num_shards, ks)).permute(1, 2, 0)
+        return torch.bmm(a, b) if out is None else torch.bmm(a, b, out=out)
     parts = [_tile_gemms(x2[:m_big], wf, num_shards, big, None if out is None else out[:, :m_big])]
     if m_pad > m_big:
         tail = m_pad - m_big
         parts.append(_tile_gemms(x2[m_big:], wf, num_shards, tail, None if out is None else out[:, m_big:]))
-    full = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]) if out is None else out
-    return full[:, :m].reshape(num_shards, *lead, n)
+    if out is not None:
+        return out
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
 def tree_sum(partials: torch.Tensor) -> torch.Tensor:

@@ -176,9 +176,6 @@ class TritonKernels:
 
     kv_pool_layout = "token"
 
-    def lm_head_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return dtype
-
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The kernel reads keys/values in the model dtype (tensor-core operands)."""
         return dtype

@@ -14,7 +14,6 @@ from torch import nn
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import KernelSet, padded_vocab_size
-from tonpolicy.kernels.invariant_linear import clear_weight_cache
 from tonpolicy.model.checkpoint import init_state_dict, param_shapes
 from tonpolicy.model.kv_cache import KVPool
 
@@ -90,17 +89,14 @@ class Qwen3(nn.Module):
             params[k].copy_(v.to(self.dtype))
         self._lm_cache = None
         self._fused.clear()
-        clear_weight_cache()
 
     def lm_weight(self) -> torch.Tensor:
-        """LM head weight padded with zero rows to the padded vocab, in the dtype the kernel set's LM head
-        reads (the contract's fp32 logits: an fp32 copy instead of a model-dtype one; cached per version)."""
+        """LM head weight padded with zero rows to the padded vocab (cached per weight version)."""
         w = (self.model.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head).weight
         key = (w.data_ptr(), w._version)
         if self._lm_cache is None or self._lm_cache[0] != key:
             pad = self.padded_vocab - w.shape[0]
-            lm_dtype = self.kernels.lm_head_weight_dtype(w.dtype)
-            self._lm_cache = (key, torch.nn.functional.pad(w.detach().to(lm_dtype), (0, 0, 0, pad)))
+            self._lm_cache = (key, torch.nn.functional.pad(w.detach(), (0, 0, 0, pad)))
         return self._lm_cache[1]
 
     def fused(self, name: str, weights: list[torch.Tensor]) -> torch.Tensor:

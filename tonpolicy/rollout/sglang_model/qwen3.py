@@ -24,7 +24,6 @@ from torch import nn
 
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.kernels import get_kernels, padded_vocab_size
-from tonpolicy.kernels.invariant_linear import clear_weight_cache
 from tonpolicy.model.checkpoint import config_from_hf
 from tonpolicy.rollout.sglang_model.attention import PooledAttention
 from tonpolicy.rollout.sglang_model.heads import ContractLogitsProcessor, contract_sampler_active
@@ -181,7 +180,6 @@ class Qwen3ForCausalLM(nn.Module):
                     raise KeyError(f"unexpected Qwen3 weight {name}")
             else:
                 raise KeyError(f"unexpected Qwen3 weight {name}")
-        clear_weight_cache()  # fp32 copies of the old weights must not outlive them
 
     def _load_head(self, w: torch.Tensor) -> None:
         padded = torch.nn.functional.pad(w, (0, 0, 0, self.padded_vocab - w.shape[0]))
