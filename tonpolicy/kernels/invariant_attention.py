@@ -32,6 +32,8 @@ QUERY_PAD_POS = -1
 NEG_INF = float("-inf")
 # Scores of one query block held at once (fp32 elements): bounds memory for long sequences.
 SCORE_BUDGET = 1 << 23
+# Work per query block (sequences x query heads x head dim) at which one key tile of queries is best.
+BLOCK_WORK = 4096
 
 
 def _safe(m: torch.Tensor) -> torch.Tensor:
@@ -132,11 +134,17 @@ def _block_partials(
     return AttnPartial(m.permute(3, 0, 1, 2).reshape(n, bh, r), l.permute(3, 0, 1, 2).reshape(n, bh, r), acc)
 
 
-def _blocks(nqp: int, step: int, keys: _Keys, g: int, batch: int):
-    """Query blocks of one key tile's worth (measured fastest: a causal block then computes only its own
-    diagonal tile's masked half in vain), fewer where the scores would not fit SCORE_BUDGET."""
+def _blocks(nqp: int, step: int, keys: _Keys, g: int, batch: int, d: int):
+    """Query blocks, sized for speed (any size gives the same bits). A causal block computes part of its
+    last key tile in vain, and every block costs a fixed number of ops: the best size balances the two,
+    about one key tile of queries when a block's work is large (16 sequences x 8 query heads of 32 dims,
+    measured) and sqrt-proportionally more when it is small (one sequence: 4 tiles). Capped so the
+    scores fit SCORE_BUDGET."""
+    width = batch * keys.heads * g * d
+    tiles = max(1, round(math.sqrt(BLOCK_WORK / width))) if width < BLOCK_WORK else 1
+    block = max(step, -(-tiles * keys.tile // step) * step)
     per_query = max(1, batch * keys.heads * g * keys.tiles * keys.tile)
-    block = max(step, min(-(-keys.tile // step) * step, SCORE_BUDGET // per_query // step * step))
+    block = max(step, min(block, SCORE_BUDGET // per_query // step * step))
     return [(q0, min(nqp, q0 + block)) for q0 in range(0, nqp, block)]
 
 
@@ -149,7 +157,7 @@ def _attend(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, gra
     inplace = not (torch.is_grad_enabled() and (q.requires_grad or keys.k.requires_grad or keys.v.requires_grad))
     tile_min = keys.pos.amin(-1).amin(0)  # [Kt]: a block needs a tile if some row may see one of its keys
     out = []
-    for q0, q1 in _blocks(nqp, step, keys, g, b):
+    for q0, q1 in _blocks(nqp, step, keys, g, b, d):
         seen = (tile_min <= q_pos[:, q0:q1].max()).nonzero()
         n = int(seen[-1]) + 1 if seen.numel() else 1
         row_pos = q_pos[:, q0:q1, None].expand(b, q1 - q0, g).reshape(b, (q1 - q0) * g)
@@ -210,7 +218,7 @@ def tile_partial(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float
             scale,
             inplace,
         )
-        for q0, q1 in _blocks(nqp, step, keys, g, 1)
+        for q0, q1 in _blocks(nqp, step, keys, g, 1, d)
     ]
     m, l, acc = (torch.cat([getattr(p, f)[0] for p in parts], dim=1) for f in ("m", "l", "acc"))  # noqa: E741
 
