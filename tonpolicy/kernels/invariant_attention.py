@@ -148,23 +148,22 @@ def _blocks(nqp: int, step: int, keys: _Keys, g: int, batch: int, d: int):
     return [(q0, min(nqp, q0 + block)) for q0 in range(0, nqp, block)]
 
 
-def _attend(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, granule: int) -> torch.Tensor:
-    """q [B, Nq, Hq, D] at q_pos [B, Nq] over `keys` -> [B, Nq, Hq, D] in q.dtype."""
-    b, nq, hq, d = q.shape
-    heads, g = keys.heads, hq // keys.heads
-    rows, q_pos, step = _query_rows(q, q_pos, heads, granule)
+def _query_blocks(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, granule: int):
+    """q [B, Nq, Hq, D] -> (Nqp, [(rows [B*Hkv, R, D], row positions [B, R]) per query block])."""
+    b, _, hq, d = q.shape
+    g = hq // keys.heads
+    rows, q_pos, step = _query_rows(q, q_pos, keys.heads, granule)
     nqp = q_pos.shape[1]
-    inplace = not (torch.is_grad_enabled() and (q.requires_grad or keys.k.requires_grad or keys.v.requires_grad))
-    tile_min = keys.pos.amin(-1).amin(0)  # [Kt]: a block needs a tile if some row may see one of its keys
-    out = []
-    for q0, q1 in _blocks(nqp, step, keys, g, b, d):
-        seen = (tile_min <= q_pos[:, q0:q1].max()).nonzero()
-        n = int(seen[-1]) + 1 if seen.numel() else 1
-        row_pos = q_pos[:, q0:q1, None].expand(b, q1 - q0, g).reshape(b, (q1 - q0) * g)
-        parts = _block_partials(rows[:, q0 * g : q1 * g].contiguous(), row_pos, keys, n, scale, inplace)
-        out.append(finalize(merge_tiles(parts), q.dtype))  # [B*Hkv, rows, D]
-    o = torch.cat(out, dim=1) if len(out) > 1 else out[0]
-    return o.view(b, heads, nqp, g, d).permute(0, 2, 1, 3, 4).reshape(b, nqp, hq, d)[:, :nq]
+    blocks = [
+        (rows[:, q0 * g : q1 * g].contiguous(), q_pos[:, q0:q1, None].expand(b, q1 - q0, g).reshape(b, -1))
+        for q0, q1 in _blocks(nqp, step, keys, g, b, d)
+    ]
+    return nqp, blocks
+
+
+def _in_place(q: torch.Tensor, keys: _Keys) -> bool:
+    """Whether the scores may be overwritten in place (nothing is differentiated: same ops, same bits)."""
+    return not (torch.is_grad_enabled() and (q.requires_grad or keys.k.requires_grad or keys.v.requires_grad))
 
 
 def key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int) -> _Keys:
@@ -197,29 +196,30 @@ def pooled_key_tiles(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Te
 
 
 def attention(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, granule: int) -> torch.Tensor:
-    """q [B, Nq, Hq, D] at positions q_pos [B, Nq] over `keys` (from `key_tiles` or `pooled_key_tiles`)."""
-    return _attend(q, q_pos, keys, scale, granule)
+    """q [B, Nq, Hq, D] at positions q_pos [B, Nq] over `keys` (from `key_tiles` or `pooled_key_tiles`)
+    -> [B, Nq, Hq, D] in q.dtype."""
+    b, nq, hq, d = q.shape
+    heads, g = keys.heads, hq // keys.heads
+    inplace = _in_place(q, keys)
+    tile_min = keys.pos.amin(-1).amin(0)  # [Kt]: a block needs a tile if some row may see one of its keys
+    nqp, blocks = _query_blocks(q, q_pos, keys, granule)
+    out = []
+    for rows, row_pos in blocks:
+        seen = (tile_min <= row_pos.max()).nonzero()
+        n = int(seen[-1]) + 1 if seen.numel() else 1
+        out.append(finalize(merge_tiles(_block_partials(rows, row_pos, keys, n, scale, inplace)), q.dtype))
+    o = torch.cat(out, dim=1) if len(out) > 1 else out[0]  # [B*Hkv, Nqp*G, D]
+    return o.view(b, heads, nqp, g, d).permute(0, 2, 1, 3, 4).reshape(b, nqp, hq, d)[:, :nq]
 
 
 def tile_partial(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, granule: int) -> AttnPartial:
     """The partial of q [Nq, Hq, D] over one key tile (ring context parallelism merges these):
     m/l [Nq, Hq], acc [Nq, Hq, D]."""
-    nq, hq, d = q.shape
+    nq, hq, _ = q.shape
     heads, g = keys.heads, hq // keys.heads
-    rows, q_pos, step = _query_rows(q[None], q_pos[None], heads, granule)
-    nqp = q_pos.shape[1]
-    inplace = not (torch.is_grad_enabled() and (q.requires_grad or keys.k.requires_grad or keys.v.requires_grad))
-    parts = [
-        _block_partials(
-            rows[:, q0 * g : q1 * g].contiguous(),
-            q_pos[:, q0:q1, None].expand(1, q1 - q0, g).reshape(1, -1),
-            keys,
-            1,
-            scale,
-            inplace,
-        )
-        for q0, q1 in _blocks(nqp, step, keys, g, 1, d)
-    ]
+    inplace = _in_place(q, keys)
+    nqp, blocks = _query_blocks(q[None], q_pos[None], keys, granule)
+    parts = [_block_partials(rows, row_pos, keys, 1, scale, inplace) for rows, row_pos in blocks]
     m, l, acc = (torch.cat([getattr(p, f)[0] for p in parts], dim=1) for f in ("m", "l", "acc"))  # noqa: E741
 
     def unpack(x: torch.Tensor) -> torch.Tensor:  # [Hkv, Nqp*G(, D)] -> [Nq, Hq(, D)]
