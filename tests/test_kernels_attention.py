@@ -80,22 +80,22 @@ def test_query_block_size_is_a_speed_knob(dtype, monkeypatch):
 
 
 def _pooled(kern, q, kk, v, pos, scale):  # noqa: ANN001, ANN202
-    """`attention_pooled` over a tile-layout pool holding keys [0, len(kk)) in slot 0 (the engine's
-    decode and chunked-prefill path); queries at the last len(q) positions."""
+    """`attention_pooled` over a head-layout pool holding keys [0, len(kk)) in slot 1 (the engine's
+    decode and chunked-prefill path), then a tile of stale keys; queries at the last len(q) positions."""
     t = kern.attention_tile
-    tiles = -(-len(kk) // t)
-    pad = tiles * t - len(kk)
-    kp = torch.cat([kk, kk.new_zeros(pad, *kk.shape[1:])]).view(tiles, t, *kk.shape[1:])
-    vp = torch.cat([v, v.new_zeros(pad, *v.shape[1:])]).view(tiles, t, *v.shape[1:])
-    k_pool = kp.permute(0, 2, 3, 1).contiguous()[None]  # [1, tiles, Hkv, D, T]
-    v_pool = vp.permute(0, 2, 1, 3).contiguous()[None]  # [1, tiles, Hkv, T, D]
+    cap = (-(-len(kk) // t) + 1) * t
+    stale = torch.full((2, cap, *kk.shape[1:]), 7.0, dtype=kk.dtype)  # slot 0 and the tail: never read
+    kp, vp = stale.clone(), stale.clone()
+    kp[1, : len(kk)], vp[1, : len(v)] = kk, v
+    k_pool = kp.permute(0, 2, 3, 1).contiguous()  # [2, Hkv, D, cap]
+    v_pool = vp.permute(0, 2, 1, 3).contiguous()  # [2, Hkv, cap, D]
     q_pos = torch.arange(len(kk) - len(q), len(kk))
-    return kern.attention_pooled(q[None], q_pos[None], k_pool, v_pool, torch.tensor([0]), len(kk), scale)[0]
+    return kern.attention_pooled(q[None], q_pos[None], k_pool, v_pool, torch.tensor([1]), len(kk), scale)[0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pooled_path_equals_batched_path(dtype):
-    """Keys read from a tile-layout KV pool (the engine's decode and chunked prefill) and keys given
+    """Keys read from a head-layout KV pool (the engine's decode and chunked prefill) and keys given
     token-major (prefill, the trainer, the SGLang package) give the same bits, for random shapes, thread
     counts, and chunks of queries at the end of the keys."""
     rng = random.Random(11)

@@ -110,12 +110,12 @@ class KernelSet(Protocol):
         scale: float,
     ) -> torch.Tensor:
         """`attention` of q [B, Nq, Hq, D] straight over a KV pool (decode path) in this set's
-        `kv_pool_layout`: k/v [slots, cap, Hkv, D] ("token"), or tiled ("tile")."""
+        `kv_pool_layout`: k/v [slots, cap, Hkv, D] ("token"), or per KV head ("head")."""
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype the engine's KV cache stores for activations of `dtype`."""
 
-    # The layout of the engine's KV pool that `attention_pooled` reads: "token" or "tile" (see
+    # The layout of the engine's KV pool that `attention_pooled` reads: "token" or "head" (see
     # tonpolicy/model/kv_cache.py).
     kv_pool_layout: str
 

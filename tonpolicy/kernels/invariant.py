@@ -20,9 +20,9 @@ from tonpolicy.kernels.invariant_linear import tiled_partials, tree_sum
 
 class InvariantKernels:
     name = "invariant"
-    # Key tiles pooled in their GEMM layout ([Hkv, D, T] keys, [Hkv, T, D] values): decode then gathers
-    # whole tiles, where the token layout cost a transposing copy of every visible key per step.
-    kv_pool_layout = "tile"
+    # Keys pooled per KV head in their GEMM layout ([D, keys] keys, [keys, D] values): decode upcasts the
+    # visible prefix row by row, where the token layout cost a transposing copy of every key per step.
+    kv_pool_layout = "head"
 
     def __init__(
         self,
@@ -135,13 +135,16 @@ class InvariantKernels:
         num_keys: int,
         scale: float,
     ) -> torch.Tensor:
-        """q [B, Nq, Hq, D] at q_pos [B, Nq] over a tile-layout KV pool (k [slots, cap/T, Hkv, D, T],
-        v [slots, cap/T, Hkv, T, D]; key j sits at position j), batch row b reading pool slot slots[b],
+        """q [B, Nq, Hq, D] at q_pos [B, Nq] over a head-layout KV pool (k [slots, Hkv, D, cap],
+        v [slots, Hkv, cap, D]; key j sits at position j), batch row b reading pool slot slots[b],
         keys [0, num_keys) rounded up to whole tiles. Bitwise equal to `attention` over that row's keys."""
         t = self.attention_tile
-        if k_pool.shape[-1] != t:
-            raise ValueError(f"the contract reads a tile-layout KV pool of {t}-key tiles, got k {tuple(k_pool.shape)}")
-        keys = invariant_attention.pooled_key_tiles(k_pool, v_pool, slots, -(-num_keys // t))
+        if k_pool.shape[-1] % t or k_pool.shape[-1] != v_pool.shape[-2]:
+            raise ValueError(
+                f"the contract reads a head-layout KV pool of whole {t}-key tiles, got k {tuple(k_pool.shape)}, "
+                f"v {tuple(v_pool.shape)}"
+            )
+        keys = invariant_attention.pooled_key_tiles(k_pool, v_pool, slots, -(-num_keys // t), t)
         return invariant_attention.attention(q, q_pos, keys, scale, self.row_tile)
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:

@@ -32,6 +32,9 @@ QUERY_PAD_POS = -1
 NEG_INF = float("-inf")
 # Scores of one query block held at once (fp32 elements): bounds memory for long sequences.
 SCORE_BUDGET = 1 << 23
+# Largest per-tile accumulator (elements) whose fold carries l beside acc (fewer, larger ops: faster
+# when ops are small; measured slower for prefill-sized blocks, where the concatenation costs more).
+FOLD_TOGETHER = 1 << 14
 # Work per query block (sequences x query heads x head dim) at which one key tile of queries is best.
 BLOCK_WORK = 4096
 
@@ -59,11 +62,12 @@ def finalize(p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
     return (p.acc / l.unsqueeze(-1)).to(dtype)
 
 
-def merge_tiles(p: AttnPartial) -> AttnPartial:
+def merge_tiles(p: AttnPartial, inplace: bool = False) -> AttnPartial:
     """Left-to-right `merge` over the tile axis, which is dim 0 (m/l [Kt, ...], acc [Kt, ..., D]).
 
     Bitwise equal to folding `merge` tile by tile: the running max is an exact cummax, and the
-    factors exp(M_prev - M) and exp(m_t - M) are the very values `merge` would compute."""
+    factors exp(M_prev - M) and exp(m_t - M) are the very values `merge` would compute. `inplace`
+    (nothing is differentiated) folds into fresh buffers in place: the same ops, the same bits."""
     kt = p.m.shape[0]
     if kt == 1:
         return AttnPartial(p.m[0], p.l[0], p.acc[0])
@@ -72,13 +76,24 @@ def merge_tiles(p: AttnPartial) -> AttnPartial:
     ms = _safe(run_m)
     ca = torch.exp(prev_m - ms)
     cb = torch.exp(p.m - ms)
+    if inplace and p.acc[0].numel() <= FOLD_TOGETHER:
+        # Small partials (decode): l as column 0 beside acc, so each tile costs two ops, not four.
+        la = torch.cat([p.l.unsqueeze(-1), p.acc], dim=-1).mul_(cb.unsqueeze(-1))
+        ca_la, run = ca.unsqueeze(-1), la[0]
+        for t in range(1, kt):
+            run.mul_(ca_la[t]).add_(la[t])
+        return AttnPartial(run_m[-1], run[..., 0], run[..., 1:])
     lb = p.l * cb
     ab = p.acc * cb.unsqueeze(-1)
     ca_acc = ca.unsqueeze(-1)
-    l_run, a_run = p.l[0], p.acc[0]
+    l_run, a_run = lb[0], ab[0]
     for t in range(1, kt):
-        l_run = l_run * ca[t] + lb[t]
-        a_run = a_run * ca_acc[t] + ab[t]
+        if inplace:
+            l_run.mul_(ca[t]).add_(lb[t])
+            a_run.mul_(ca_acc[t]).add_(ab[t])
+        else:
+            l_run = l_run * ca[t] + lb[t]
+            a_run = a_run * ca_acc[t] + ab[t]
     return AttnPartial(run_m[-1], l_run, a_run)
 
 
@@ -182,17 +197,21 @@ def key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int) 
     return _Keys(ks.view(b * hkv, d, kt * tile), vs.view(kt, b * hkv, tile, d), k_pos.reshape(b, kt, tile), hkv)
 
 
-def pooled_key_tiles(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, num_tiles: int) -> _Keys:
-    """Tiles [0, num_tiles) of pool slots `slots` from a tile-layout KV pool (k [S, cap/T, Hkv, D, T],
-    v [S, cap/T, Hkv, T, D]; key j sits at position j) as fp32 tiles."""
-    b, n = slots.numel(), num_tiles
-    hkv, d, t = k_pool.shape[2:]
-    ks = torch.empty(b, hkv, d, n, t, device=k_pool.device)
-    ks.copy_(k_pool[slots, :n].permute(0, 2, 3, 1, 4))  # one gather, then one transposing upcast
-    vs = torch.empty(n, b, hkv, t, d, device=v_pool.device)
-    vs.copy_(v_pool[slots, :n].transpose(0, 1))
-    pos = torch.arange(n * t, device=k_pool.device).view(1, n, t).expand(b, n, t)
-    return _Keys(ks.view(b * hkv, d, n * t), vs.view(n, b * hkv, t, d), pos, hkv)
+def pooled_key_tiles(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, num_tiles: int, tile: int
+) -> _Keys:
+    """Tiles [0, num_tiles) of pool slots `slots` from a head-layout KV pool (k [S, Hkv, D, cap],
+    v [S, Hkv, cap, D]; key j sits at position j) as fp32 tiles: one upcasting copy per slot, rows
+    contiguous on both sides (no gather, no transpose)."""
+    b, n, nk = slots.numel(), num_tiles, num_tiles * tile
+    hkv, d = k_pool.shape[1:3]
+    ks = torch.empty(b, hkv, d, nk, device=k_pool.device)
+    vs = torch.empty(n, b, hkv, tile, d, device=v_pool.device)
+    for i, slot in enumerate(slots.tolist()):
+        ks[i].copy_(k_pool[slot, :, :, :nk])
+        vs[:, i].copy_(v_pool[slot, :, :nk].view(hkv, n, tile, d).transpose(0, 1))
+    pos = torch.arange(nk, device=k_pool.device).view(1, n, tile).expand(b, n, tile)
+    return _Keys(ks.view(b * hkv, d, nk), vs.view(n, b * hkv, tile, d), pos, hkv)
 
 
 def attention(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, granule: int) -> torch.Tensor:
@@ -207,7 +226,7 @@ def attention(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, g
     for rows, row_pos in blocks:
         seen = (tile_min <= row_pos.max()).nonzero()
         n = int(seen[-1]) + 1 if seen.numel() else 1
-        out.append(finalize(merge_tiles(_block_partials(rows, row_pos, keys, n, scale, inplace)), q.dtype))
+        out.append(finalize(merge_tiles(_block_partials(rows, row_pos, keys, n, scale, inplace), inplace), q.dtype))
     o = torch.cat(out, dim=1) if len(out) > 1 else out[0]  # [B*Hkv, Nqp*G, D]
     return o.view(b, heads, nqp, g, d).permute(0, 2, 1, 3, 4).reshape(b, nqp, hq, d)[:, :nq]
 

@@ -3,8 +3,9 @@
 Per layer, k and v hold [slots, capacity] positions of [Hkv, D] in the cache dtype, capacity a multiple
 of the attention tile, in one of two layouts the kernel set picks (`kv_pool_layout`):
 - "token": k and v [slots, capacity, Hkv, D];
-- "tile": k [slots, capacity/T, Hkv, D, T] and v [slots, capacity/T, Hkv, T, D], i.e. each key tile
-  already in the layout its attention GEMMs read, so decode gathers whole tiles instead of transposing.
+- "head": k [slots, Hkv, D, capacity] and v [slots, Hkv, capacity, D]: per slot and KV head, the keys
+  already in the layout the attention GEMMs read ([D, keys] and [keys, D]), so decode upcasts the visible
+  prefix with contiguous rows instead of gathering and transposing.
 Slots are reused without clearing: the causal mask gives stale keys exactly zero weight and stale
 values are finite, so 0 * v adds exactly zero (same as the zero padding).
 """
@@ -13,22 +14,16 @@ from __future__ import annotations
 
 import torch
 
-LAYOUTS = ("token", "tile")
+LAYOUTS = ("token", "head")
 
 
-def convert_layout(
-    k: torch.Tensor, v: torch.Tensor, src: str, dst: str, tile: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def convert_layout(k: torch.Tensor, v: torch.Tensor, src: str, dst: str) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's pooled k/v in layout `src` as layout `dst` (copies; for a kernel set of another layout)."""
     if src == dst:
         return k, v
-    if src == "tile":  # k [S, Kt, H, D, T], v [S, Kt, H, T, D] -> [S, Kt*T, H, D]
-        s, kt, h, d, t = k.shape
-        return k.permute(0, 1, 4, 2, 3).reshape(s, kt * t, h, d), v.permute(0, 1, 3, 2, 4).reshape(s, kt * t, h, d)
-    s, cap, h, d = k.shape
-    kt = k.view(s, cap // tile, tile, h, d)
-    vt = v.view(s, cap // tile, tile, h, d)
-    return kt.permute(0, 1, 3, 4, 2).contiguous(), vt.permute(0, 1, 3, 2, 4).contiguous()
+    if src == "head":  # k [S, H, D, cap], v [S, H, cap, D] -> [S, cap, H, D]
+        return k.permute(0, 3, 1, 2).contiguous(), v.permute(0, 2, 1, 3).contiguous()
+    return k.permute(0, 2, 3, 1).contiguous(), v.permute(0, 2, 1, 3).contiguous()
 
 
 class KVPool:
@@ -51,8 +46,8 @@ class KVPool:
         if layout == "token":
             k_shape = v_shape = (slots, self.capacity, num_kv_heads, head_dim)
         else:
-            k_shape = (slots, self.capacity // tile, num_kv_heads, head_dim, tile)
-            v_shape = (slots, self.capacity // tile, num_kv_heads, tile, head_dim)
+            k_shape = (slots, num_kv_heads, head_dim, self.capacity)
+            v_shape = (slots, num_kv_heads, self.capacity, head_dim)
         self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.free = list(range(slots - 1, -1, -1))
@@ -76,7 +71,8 @@ class KVPool:
             self.k[layer][slot, start : start + n] = k
             self.v[layer][slot, start : start + n] = v
             return
-        self.write_tokens(layer, torch.full((n,), slot), torch.arange(start, start + n), k, v)
+        self.k[layer][slot, :, :, start : start + n] = k.permute(1, 2, 0)
+        self.v[layer][slot, :, start : start + n] = v.transpose(0, 1)
 
     def write_tokens(
         self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -90,12 +86,11 @@ class KVPool:
             self.k[layer][slots, positions] = k
             self.v[layer][slots, positions] = v
             return
-        tiles, offsets = positions // self.tile, positions % self.tile
-        self.k[layer][slots, tiles, :, :, offsets] = k  # advanced indices first: [n, Hkv, D]
-        self.v[layer][slots, tiles, :, offsets, :] = v
+        # Advanced indices apart, so the indexed dims come first: [n, Hkv, D] both.
+        self.k[layer][slots, :, :, positions] = k
+        self.v[layer][slots, :, positions, :] = v
 
     def copy_from(self, old: KVPool) -> None:
         """Take over every slot and position of a smaller pool of the same layout (pool growth)."""
-        n = old.slots
         for dst, src in zip(self.k + self.v, old.k + old.v, strict=True):
-            dst[:n, : src.shape[1]] = src
+            dst[tuple(slice(0, size) for size in src.shape)] = src

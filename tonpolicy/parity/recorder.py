@@ -291,9 +291,7 @@ class RecordingKernels:
         k = self._kern(self._layer, "attn_out")
         if k is not self.inner:  # the pool holds the engine's cache dtype and layout; hand the other set its own
             dt = k.kv_cache_dtype(q.dtype)
-            k_pool, v_pool = convert_layout(
-                k_pool.to(dt), v_pool.to(dt), self.inner.kv_pool_layout, k.kv_pool_layout, k.attention_tile
-            )
+            k_pool, v_pool = convert_layout(k_pool.to(dt), v_pool.to(dt), self.inner.kv_pool_layout, k.kv_pool_layout)
         return k.attention_pooled(q, q_pos, k_pool, v_pool, *args)
 
     def attention_tile_partial(self, *args: Any) -> Any:
