@@ -144,7 +144,7 @@ class InvariantKernels:
                 f"the contract reads a head-layout KV pool of whole {t}-key tiles, got k {tuple(k_pool.shape)}, "
                 f"v {tuple(v_pool.shape)}"
             )
-        keys = invariant_attention.pooled_key_tiles(k_pool, v_pool, slots, -(-num_keys // t), t)
+        keys = invariant_attention.PooledKeyTiles(k_pool, v_pool, slots, -(-num_keys // t), t)
         return invariant_attention.attention(q, q_pos, keys, scale, self.row_tile)
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:

@@ -35,6 +35,10 @@ SCORE_BUDGET = 1 << 23
 # Largest per-tile accumulator (elements) whose fold carries l beside acc (fewer, larger ops: faster
 # when ops are small; measured slower for prefill-sized blocks, where the concatenation costs more).
 FOLD_TOGETHER = 1 << 14
+# fp32 key elements (per operand) one span of pooled keys is upcast into at a time, and the fewest tiles
+# a span holds (the per-span ops' fixed cost): measured best for 1-16 slots at contexts 512-4096.
+SPAN_ELEMENTS = 1 << 19
+SPAN_MIN_TILES = 8
 # Work per query block (sequences x query heads x head dim) at which one key tile of queries is best.
 BLOCK_WORK = 4096
 
@@ -97,20 +101,57 @@ def merge_tiles(p: AttnPartial, inplace: bool = False) -> AttnPartial:
     return AttnPartial(run_m[-1], l_run, a_run)
 
 
-class _Keys:
+class KeyTiles:
     """Key tiles in the GEMM layouts, fp32: k [B*Hkv, D, Kt*T], v [Kt, B*Hkv, T, D]; positions [B, Kt, T]."""
+
+    # Tiles per span a block's partials are computed over (all: the keys are already in memory).
+    chunk = 1 << 62
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, heads: int) -> None:
         self.k, self.v, self.pos, self.heads = k, v, pos, heads
         self.tiles, self.tile = pos.shape[1], pos.shape[2]
+        self.requires_grad = k.requires_grad or v.requires_grad
 
-    def first(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first n tiles (contiguous: a GEMM reading a strided operand may take another path)."""
-        if n == self.tiles:
+    def span(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tiles [a, b) (contiguous: a GEMM reading a strided operand may take another path)."""
+        if (a, b) == (0, self.tiles):
             return self.k, self.v, self.pos
         t = self.tile
-        k = self.k.view(*self.k.shape[:2], self.tiles, t)[..., :n, :].reshape(*self.k.shape[:2], n * t)
-        return k, self.v[:n], self.pos[:, :n]
+        k = self.k.view(*self.k.shape[:2], self.tiles, t)[..., a:b, :].reshape(*self.k.shape[:2], (b - a) * t)
+        return k, self.v[a:b], self.pos[:, a:b]
+
+
+class PooledKeyTiles:
+    """Key tiles [0, tiles) of pool slots `slots` in a head-layout KV pool (k [S, Hkv, D, cap],
+    v [S, Hkv, cap, D]; key j at position j), upcast to the GEMM layouts of `KeyTiles` a span at a time:
+    one copy per slot with contiguous rows on both sides (no gather, no transpose). A single query block
+    (decode) reads spans of about SPAN_ELEMENTS, so each fp32 copy is used while in cache (the whole
+    copy at once measured 2.5x slower for 4 slots of 4096 keys)."""
+
+    requires_grad = False
+
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, tiles: int, tile: int):
+        self.k_pool, self.v_pool, self.slots = k_pool, v_pool, slots.tolist()
+        self.heads, self.tiles, self.tile = k_pool.shape[1], tiles, tile
+        b, d = len(self.slots), k_pool.shape[2]
+        self.pos = torch.arange(tiles * tile, device=k_pool.device).view(1, tiles, tile).expand(b, tiles, tile)
+        self.chunk = max(SPAN_MIN_TILES, SPAN_ELEMENTS // (b * self.heads * d * tile))
+
+    def span(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hkv, d, t, n = self.heads, self.k_pool.shape[2], self.tile, b - a
+        ks = torch.empty(len(self.slots), hkv, d, n * t, device=self.k_pool.device)
+        vs = torch.empty(n, len(self.slots), hkv, t, d, device=self.v_pool.device)
+        for i, slot in enumerate(self.slots):
+            ks[i].copy_(self.k_pool[slot, :, :, a * t : b * t])
+            vs[:, i].copy_(self.v_pool[slot, :, a * t : b * t].view(hkv, n, t, d).transpose(0, 1))
+        return ks.view(-1, d, n * t), vs.view(n, -1, t, d), self.pos[:, a:b]
+
+    def whole(self) -> KeyTiles:
+        """All tiles, upcast at once (for several query blocks, which would each read them)."""
+        return KeyTiles(*self.span(0, self.tiles)[:2], self.pos, self.heads)
+
+
+Keys = KeyTiles | PooledKeyTiles
 
 
 def _query_rows(q: torch.Tensor, q_pos: torch.Tensor, heads: int, granule: int):
@@ -129,16 +170,28 @@ def _query_rows(q: torch.Tensor, q_pos: torch.Tensor, heads: int, granule: int):
 
 
 def _block_partials(
-    rows: torch.Tensor, row_pos: torch.Tensor, keys: _Keys, n: int, scale: float, inplace: bool
+    rows: torch.Tensor, row_pos: torch.Tensor, keys: Keys, n: int, scale: float, inplace: bool
 ) -> AttnPartial:
     """Partials of query rows [B*Hkv, R, D] at row_pos [B, R] over the first n key tiles, tile-major:
-    m/l [n, B*Hkv, R], acc [n, B*Hkv, R, D]."""
+    m/l [n, B*Hkv, R], acc [n, B*Hkv, R, D]. Spans of `keys.chunk` tiles give the same bits as one span
+    (a score's bits do not depend on the GEMM's column count)."""
+    spans = [
+        _span_partials(rows, row_pos, keys, a, min(n, a + keys.chunk), scale, inplace) for a in range(0, n, keys.chunk)
+    ]
+    if len(spans) == 1:
+        return spans[0]
+    return AttnPartial(*(torch.cat([getattr(p, f) for p in spans]) for f in ("m", "l", "acc")))
+
+
+def _span_partials(
+    rows: torch.Tensor, row_pos: torch.Tensor, keys: Keys, a: int, b: int, scale: float, inplace: bool
+) -> AttnPartial:
     bh, r, d = rows.shape
-    b, t = row_pos.shape[0], keys.tile
-    k, v, kpos = keys.first(n)
-    s = torch.bmm(rows, k).view(b, bh // b, r, n, t)
+    bs, t, n = row_pos.shape[0], keys.tile, b - a
+    k, v, kpos = keys.span(a, b)
+    s = torch.bmm(rows, k).view(bs, bh // bs, r, n, t)
     s = s.mul_(scale) if inplace else s * scale
-    hidden = kpos[:, None, None] > row_pos.view(b, 1, r, 1, 1)
+    hidden = kpos[:, None, None] > row_pos.view(bs, 1, r, 1, 1)
     s = s.masked_fill_(hidden, NEG_INF) if inplace else s.masked_fill(hidden, NEG_INF)
     m = s.amax(dim=-1)  # [B, Hkv, R, n]
     p = s.sub_(_safe(m).unsqueeze(-1)).exp_() if inplace else torch.exp(s - _safe(m).unsqueeze(-1))
@@ -149,7 +202,7 @@ def _block_partials(
     return AttnPartial(m.permute(3, 0, 1, 2).reshape(n, bh, r), l.permute(3, 0, 1, 2).reshape(n, bh, r), acc)
 
 
-def _blocks(nqp: int, step: int, keys: _Keys, g: int, batch: int, d: int):
+def _blocks(nqp: int, step: int, keys: Keys, g: int, batch: int, d: int):
     """Query blocks, sized for speed (any size gives the same bits). A causal block computes part of its
     last key tile in vain, and every block costs a fixed number of ops: the best size balances the two,
     about one key tile of queries when a block's work is large (16 sequences x 8 query heads of 32 dims,
@@ -163,7 +216,7 @@ def _blocks(nqp: int, step: int, keys: _Keys, g: int, batch: int, d: int):
     return [(q0, min(nqp, q0 + block)) for q0 in range(0, nqp, block)]
 
 
-def _query_blocks(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, granule: int):
+def _query_blocks(q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, granule: int):
     """q [B, Nq, Hq, D] -> (Nqp, [(rows [B*Hkv, R, D], row positions [B, R]) per query block])."""
     b, _, hq, d = q.shape
     g = hq // keys.heads
@@ -176,12 +229,12 @@ def _query_blocks(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, granule: in
     return nqp, blocks
 
 
-def _in_place(q: torch.Tensor, keys: _Keys) -> bool:
+def _in_place(q: torch.Tensor, keys: Keys) -> bool:
     """Whether the scores may be overwritten in place (nothing is differentiated: same ops, same bits)."""
-    return not (torch.is_grad_enabled() and (q.requires_grad or keys.k.requires_grad or keys.v.requires_grad))
+    return not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad))
 
 
-def key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int) -> _Keys:
+def key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int) -> KeyTiles:
     """Token-major keys [B, Nk, Hkv, D] (positions [B, Nk]) as fp32 tiles, padded with zero k/v at
     KEY_PAD_POS."""
     b, nk, hkv, d = k.shape
@@ -194,27 +247,10 @@ def key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int) 
     # One transposing upcast each (the upcast is exact).
     ks = torch.empty(b, hkv, d, kt * tile, device=k.device).copy_(k.permute(0, 2, 3, 1))
     vs = torch.empty(kt, b, hkv, tile, d, device=v.device).copy_(v.view(b, kt, tile, hkv, d).permute(1, 0, 3, 2, 4))
-    return _Keys(ks.view(b * hkv, d, kt * tile), vs.view(kt, b * hkv, tile, d), k_pos.reshape(b, kt, tile), hkv)
+    return KeyTiles(ks.view(b * hkv, d, kt * tile), vs.view(kt, b * hkv, tile, d), k_pos.reshape(b, kt, tile), hkv)
 
 
-def pooled_key_tiles(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, num_tiles: int, tile: int
-) -> _Keys:
-    """Tiles [0, num_tiles) of pool slots `slots` from a head-layout KV pool (k [S, Hkv, D, cap],
-    v [S, Hkv, cap, D]; key j sits at position j) as fp32 tiles: one upcasting copy per slot, rows
-    contiguous on both sides (no gather, no transpose)."""
-    b, n, nk = slots.numel(), num_tiles, num_tiles * tile
-    hkv, d = k_pool.shape[1:3]
-    ks = torch.empty(b, hkv, d, nk, device=k_pool.device)
-    vs = torch.empty(n, b, hkv, tile, d, device=v_pool.device)
-    for i, slot in enumerate(slots.tolist()):
-        ks[i].copy_(k_pool[slot, :, :, :nk])
-        vs[:, i].copy_(v_pool[slot, :, :nk].view(hkv, n, tile, d).transpose(0, 1))
-    pos = torch.arange(nk, device=k_pool.device).view(1, n, tile).expand(b, n, tile)
-    return _Keys(ks.view(b * hkv, d, nk), vs.view(n, b * hkv, tile, d), pos, hkv)
-
-
-def attention(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, granule: int) -> torch.Tensor:
+def attention(q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float, granule: int) -> torch.Tensor:
     """q [B, Nq, Hq, D] at positions q_pos [B, Nq] over `keys` (from `key_tiles` or `pooled_key_tiles`)
     -> [B, Nq, Hq, D] in q.dtype."""
     b, nq, hq, d = q.shape
@@ -222,6 +258,8 @@ def attention(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, g
     inplace = _in_place(q, keys)
     tile_min = keys.pos.amin(-1).amin(0)  # [Kt]: a block needs a tile if some row may see one of its keys
     nqp, blocks = _query_blocks(q, q_pos, keys, granule)
+    if len(blocks) > 1 and isinstance(keys, PooledKeyTiles):
+        keys = keys.whole()  # upcast once, read by every block
     out = []
     for rows, row_pos in blocks:
         seen = (tile_min <= row_pos.max()).nonzero()
@@ -231,7 +269,7 @@ def attention(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, g
     return o.view(b, heads, nqp, g, d).permute(0, 2, 1, 3, 4).reshape(b, nqp, hq, d)[:, :nq]
 
 
-def tile_partial(q: torch.Tensor, q_pos: torch.Tensor, keys: _Keys, scale: float, granule: int) -> AttnPartial:
+def tile_partial(q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float, granule: int) -> AttnPartial:
     """The partial of q [Nq, Hq, D] over one key tile (ring context parallelism merges these):
     m/l [Nq, Hq], acc [Nq, Hq, D]."""
     nq, hq, _ = q.shape
