@@ -135,6 +135,24 @@ def test_batched_decode_equals_alone(dtype):
         assert torch.equal(batched[b], alone), n
 
 
+@pytest.mark.parametrize("slots", [[0, 1, 2], [2, 0, 1]])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pooled_decode_of_several_slots_equals_each_alone(dtype, slots):
+    """One decode call over several pool slots (a run of slots, read as a view, or any order, gathered)
+    gives each slot the bits of its own call."""
+    k = get_kernels("invariant")
+    hq, hkv, d, cap = 8, 4, 32, 128
+    lens = [5, 77, 128]
+    k_pool = randn(3, hkv, d, cap, dtype=dtype, seed=4)
+    v_pool = randn(3, hkv, cap, d, dtype=dtype, seed=5)
+    q = randn(3, 1, hq, d, dtype=dtype, seed=6)
+    q_pos = torch.tensor([lens[s] - 1 for s in slots])[:, None]
+    together = k.attention_pooled(q, q_pos, k_pool, v_pool, torch.tensor(slots), cap, d**-0.5)
+    for i, s in enumerate(slots):
+        alone = k.attention_pooled(q[i : i + 1], q_pos[i : i + 1], k_pool, v_pool, torch.tensor([s]), lens[s], d**-0.5)
+        assert torch.equal(together[i], alone[0]), (slots, s)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tile_merge_equals_attention(dtype):
     """attention == finalize(left-to-right merge of attention_tile over key tiles, one tile at a time).

@@ -124,14 +124,15 @@ class KeyTiles:
 class PooledKeyTiles:
     """Key tiles [0, tiles) of pool slots `slots` in a head-layout KV pool (k [S, Hkv, D, cap],
     v [S, Hkv, cap, D]; key j at position j), upcast to the GEMM layouts of `KeyTiles` a span at a time:
-    one copy per slot with contiguous rows on both sides (no gather, no transpose). A single query block
+    one upcasting copy with contiguous rows on both sides (no transpose; a gather only when the slots
+    are not a run). A single query block
     (decode) reads spans of about SPAN_ELEMENTS, so each fp32 copy is used while in cache (the whole
     copy at once measured 2.5x slower for 4 slots of 4096 keys)."""
 
     requires_grad = False
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, tiles: int, tile: int):
-        self.k_pool, self.v_pool, self.slots = k_pool, v_pool, slots.tolist()
+        self.k_pool, self.v_pool, self.slots, self.slot_index = k_pool, v_pool, slots.tolist(), slots
         self.heads, self.tiles, self.tile = k_pool.shape[1], tiles, tile
         b, d = len(self.slots), k_pool.shape[2]
         self.pos = torch.arange(tiles * tile, device=k_pool.device).view(1, tiles, tile).expand(b, tiles, tile)
@@ -141,9 +142,14 @@ class PooledKeyTiles:
         hkv, d, t, n = self.heads, self.k_pool.shape[2], self.tile, b - a
         ks = torch.empty(len(self.slots), hkv, d, n * t, device=self.k_pool.device)
         vs = torch.empty(n, len(self.slots), hkv, t, d, device=self.v_pool.device)
-        for i, slot in enumerate(self.slots):
-            ks[i].copy_(self.k_pool[slot, :, :, a * t : b * t])
-            vs[:, i].copy_(self.v_pool[slot, :, a * t : b * t].view(hkv, n, t, d).transpose(0, 1))
+        k, v = self.k_pool[..., a * t : b * t], self.v_pool[:, :, a * t : b * t]
+        first = self.slots[0]
+        if self.slots == list(range(first, first + len(self.slots))):  # a run of slots: a view, no gather
+            k, v = k[first : first + len(self.slots)], v[first : first + len(self.slots)]
+        else:
+            k, v = k.index_select(0, self.slot_index), v.index_select(0, self.slot_index)
+        ks.copy_(k)
+        vs.copy_(v.view(-1, hkv, n, t, d).permute(2, 0, 1, 3, 4))
         return ks.view(-1, d, n * t), vs.view(n, -1, t, d), self.pos[:, a:b]
 
     def whole(self) -> KeyTiles:
