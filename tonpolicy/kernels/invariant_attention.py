@@ -197,8 +197,15 @@ def _span_partials(
     k, v, kpos = keys.span(a, b)
     s = torch.bmm(rows, k).view(bs, bh // bs, r, n, t)
     s = s.mul_(scale) if inplace else s * scale
-    hidden = kpos[:, None, None] > row_pos.view(bs, 1, r, 1, 1)
-    s = s.masked_fill_(hidden, NEG_INF) if inplace else s.masked_fill(hidden, NEG_INF)
+    if inplace:
+        # Mask from the first tile that hides a key from some row on: masking a score every row sees is a
+        # no-op, so the tiles before it are skipped (the same bits, a fraction of the work).
+        hides = (kpos.amax(-1) > row_pos.amin(-1, keepdim=True)).any(0).nonzero()
+        if hides.numel():
+            j = int(hides[0])
+            s[:, :, :, j:].masked_fill_(kpos[:, None, None, j:] > row_pos.view(bs, 1, r, 1, 1), NEG_INF)
+    else:
+        s = s.masked_fill(kpos[:, None, None] > row_pos.view(bs, 1, r, 1, 1), NEG_INF)
     m = s.amax(dim=-1)  # [B, Hkv, R, n]
     p = s.sub_(_safe(m).unsqueeze(-1)).exp_() if inplace else torch.exp(s - _safe(m).unsqueeze(-1))
     l = p.sum(dim=-1)  # noqa: E741

@@ -17,6 +17,9 @@ from tonpolicy.kernels import KernelSet, padded_vocab_size
 from tonpolicy.model.checkpoint import init_state_dict, param_shapes
 from tonpolicy.model.kv_cache import KVPool
 
+# Position of a padding key in a batched call: after every query, so no query sees it.
+PAD_KEY_POSITION = 2**62
+
 
 @dataclass
 class Segment:
@@ -184,18 +187,21 @@ class Qwen3(nn.Module):
             offs.append(off)
             off += s.length
         decode: list[int] = []
+        fresh: list[int] = []
         for i, (s, o) in enumerate(zip(segments, offs, strict=True)):
             sl = slice(o, o + s.length)
-            if s.slot is None:
-                if s.start != 0:
-                    raise ValueError("an uncached segment must start at position 0")
-                out[sl] = kern.attention(q[sl], k[sl], v[sl], pos[sl], pos[sl], scale)
-                continue
-            assert kv is not None
-            if s.length == 1:
+            if s.slot is None and s.start != 0:
+                raise ValueError("an uncached segment must start at position 0")
+            if s.slot is not None and s.length == 1:
                 decode.append(i)  # written below, all in one scatter
                 continue
-            kv.write(li, s.slot, s.start, k[sl], v[sl])
+            if s.slot is not None:
+                assert kv is not None
+                kv.write(li, s.slot, s.start, k[sl], v[sl])
+            if s.start == 0:
+                fresh.append(i)  # attends only to itself: below, all in one batched call
+                continue
+            assert kv is not None
             out[sl] = kern.attention_pooled(
                 q[None, sl],
                 pos[None, sl],
@@ -205,6 +211,8 @@ class Qwen3(nn.Module):
                 s.start + s.length,
                 scale,
             )[0]
+        if fresh:
+            self._attend_fresh(q, k, v, [(offs[i], segments[i].length) for i in fresh], out, scale)
         if decode:
             # All single-token segments attend in one batched call; keys past a request's own length
             # are masked by position (and their tiles skipped), so different lengths can share it.
@@ -223,3 +231,37 @@ class Qwen3(nn.Module):
             )
             out.index_copy_(0, rows, res[:, 0])
         return out
+
+    def _attend_fresh(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spans: list[tuple[int, int]],
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """Segments that start at position 0 attend only to themselves: one batched call over them,
+        padded to the longest (padded keys sit past every query, padded queries are dropped)."""
+        if len(spans) == 1:
+            o, n = spans[0]
+            pos = torch.arange(n, device=q.device)
+            out[o : o + n] = self.kernels.attention(q[o : o + n], k[o : o + n], v[o : o + n], pos, pos, scale)
+            return
+        longest = max(n for _, n in spans)
+        rows = torch.cat([torch.arange(o, o + longest, device=q.device) for o, _ in spans])
+        real = torch.cat([torch.arange(longest, device=q.device) < n for _, n in spans])
+        rows = torch.where(real, rows, 0)  # padding reads row 0; its keys are masked, its queries dropped
+        pos = torch.arange(longest, device=q.device).repeat(len(spans), 1)
+        q_pos = torch.where(real.view(len(spans), longest), pos, -1)
+        k_pos = torch.where(real.view(len(spans), longest), pos, PAD_KEY_POSITION)
+        b = len(spans)
+        res = self.kernels.attention_batched(
+            q[rows].view(b, longest, *q.shape[1:]),
+            k[rows].view(b, longest, *k.shape[1:]),
+            v[rows].view(b, longest, *v.shape[1:]),
+            q_pos,
+            k_pos,
+            scale,
+        )
+        out[rows[real]] = res.reshape(b * longest, *q.shape[1:])[real]
