@@ -312,3 +312,22 @@ def test_fp32_gemm_on_a_bf16_weight_goes_by_slabs():
     whole = invariant_linear.tiled_partials(x, w, 1, 4, 512, fp32=True)
     narrow = invariant_linear.tiled_partials(x, w[1024:], 1, 4, 512, fp32=True)  # a 6-column GEMM
     assert not torch.equal(narrow, whole[..., 1024:])
+
+
+def test_small_weights_take_one_bmm_with_the_same_bits(monkeypatch):
+    """bf16 weights up to SMALL_WEIGHT elements get all K-shards from one `bmm` (the tiny model's o_proj
+    and down_proj: ~2x less per decode call): the bits of one GEMM per shard, at decode and prefill row
+    counts. Negative control: one whole-K GEMM of the same operands (another summation order) differs."""
+    from tonpolicy.kernels import invariant_linear
+
+    w = randn(128, 384, dtype=torch.bfloat16, seed=7, std=1 / 16)
+    assert w.numel() <= invariant_linear.SMALL_WEIGHT
+    for m in (1, 4, 16, 37, 600):
+        x = randn(m, 384, dtype=torch.bfloat16, seed=m)
+        one_bmm = invariant_linear.tiled_partials(x, w, 4, 4, 512)
+        monkeypatch.setattr(invariant_linear, "SMALL_WEIGHT", 0)
+        per_shard = invariant_linear.tiled_partials(x, w, 4, 4, 512)
+        monkeypatch.undo()
+        assert torch.equal(one_bmm, per_shard), m
+    summed = invariant_linear.tree_sum(one_bmm).to(torch.bfloat16)
+    assert not torch.equal(summed, torch.nn.functional.linear(x, w))
