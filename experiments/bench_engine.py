@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import torch
 from bench_models import CPU_1024
-from perf_targets import CONTEXT_RATIO, ENGINE_RATIO, MEMORY_RATIO, Check, report
+from perf_targets import CONTEXT_RATIO, ENGINE_RATIO, MEMORY_RATIO, Check, report, with_launch_environment
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
@@ -228,4 +228,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    with_launch_environment()
     main()

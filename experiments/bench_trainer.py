@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf_targets import TRAINER_RATIO, Check, report  # noqa: E402
+from perf_targets import TRAINER_RATIO, Check, report, with_launch_environment  # noqa: E402
 
 from tonpolicy.config.model import ModelConfig  # noqa: E402
 from tonpolicy.parity import harness  # noqa: E402
@@ -117,4 +117,5 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
+    with_launch_environment()
     main()
