@@ -34,7 +34,7 @@ from tonpolicy.config.compose import compose_config
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.config.sglang_rules import sglang_python
 from tonpolicy.contract.identity import identity
-from tonpolicy.launch.plan import sglang_argv
+from tonpolicy.launch.plan import environment, sglang_argv
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
 from tonpolicy.ports import free_port
 from tonpolicy.rollout.client import RolloutClient
@@ -45,14 +45,19 @@ MODELS = {
     "large": CPU_1024,
 }
 CONCURRENCY = (1, 8, 32)
+# The embedded server under the contract with contract.logits_dtype=bfloat16: logits from the native bf16
+# GEMM, the precision stock SGLang's LM head has (measured beside the default fp32 logits, bf16 only).
+BF16_LOGITS = "embedded (bf16 logits)"
 
 
 def server_command(
     kind: str, ckpt: Path, dtype: str, port: int, text: bool = False
 ) -> tuple[list[str], dict[str, str]]:
-    """The server's command and environment; `text`: load the checkpoint's tokenizer (text API)."""
-    if kind == "embedded":
-        cfg = compose_config([f"contract.dtype={dtype}"])
+    """The server's command and the environment a launched job gives it (the launch plan's process
+    environment, plus SGLang's own); `text`: load the checkpoint's tokenizer (text API)."""
+    if kind.startswith("embedded"):
+        logits = ["contract.logits_dtype=bfloat16"] if kind == BF16_LOGITS else []
+        cfg = compose_config([f"contract.dtype={dtype}", *logits])
         ident = identity(cfg.contract)
         argv = [
             sglang_python(compose_config(["rollout=sglang"])),
@@ -74,8 +79,9 @@ def server_command(
             ident.fingerprint,
             "--max-running-requests",
             "32",
+            *(["--logits-dtype", "bfloat16"] if kind == BF16_LOGITS else []),
         ]
-        return argv + ([] if text else ["--skip-tokenizer-init"]), {}
+        return argv + ([] if text else ["--skip-tokenizer-init"]), environment(cfg, "cpu")
     contract = "qwen3_dense_v1" if kind == "sglang+contract" else "off_policy"
     cfg = compose_config(
         [
@@ -88,7 +94,7 @@ def server_command(
         ]
     )
     argv = sglang_argv(cfg, str(ckpt), "cpu", port)
-    return argv, server_environment(cfg, "cpu", identity(cfg.contract).fingerprint)
+    return argv, {**environment(cfg, "cpu"), **server_environment(cfg, "cpu", identity(cfg.contract).fingerprint)}
 
 
 def generate(url: str, prompt: list[int], gen: int, seed: int) -> int:
@@ -149,16 +155,20 @@ def main() -> None:
         print(f"SKIPPED: no SGLang environment at {py} (run `bash scripts/setup_sglang.sh` to compare with it)")
         report("bench_sglang", [], {"skipped": f"no SGLang environment at {py}"})
         return
-    kinds = ("sglang", "sglang+contract", "embedded")
+    base_kinds = ("sglang", "sglang+contract", "embedded")
     checks, runs = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes.split(","):
             short = "bf16" if dtype == "bfloat16" else "fp32"
+            kinds = base_kinds + ((BF16_LOGITS,) if dtype == "bfloat16" else ())
             for name in args.models.split(","):
                 cfg = MODELS[name]
                 ckpt = Path(tmp) / f"{name}_{dtype}"
                 save_hf(init_state_dict(cfg, getattr(torch, dtype), 0), cfg, ckpt)
-                results = {k: bench_server(k, ckpt, cfg, dtype, args.gen, Path(tmp) / f"{name}_{k}.log") for k in kinds}
+                results = {
+                    k: bench_server(k, ckpt, cfg, dtype, args.gen, Path(tmp) / f"{name}_{k.replace(' ', '_')}.log")
+                    for k in kinds
+                }
                 runs[f"{name}/{short}"] = results
                 print(
                     f"\n{name} (hidden {cfg.hidden_size}, {cfg.num_layers} layers), {dtype}, "
@@ -169,16 +179,19 @@ def main() -> None:
                 for k in kinds:
                     cells = [f"{results[k][c]:.0f} ({results[k][c] / results['sglang'][c]:.2f}x)" for c in CONCURRENCY]
                     print(f"| {k} | " + " | ".join(cells) + " |")
-                for c in CONCURRENCY:
-                    ratio = results["embedded"][c] / results["sglang"][c]
-                    checks.append(
-                        Check(
-                            f"embedded (contract) / stock SGLang tok/s, {name} {short}, {c} concurrent",
-                            ratio,
-                            SGLANG_RATIO,
-                            at_most=False,
+                for kind, label in (
+                    ("embedded", "embedded (contract)"),
+                    (BF16_LOGITS, "embedded (contract, bf16 logits)"),
+                ):
+                    for c in CONCURRENCY if kind in results else ():
+                        checks.append(
+                            Check(
+                                f"{label} / stock SGLang tok/s, {name} {short}, {c} concurrent",
+                                results[kind][c] / results["sglang"][c],
+                                SGLANG_RATIO,
+                                at_most=False,
+                            )
                         )
-                    )
     report("bench_sglang", checks, {"gen": args.gen, "prompt_tokens": 8, "tok_s": runs})
 
 

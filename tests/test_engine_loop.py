@@ -67,3 +67,39 @@ def test_one_failing_request_fails_only_its_own_job(monkeypatch) -> None:  # noq
     error = poisoned.exception(60)
     assert isinstance(error, RuntimeError) and "FloatingPointError: poisoned request" in str(error)
     assert isinstance(bad_seed.exception(60), ValueError)
+
+
+def test_run_steps_the_engine_in_the_calling_thread_until_stop_is_requested() -> None:
+    """The server's way: the loop runs on the thread that owns torch's OpenMP team (its main thread);
+    requests sent from other threads are answered there, then `request_stop` ends it."""
+    import threading
+    import time
+
+    with num_threads(1):
+        engine = Engine(Qwen3(ModelConfig(), get_kernels("invariant"), torch.bfloat16), max_running_requests=4)
+        loop = EngineLoop(engine, batch_wait_s=0)
+        steppers: set[str] = set()
+        real_step = engine.step
+
+        def step():  # noqa: ANN202
+            steppers.add(threading.current_thread().name)
+            return real_step()
+
+        engine.step = step  # type: ignore[method-assign]
+        started: list[bool] = []
+
+        answers = []
+
+        def client() -> None:
+            while not loop.is_alive():
+                time.sleep(0.01)
+            answers.append(loop.generate([GenRequest([1, 2], 3, seed=1)]).result(60))
+            loop.request_stop()
+
+        threading.Thread(target=client).start()
+        loop.run(on_start=lambda: started.append(loop.is_alive()))
+    assert started == [True] and not loop.is_alive()
+    assert steppers == {threading.current_thread().name}
+    assert len(answers[0].results[0].output_ids) == 3
+    after = loop.generate([GenRequest([4], 1)])
+    assert isinstance(after.exception(0), RuntimeError)  # the loop has stopped

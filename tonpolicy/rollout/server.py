@@ -25,12 +25,14 @@ dies, 2 for bad arguments, 3 when the address cannot be bound (port taken).
 
 from __future__ import annotations
 
+import _thread
 import errno
 import json
 import secrets
 import signal
 import sys
 import threading
+import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -189,6 +191,16 @@ def bind(state: ServerState) -> RolloutHTTPServer | None:
         return None
 
 
+def _stop_on(stop: threading.Event, loop: EngineLoop, grace_s: float = 10.0) -> None:
+    """Once `stop` is set (SIGTERM's handler only sets it: a handler must not take the queue's lock the
+    main thread may hold), let the requests in flight finish for up to `grace_s`, then interrupt."""
+    stop.wait()
+    loop.request_stop()
+    time.sleep(grace_s)
+    if loop.is_alive():
+        _thread.interrupt_main()
+
+
 def serve(args: ServerArgs) -> int:
     if args.num_threads:
         import torch
@@ -223,21 +235,18 @@ def serve(args: ServerArgs) -> int:
             return EXIT_LOAD_FAILED
         loop = EngineLoop(engine)
         loop.tag = args.weight_version
-        loop.start()
         state.loop = loop
-        print(
-            f"tonpolicy rollout server ready (contract {args.contract_name} {args.contract_fingerprint[:16]})",
-            flush=True,
-        )
-        while not stop.wait(0.5):
-            if not loop.is_alive():
-                print(
-                    f"tonpolicy rollout server: the engine loop died: {loop.error!r}",
-                    file=sys.stderr,
+        threading.Thread(target=_stop_on, args=(stop, loop), name="tonpolicy-stop", daemon=True).start()
+        try:
+            loop.run(  # the engine steps on the main thread: see tonpolicy.rollout.engine_loop
+                on_start=lambda: print(
+                    f"tonpolicy rollout server ready (contract {args.contract_name} {args.contract_fingerprint[:16]})",
                     flush=True,
                 )
-                return EXIT_LOAD_FAILED
-        loop.stop()
+            )
+        except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
+            print(f"tonpolicy rollout server: the engine loop died: {e!r}", file=sys.stderr, flush=True)
+            return EXIT_LOAD_FAILED
         return 0
     except KeyboardInterrupt:
         return 130
