@@ -254,3 +254,29 @@ def test_attention_backward_matches_reference():
         (ref * g.double()).sum().backward()
         for a, b in ((q, qd), (kk, kd), (v, vd)):
             assert (a.grad - b.grad).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pooled_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
+    """`attention_pooled` plans once for the positions and slots of a decode step and reuses the plan for
+    every layer's pools; a call with other positions (even in the same tensor, changed in place) or
+    other slots plans anew, so each call gives the bits of a fresh kernel set."""
+    hq, hkv, d, cap = 8, 4, 32, 128
+    pools = [
+        (randn(3, hkv, d, cap, dtype=dtype, seed=s), randn(3, hkv, cap, d, dtype=dtype, seed=s + 1)) for s in (1, 3)
+    ]
+    q = randn(2, 1, hq, d, dtype=dtype, seed=7)
+    q_pos, slots = torch.tensor([[40], [90]]), torch.tensor([0, 2])
+    shared = get_kernels("invariant")
+    calls = [(pools[0], 91), (pools[1], 91)]  # two layers of one step
+    for (kp, vp), n in calls:
+        fresh = get_kernels("invariant").attention_pooled(q, q_pos, kp, vp, slots, n, d**-0.5)
+        assert torch.equal(shared.attention_pooled(q, q_pos, kp, vp, slots, n, d**-0.5), fresh)
+    q_pos.add_(1)  # the next step, in the same tensor
+    fresh = get_kernels("invariant").attention_pooled(q, q_pos, *pools[1], slots, 92, d**-0.5)
+    assert torch.equal(shared.attention_pooled(q, q_pos, *pools[1], slots, 92, d**-0.5), fresh)
+    stale = get_kernels("invariant").attention_pooled(q, q_pos - 1, *pools[1], slots, 92, d**-0.5)
+    assert not torch.equal(stale, fresh)  # the check can fail: the positions change the result
+    other = torch.tensor([1, 2])
+    fresh = get_kernels("invariant").attention_pooled(q, q_pos, *pools[1], other, 92, d**-0.5)
+    assert torch.equal(shared.attention_pooled(q, q_pos, *pools[1], other, 92, d**-0.5), fresh)

@@ -43,6 +43,8 @@ class InvariantKernels:
         # "bfloat16": with bf16 operands the LM head is the native bf16 GEMM (logits rounded to bf16,
         # then fp32), half the bytes per decode step of the fp32 GEMM that "float32" runs.
         self.logits_dtype = logits_dtype
+        # The last `attention_pooled` call's geometry, key template (no pools held) and plan.
+        self._pooled: tuple[tuple, invariant_attention.PooledKeyTiles, invariant_attention.Plan] | None = None
 
     def describe(self) -> dict[str, Any]:
         """Everything that affects numerics, for the contract fingerprint."""
@@ -144,8 +146,16 @@ class InvariantKernels:
                 f"the contract reads a head-layout KV pool of whole {t}-key tiles, got k {tuple(k_pool.shape)}, "
                 f"v {tuple(v_pool.shape)}"
             )
-        keys = invariant_attention.PooledKeyTiles(k_pool, v_pool, slots, -(-num_keys // t), t)
-        return invariant_attention.attention(q, q_pos, keys, scale, self.row_tile)
+        tiles = -(-num_keys // t)
+        # Every layer of a decode step asks with the same positions and slots: one plan for them all
+        # (keyed on the values, so a caller may pass new tensors or reuse its own).
+        geometry = (q.shape, k_pool.shape[:3], tiles, q_pos.shape, q_pos.cpu().numpy().tobytes(), slots.tolist())
+        if self._pooled is None or self._pooled[0] != geometry:
+            template = invariant_attention.PooledKeyTiles(k_pool, v_pool, slots, tiles, t).over(None, None)
+            plan = invariant_attention.plan_attention(q.shape, q_pos, template, self.row_tile, inplace=True)
+            self._pooled = (geometry, template, plan)
+        _, template, plan = self._pooled
+        return invariant_attention.attention(q, q_pos, template.over(k_pool, v_pool), scale, self.row_tile, plan)
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Keys/values are cached in the model dtype (what the projections produced); each tile is

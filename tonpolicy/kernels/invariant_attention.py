@@ -19,7 +19,9 @@ inputs); `sigmoid`/`silu` are avoided (they do not).
 
 from __future__ import annotations
 
+import copy
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +47,7 @@ BLOCK_WORK = 4096
 
 def _safe(m: torch.Tensor) -> torch.Tensor:
     # A fully masked row has m = -inf; subtract 0 instead so exp(-inf - 0) = 0, never NaN.
-    return torch.where(m == NEG_INF, torch.zeros_like(m), m)
+    return torch.where(m == NEG_INF, 0.0, m)
 
 
 def merge(a: AttnPartial, b: AttnPartial) -> AttnPartial:
@@ -62,7 +64,7 @@ def merge(a: AttnPartial, b: AttnPartial) -> AttnPartial:
 def finalize(p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
     # A query that sees no key (only padding rows) has l = 0, acc = 0: return 0, not 0/0 = NaN (which
     # would poison a backward pass). Real rows have l >= 1, so their bits are untouched.
-    l = torch.where(p.l == 0, torch.ones_like(p.l), p.l)  # noqa: E741
+    l = torch.where(p.l == 0, 1.0, p.l)  # noqa: E741
     return (p.acc / l.unsqueeze(-1)).to(dtype)
 
 
@@ -112,13 +114,13 @@ class KeyTiles:
         self.tiles, self.tile = pos.shape[1], pos.shape[2]
         self.requires_grad = k.requires_grad or v.requires_grad
 
-    def span(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def span(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tiles [a, b) (contiguous: a GEMM reading a strided operand may take another path)."""
         if (a, b) == (0, self.tiles):
-            return self.k, self.v, self.pos
+            return self.k, self.v
         t = self.tile
         k = self.k.view(*self.k.shape[:2], self.tiles, t)[..., a:b, :].reshape(*self.k.shape[:2], (b - a) * t)
-        return k, self.v[a:b], self.pos[:, a:b]
+        return k, self.v[a:b]
 
 
 class PooledKeyTiles:
@@ -137,75 +139,134 @@ class PooledKeyTiles:
         b, d = len(self.slots), k_pool.shape[2]
         self.pos = torch.arange(tiles * tile, device=k_pool.device).view(1, tiles, tile).expand(b, tiles, tile)
         self.chunk = max(SPAN_MIN_TILES, SPAN_ELEMENTS // (b * self.heads * d * tile))
+        first = self.slots[0]
+        self.run = self.slots == list(range(first, first + len(self.slots)))
 
-    def span(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def over(self, k_pool: torch.Tensor | None, v_pool: torch.Tensor | None) -> PooledKeyTiles:
+        """The same slots and tiles of another layer's pools (shapes equal): no geometry recomputed."""
+        other = copy.copy(self)
+        other.k_pool, other.v_pool = k_pool, v_pool
+        return other
+
+    def span(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         hkv, d, t, n = self.heads, self.k_pool.shape[2], self.tile, b - a
         ks = torch.empty(len(self.slots), hkv, d, n * t, device=self.k_pool.device)
         vs = torch.empty(n, len(self.slots), hkv, t, d, device=self.v_pool.device)
         k, v = self.k_pool[..., a * t : b * t], self.v_pool[:, :, a * t : b * t]
-        first = self.slots[0]
-        if self.slots == list(range(first, first + len(self.slots))):  # a run of slots: a view, no gather
+        if self.run:  # a run of slots: a view, no gather
+            first = self.slots[0]
             k, v = k[first : first + len(self.slots)], v[first : first + len(self.slots)]
         else:
             k, v = k.index_select(0, self.slot_index), v.index_select(0, self.slot_index)
         ks.copy_(k)
         vs.copy_(v.view(-1, hkv, n, t, d).permute(2, 0, 1, 3, 4))
-        return ks.view(-1, d, n * t), vs.view(n, -1, t, d), self.pos[:, a:b]
+        return ks.view(-1, d, n * t), vs.view(n, -1, t, d)
 
     def whole(self) -> KeyTiles:
         """All tiles, upcast at once (for several query blocks, which would each read them)."""
-        return KeyTiles(*self.span(0, self.tiles)[:2], self.pos, self.heads)
+        return KeyTiles(*self.span(0, self.tiles), self.pos, self.heads)
 
 
 Keys = KeyTiles | PooledKeyTiles
 
 
-def _query_rows(q: torch.Tensor, q_pos: torch.Tensor, heads: int, granule: int):
-    """q [B, Nq, Hq, D] -> fp32 rows [B*Hkv, Nqp*G, D] ordered (query, head in group), Nq padded to Nqp
-    so that a block's row count is a multiple of `granule`; positions [B, Nqp] (padding sees nothing)."""
-    b, nq, hq, d = q.shape
-    g = hq // heads
+@dataclass
+class _Span:
+    """Key tiles [a, b) of a block's partials; scores from tile `mask_from` (relative to a) on are masked
+    with `mask` [B, 1, R, b - a - mask_from, T] (True: the key is hidden from the row); None: none is."""
+
+    a: int
+    b: int
+    mask_from: int
+    mask: torch.Tensor | None
+
+
+@dataclass
+class _Block:
+    q0: int  # padded queries [q0, q1)
+    q1: int
+    spans: list[_Span]
+
+
+@dataclass
+class Plan:
+    """What an attention call computes where: everything that depends only on the positions and the key
+    set's geometry, not on q/k/v values, so calls with the same geometry (every layer of a decode step)
+    share one plan (`plan_for`)."""
+
+    nqp: int  # queries padded so that a block's row count is a multiple of the granule
+    blocks: list[_Block]
+    whole: bool  # pooled keys upcast at once (several blocks would each read them)
+    inplace: bool
+
+
+def plan_attention(q_shape: torch.Size, q_pos: torch.Tensor, keys: Keys, granule: int, inplace: bool) -> Plan:
+    """The plan of `attention(q, q_pos, keys, ...)` for q of `q_shape` [B, Nq, Hq, D]."""
+    b, nq, hq, d = q_shape
+    g = hq // keys.heads
     step = granule // math.gcd(g, granule)
     nqp = -(-nq // step) * step
+    if nqp != nq:
+        q_pos = torch.cat([q_pos, q_pos.new_full((b, nqp - nq), QUERY_PAD_POS)], dim=1)
+    bounds = _blocks(nqp, step, keys, g, b, d)
+    whole = len(bounds) > 1 and isinstance(keys, PooledKeyTiles)
+    chunk = KeyTiles.chunk if whole else keys.chunk
+    tile_min = keys.pos.amin(-1).amin(0)  # [Kt]: a block needs a tile if some row may see one of its keys
+    blocks = []
+    for q0, q1 in bounds:
+        row_pos = q_pos[:, q0:q1, None].expand(b, q1 - q0, g).reshape(b, -1)
+        seen = (tile_min <= row_pos.max()).nonzero()
+        n = int(seen[-1]) + 1 if seen.numel() else 1
+        ends = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
+        blocks.append(_Block(q0, q1, [_mask(row_pos, keys.pos[:, a:e], a, e, inplace) for a, e in ends]))
+    return Plan(nqp, blocks, whole, inplace)
+
+
+def _mask(row_pos: torch.Tensor, kpos: torch.Tensor, a: int, b: int, inplace: bool) -> _Span:
+    bs, r = row_pos.shape
+    j = 0
+    if inplace:
+        # Mask from the first tile that hides a key from some row on: masking a score every row sees is a
+        # no-op, so the tiles before it are skipped (the same bits, a fraction of the work).
+        hides = (kpos.amax(-1) > row_pos.amin(-1, keepdim=True)).any(0).nonzero()
+        if not hides.numel():
+            return _Span(a, b, 0, None)
+        j = int(hides[0])
+    return _Span(a, b, j, kpos[:, None, None, j:] > row_pos.view(bs, 1, r, 1, 1))
+
+
+def _query_rows(q: torch.Tensor, heads: int, nqp: int) -> torch.Tensor:
+    """q [B, Nq, Hq, D] -> fp32 rows [B*Hkv, Nqp*G, D] ordered (query, head in group), padded with zero
+    queries to Nqp (their positions see nothing)."""
+    b, nq, hq, d = q.shape
+    g = hq // heads
     qf = q.float()
     if nqp != nq:
         qf = torch.cat([qf, qf.new_zeros(b, nqp - nq, hq, d)], dim=1)
-        q_pos = torch.cat([q_pos, q_pos.new_full((b, nqp - nq), QUERY_PAD_POS)], dim=1)
-    rows = qf.view(b, nqp, heads, g, d).permute(0, 2, 1, 3, 4).reshape(b * heads, nqp * g, d)
-    return rows, q_pos, step
+    return qf.view(b, nqp, heads, g, d).permute(0, 2, 1, 3, 4).reshape(b * heads, nqp * g, d)
 
 
-def _block_partials(
-    rows: torch.Tensor, row_pos: torch.Tensor, keys: Keys, n: int, scale: float, inplace: bool
-) -> AttnPartial:
-    """Partials of query rows [B*Hkv, R, D] at row_pos [B, R] over the first n key tiles, tile-major:
-    m/l [n, B*Hkv, R], acc [n, B*Hkv, R, D]. Spans of `keys.chunk` tiles give the same bits as one span
-    (a score's bits do not depend on the GEMM's column count)."""
-    spans = [
-        _span_partials(rows, row_pos, keys, a, min(n, a + keys.chunk), scale, inplace) for a in range(0, n, keys.chunk)
-    ]
+def _block_partials(rows: torch.Tensor, keys: Keys, blk: _Block, scale: float, inplace: bool) -> AttnPartial:
+    """Partials of query rows [B*Hkv, R, D] over the block's key tiles, tile-major: m/l [n, B*Hkv, R],
+    acc [n, B*Hkv, R, D]. Spans of `keys.chunk` tiles give the same bits as one span (a score's bits do
+    not depend on the GEMM's column count)."""
+    spans = [_span_partials(rows, keys, sp, scale, inplace) for sp in blk.spans]
     if len(spans) == 1:
         return spans[0]
     return AttnPartial(*(torch.cat([getattr(p, f) for p in spans]) for f in ("m", "l", "acc")))
 
 
-def _span_partials(
-    rows: torch.Tensor, row_pos: torch.Tensor, keys: Keys, a: int, b: int, scale: float, inplace: bool
-) -> AttnPartial:
+def _span_partials(rows: torch.Tensor, keys: Keys, sp: _Span, scale: float, inplace: bool) -> AttnPartial:
     bh, r, d = rows.shape
-    bs, t, n = row_pos.shape[0], keys.tile, b - a
-    k, v, kpos = keys.span(a, b)
-    s = torch.bmm(rows, k).view(bs, bh // bs, r, n, t)
+    t, n = keys.tile, sp.b - sp.a
+    k, v = keys.span(sp.a, sp.b)
+    s = torch.bmm(rows, k).view(-1, keys.heads, r, n, t)  # [B, Hkv, R, n, T]
     s = s.mul_(scale) if inplace else s * scale
-    if inplace:
-        # Mask from the first tile that hides a key from some row on: masking a score every row sees is a
-        # no-op, so the tiles before it are skipped (the same bits, a fraction of the work).
-        hides = (kpos.amax(-1) > row_pos.amin(-1, keepdim=True)).any(0).nonzero()
-        if hides.numel():
-            j = int(hides[0])
-            s[:, :, :, j:].masked_fill_(kpos[:, None, None, j:] > row_pos.view(bs, 1, r, 1, 1), NEG_INF)
-    else:
-        s = s.masked_fill(kpos[:, None, None] > row_pos.view(bs, 1, r, 1, 1), NEG_INF)
+    if sp.mask is not None:
+        if inplace:
+            s[:, :, :, sp.mask_from :].masked_fill_(sp.mask, NEG_INF)
+        else:
+            s = s.masked_fill(sp.mask, NEG_INF)
     m = s.amax(dim=-1)  # [B, Hkv, R, n]
     p = s.sub_(_safe(m).unsqueeze(-1)).exp_() if inplace else torch.exp(s - _safe(m).unsqueeze(-1))
     l = p.sum(dim=-1)  # noqa: E741
@@ -229,19 +290,6 @@ def _blocks(nqp: int, step: int, keys: Keys, g: int, batch: int, d: int):
     return [(q0, min(nqp, q0 + block)) for q0 in range(0, nqp, block)]
 
 
-def _query_blocks(q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, granule: int):
-    """q [B, Nq, Hq, D] -> (Nqp, [(rows [B*Hkv, R, D], row positions [B, R]) per query block])."""
-    b, _, hq, d = q.shape
-    g = hq // keys.heads
-    rows, q_pos, step = _query_rows(q, q_pos, keys.heads, granule)
-    nqp = q_pos.shape[1]
-    blocks = [
-        (rows[:, q0 * g : q1 * g].contiguous(), q_pos[:, q0:q1, None].expand(b, q1 - q0, g).reshape(b, -1))
-        for q0, q1 in _blocks(nqp, step, keys, g, b, d)
-    ]
-    return nqp, blocks
-
-
 def _in_place(q: torch.Tensor, keys: Keys) -> bool:
     """Whether the scores may be overwritten in place (nothing is differentiated: same ops, same bits)."""
     return not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad))
@@ -263,23 +311,25 @@ def key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int) 
     return KeyTiles(ks.view(b * hkv, d, kt * tile), vs.view(kt, b * hkv, tile, d), k_pos.reshape(b, kt, tile), hkv)
 
 
-def attention(q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float, granule: int) -> torch.Tensor:
-    """q [B, Nq, Hq, D] at positions q_pos [B, Nq] over `keys` (from `key_tiles` or `pooled_key_tiles`)
-    -> [B, Nq, Hq, D] in q.dtype."""
+def attention(
+    q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float, granule: int, plan: Plan | None = None
+) -> torch.Tensor:
+    """q [B, Nq, Hq, D] at positions q_pos [B, Nq] over `keys` (from `key_tiles` or `PooledKeyTiles`)
+    -> [B, Nq, Hq, D] in q.dtype. `plan`: from `plan_attention` for these positions and key geometry."""
     b, nq, hq, d = q.shape
     heads, g = keys.heads, hq // keys.heads
     inplace = _in_place(q, keys)
-    tile_min = keys.pos.amin(-1).amin(0)  # [Kt]: a block needs a tile if some row may see one of its keys
-    nqp, blocks = _query_blocks(q, q_pos, keys, granule)
-    if len(blocks) > 1 and isinstance(keys, PooledKeyTiles):
+    if plan is None or plan.inplace != inplace:
+        plan = plan_attention(q.shape, q_pos, keys, granule, inplace)
+    if plan.whole:
         keys = keys.whole()  # upcast once, read by every block
+    rows = _query_rows(q, heads, plan.nqp)
     out = []
-    for rows, row_pos in blocks:
-        seen = (tile_min <= row_pos.max()).nonzero()
-        n = int(seen[-1]) + 1 if seen.numel() else 1
-        out.append(finalize(merge_tiles(_block_partials(rows, row_pos, keys, n, scale, inplace), inplace), q.dtype))
+    for blk in plan.blocks:
+        r = rows[:, blk.q0 * g : blk.q1 * g].contiguous()
+        out.append(finalize(merge_tiles(_block_partials(r, keys, blk, scale, inplace), inplace), q.dtype))
     o = torch.cat(out, dim=1) if len(out) > 1 else out[0]  # [B*Hkv, Nqp*G, D]
-    return o.view(b, heads, nqp, g, d).permute(0, 2, 1, 3, 4).reshape(b, nqp, hq, d)[:, :nq]
+    return o.view(b, heads, plan.nqp, g, d).permute(0, 2, 1, 3, 4).reshape(b, plan.nqp, hq, d)[:, :nq]
 
 
 def tile_partial(q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float, granule: int) -> AttnPartial:
@@ -288,11 +338,14 @@ def tile_partial(q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float,
     nq, hq, _ = q.shape
     heads, g = keys.heads, hq // keys.heads
     inplace = _in_place(q, keys)
-    nqp, blocks = _query_blocks(q[None], q_pos[None], keys, granule)
-    parts = [_block_partials(rows, row_pos, keys, 1, scale, inplace) for rows, row_pos in blocks]
+    plan = plan_attention(q[None].shape, q_pos[None], keys, granule, inplace)
+    rows = _query_rows(q[None], heads, plan.nqp)
+    parts = [  # one key tile: every block's one span covers it, seen or not
+        _block_partials(rows[:, blk.q0 * g : blk.q1 * g].contiguous(), keys, blk, scale, inplace) for blk in plan.blocks
+    ]
     m, l, acc = (torch.cat([getattr(p, f)[0] for p in parts], dim=1) for f in ("m", "l", "acc"))  # noqa: E741
 
     def unpack(x: torch.Tensor) -> torch.Tensor:  # [Hkv, Nqp*G(, D)] -> [Nq, Hq(, D)]
-        return x.view(heads, nqp, g, *x.shape[2:]).transpose(0, 1).reshape(nqp, hq, *x.shape[2:])[:nq]
+        return x.view(heads, plan.nqp, g, *x.shape[2:]).transpose(0, 1).reshape(plan.nqp, hq, *x.shape[2:])[:nq]
 
     return AttnPartial(unpack(m), unpack(l), unpack(acc))

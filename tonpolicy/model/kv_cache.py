@@ -74,13 +74,23 @@ class KVPool:
         self.k[layer][slot, :, :, start : start + n] = k.permute(1, 2, 0)
         self.v[layer][slot, :, start : start + n] = v.transpose(0, 1)
 
+    def check_positions(self, last: int) -> None:
+        if last >= self.capacity:
+            raise ValueError(f"KV slot overflow: position {last} >= capacity {self.capacity}")
+
     def write_tokens(
-        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        checked: bool = False,
     ) -> None:
         """Store k/v [n, Hkv, D] of token i at position positions[i] of slot slots[i] (one scatter for a
-        whole decode batch)."""
-        if positions.numel() and int(positions.max()) >= self.capacity:
-            raise ValueError(f"KV slot overflow: position {int(positions.max())} >= capacity {self.capacity}")
+        whole decode batch). `checked`: the caller has `check_positions`-ed them (once for every layer)."""
+        if not checked and positions.numel():
+            self.check_positions(int(positions.max()))
         slots, positions = slots.to(k.device), positions.to(k.device)
         if self.layout == "token":
             self.k[layer][slots, positions] = k

@@ -33,6 +33,34 @@ class Segment:
     slot: int | None = None
 
 
+@dataclass
+class _DecodeTokens:
+    """The single-token (decode) segments of a forward, gathered once for every layer."""
+
+    rows: torch.Tensor  # their rows in the flat token batch
+    slots: torch.Tensor  # their KV pool slots
+    starts: torch.Tensor  # their positions (where their keys/values are written)
+    q_pos: torch.Tensor  # [n, 1]
+    num_keys: int  # keys the longest of them sees
+
+    @staticmethod
+    def of(segments: list[Segment], pos: torch.Tensor, kv: KVPool | None) -> _DecodeTokens | None:
+        offs, rows, picked = 0, [], []
+        for s in segments:
+            if s.slot is not None and s.length == 1:
+                rows.append(offs)
+                picked.append(s)
+            offs += s.length
+        if not picked:
+            return None
+        assert kv is not None
+        starts = [s.start for s in picked]
+        kv.check_positions(max(starts))
+        r = torch.tensor(rows, device=pos.device)
+        slots = torch.tensor([s.slot for s in picked])
+        return _DecodeTokens(r, slots, torch.tensor(starts), pos.index_select(0, r)[:, None], max(starts) + 1)
+
+
 class _Weight(nn.Module):
     """Holds one `weight` parameter so the state dict carries HF names."""
 
@@ -141,6 +169,7 @@ class Qwen3(nn.Module):
         cos, sin = kern.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
         scale = cfg.head_dim**-0.5
         h = self.model.embed_tokens.weight.index_select(0, ids)
+        decode = _DecodeTokens.of(segments, pos, kv)
         for li, layer in enumerate(self.model.layers):
             a = layer.self_attn
             x = kern.rms_norm(h, layer.input_layernorm.weight, cfg.rms_norm_eps)
@@ -155,7 +184,7 @@ class Qwen3(nn.Module):
                 cos,
                 sin,
             )
-            o = self._attend(li, q, k, v, pos, segments, kv, scale)
+            o = self._attend(li, q, k, v, pos, segments, kv, scale, decode)
             h = h + kern.linear_k_sharded(o.reshape(n, cfg.q_size), a.o_proj.weight)
             x = kern.rms_norm(h, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
             m = layer.mlp
@@ -179,6 +208,7 @@ class Qwen3(nn.Module):
         segments: list[Segment],
         kv: KVPool | None,
         scale: float,
+        decode: _DecodeTokens | None,
     ) -> torch.Tensor:
         kern = self.kernels
         out = torch.empty_like(q)
@@ -186,15 +216,13 @@ class Qwen3(nn.Module):
         for s in segments:
             offs.append(off)
             off += s.length
-        decode: list[int] = []
         fresh: list[int] = []
         for i, (s, o) in enumerate(zip(segments, offs, strict=True)):
             sl = slice(o, o + s.length)
             if s.slot is None and s.start != 0:
                 raise ValueError("an uncached segment must start at position 0")
             if s.slot is not None and s.length == 1:
-                decode.append(i)  # written below, all in one scatter
-                continue
+                continue  # a decode token: below, all in one call
             if s.slot is not None:
                 assert kv is not None
                 kv.write(li, s.slot, s.start, k[sl], v[sl])
@@ -213,23 +241,16 @@ class Qwen3(nn.Module):
             )[0]
         if fresh:
             self._attend_fresh(q, k, v, [(offs[i], segments[i].length) for i in fresh], out, scale)
-        if decode:
+        if decode is not None:
             # All single-token segments attend in one batched call; keys past a request's own length
             # are masked by position (and their tiles skipped), so different lengths can share it.
             assert kv is not None
-            rows = torch.tensor([offs[i] for i in decode], device=q.device)
-            slots = torch.tensor([segments[i].slot for i in decode])
-            kv.write_tokens(li, slots, torch.tensor([segments[i].start for i in decode]), k[rows], v[rows])
+            d = decode
+            kv.write_tokens(li, d.slots, d.starts, k.index_select(0, d.rows), v.index_select(0, d.rows), checked=True)
             res = kern.attention_pooled(
-                q.index_select(0, rows)[:, None],
-                pos.index_select(0, rows)[:, None],
-                kv.k[li],
-                kv.v[li],
-                slots.to(q.device),
-                max(segments[i].start + 1 for i in decode),
-                scale,
+                q.index_select(0, d.rows)[:, None], d.q_pos, kv.k[li], kv.v[li], d.slots, d.num_keys, scale
             )
-            out.index_copy_(0, rows, res[:, 0])
+            out.index_copy_(0, d.rows, res[:, 0])
         return out
 
     def _attend_fresh(
