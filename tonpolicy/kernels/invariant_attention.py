@@ -173,12 +173,15 @@ Keys = KeyTiles | PooledKeyTiles
 @dataclass
 class _Span:
     """Key tiles [a, b) of a block's partials; scores from tile `mask_from` (relative to a) on are masked
-    with `mask` [B, 1, R, b - a - mask_from, T] (True: the key is hidden from the row); None: none is."""
+    by `mask` [B, 1, R, b - a - mask_from, T] (True: the key is hidden from the row; None: none is), in
+    place as `bias` (0 or -inf, added) and `keep` (1 or 0, multiplied)."""
 
     a: int
     b: int
     mask_from: int
     mask: torch.Tensor | None
+    bias: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
 
 
 @dataclass
@@ -232,7 +235,11 @@ def _mask(row_pos: torch.Tensor, kpos: torch.Tensor, a: int, b: int, inplace: bo
         if not hides.numel():
             return _Span(a, b, 0, None)
         j = int(hides[0])
-    return _Span(a, b, j, kpos[:, None, None, j:] > row_pos.view(bs, 1, r, 1, 1))
+    mask = kpos[:, None, None, j:] > row_pos.view(bs, 1, r, 1, 1)
+    if not inplace:
+        return _Span(a, b, j, mask)
+    bias = torch.zeros(mask.shape, device=mask.device).masked_fill_(mask, NEG_INF)
+    return _Span(a, b, j, mask, bias, (~mask).float())
 
 
 def _query_rows(q: torch.Tensor, heads: int, nqp: int) -> torch.Tensor:
@@ -261,14 +268,25 @@ def _span_partials(rows: torch.Tensor, keys: Keys, sp: _Span, scale: float, inpl
     t, n = keys.tile, sp.b - sp.a
     k, v = keys.span(sp.a, sp.b)
     s = torch.bmm(rows, k).view(-1, keys.heads, r, n, t)  # [B, Hkv, R, n, T]
-    s = s.mul_(scale) if inplace else s * scale
-    if sp.mask is not None:
-        if inplace:
-            s[:, :, :, sp.mask_from :].masked_fill_(sp.mask, NEG_INF)
-        else:
+    j = sp.mask_from
+    if not inplace:
+        s = s * scale
+        if sp.mask is not None:
             s = s.masked_fill(sp.mask, NEG_INF)
-    m = s.amax(dim=-1)  # [B, Hkv, R, n]
-    p = s.sub_(_safe(m).unsqueeze(-1)).exp_() if inplace else torch.exp(s - _safe(m).unsqueeze(-1))
+        m = s.amax(dim=-1)  # [B, Hkv, R, n]
+        p = torch.exp(s - _safe(m).unsqueeze(-1))
+    elif sp.mask is None:
+        m = s.mul_(scale).amax(dim=-1)
+        p = s.sub_(_safe(m).unsqueeze(-1)).exp_()
+    else:
+        # The same values as masking with -inf and exp (exp(-inf) = 0), ~2x faster: adding a 0/-inf bias
+        # is cheaper than a broadcast masked_fill, and exp is slow on -inf, so hidden scores are exp'd as
+        # exp(0) and multiplied by 0 (NaN and +inf still propagate).
+        s.mul_(scale)[:, :, :, j:].add_(sp.bias)
+        m = s.amax(dim=-1)
+        p = s.sub_(_safe(m).unsqueeze(-1))
+        p[:, :, :, j:].nan_to_num_(nan=math.nan, posinf=math.inf, neginf=0.0)
+        p.exp_()[:, :, :, j:].mul_(sp.keep)
     l = p.sum(dim=-1)  # noqa: E741
     # Tile-major, so the merge reads each tile's partials contiguously.
     p_tiles = p.permute(3, 0, 1, 2, 4).reshape(n * bh, r, t).contiguous()

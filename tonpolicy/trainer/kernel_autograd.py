@@ -4,16 +4,17 @@ Only the forward is under the numerics contract (the logprobs must match the rol
 Differentiating through the contract kernels' tiling (row-tile padding, canonical K-shard stacks,
 split-KV partials) costs far more than the math needs, so these autograd functions run the kernel in
 the forward and the textbook gradient of the same function in the backward: dX = dY W, dW = dY^T X
-for linears, softmax-attention's gradient (via SDPA) for attention. The gradients are mathematically
-those of the forward; they are not bitwise invariant across layouts (state tolerances, not equality).
+for linears, softmax attention's (written out: no autograd graph of a recompute) for attention. The
+gradients are mathematically those of the forward; they are not bitwise invariant across layouts
+(state tolerances, not equality).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 
 def _linear_grads(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -40,31 +41,53 @@ class KernelLinear(torch.autograd.Function):
         return dx, dw, None
 
 
-def _plain_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [(B,) s, Hq, D], k/v [(B,) s, Hkv, D], positions [(B,) s]."""
-    if q.dim() == 3:
-        return _plain_attention(q[None], k[None], v[None], positions[None], scale)[0]
-    g = q.shape[2] // k.shape[2]
-    if torch.equal(positions, torch.arange(positions.shape[1], device=positions.device).expand_as(positions)):
-        mask, causal = None, True  # whole sequences from position 0: the fast causal path
-    else:
-        mask, causal = (positions[:, None, :] <= positions[:, :, None])[:, None], False  # key j visible to query i
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.repeat_interleave(g, dim=2).transpose(1, 2),
-        v.repeat_interleave(g, dim=2).transpose(1, 2),
-        attn_mask=mask,
-        is_causal=causal,
-        scale=scale,
-    )
-    return out.transpose(1, 2)
+# Queries x keys of one block of the backward (scores and their gradients held at once, per head): bounds
+# its memory for long sequences. A function of the sequence length alone, so that every layout that
+# keeps a head's sequence whole (TP, PP, Ulysses CP) sums dK/dV over the same blocks.
+GRAD_BLOCK = 1 << 17
+
+
+def attention_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, grad: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv, fp32) of causal softmax attention, key j visible to query i iff
+    positions[j] <= positions[i] (every query sees itself): q/grad [B, s, Hq, D], k/v [B, s, Hkv, D],
+    positions [B, s]. The textbook backward, written out: scores and probabilities recomputed per block
+    of queries, each KV head's query group as rows of one GEMM (no repeated keys), no autograd graph."""
+    b, n, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    # GEMM operands in bf16 when the activations are (as megatron's own attention backward runs them),
+    # softmax and its gradient in fp32.
+    mm = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    # [B, Hkv, G, s, D] queries and their gradients; [B, Hkv, s, D] keys and values.
+    qm, gm = (t.to(mm).view(b, n, hkv, g, d).permute(0, 2, 3, 1, 4) for t in (q, grad))
+    km, vm = (t.to(mm).transpose(1, 2) for t in (k, v))
+    dq = q.new_empty(b, hkv, g, n, d, dtype=torch.float32)
+    dk, dv = dq.new_zeros(b, hkv, n, d), dq.new_zeros(b, hkv, n, d)
+    block = max(1, GRAD_BLOCK // n)
+    for a in range(0, n, block):
+        e = min(n, a + block)
+        rows = g * (e - a)
+        qb = qm[:, :, :, a:e].reshape(b, hkv, rows, d)
+        gb = gm[:, :, :, a:e].reshape(b, hkv, rows, d)
+        # 0 where key j is visible to query i, else -inf (added: a broadcast masked_fill is slow)
+        hidden = positions[:, None, :] > positions[:, a:e, None]  # [B, e-a, s]
+        bias = torch.zeros(hidden.shape, device=q.device).masked_fill_(hidden, -math.inf)
+        s = torch.matmul(qb, km.transpose(-1, -2)).float().mul_(scale).view(b, hkv, g, e - a, n)
+        p = torch.softmax(s.add_(bias[:, None, None]), dim=-1).view(b, hkv, rows, n)
+        pm = p.to(mm)
+        dv += torch.matmul(pm.transpose(-1, -2), gb)
+        dp = torch.matmul(gb, vm.transpose(-1, -2)).float()
+        ds = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p).mul_(scale).to(mm)  # softmax backward, scaled
+        dq[:, :, :, a:e] = torch.matmul(ds, km).view(b, hkv, g, e - a, d)
+        dk += torch.matmul(ds.transpose(-1, -2), qb)
+    return dq.permute(0, 3, 1, 2, 4).reshape(b, n, hq, d), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 class KernelAttention(torch.autograd.Function):
     """Causal attention of whole sequences ([s, ...] or a batch [B, s, ...]): the kernel set's forward,
-    SDPA-gradient backward."""
+    the textbook softmax-attention backward (`attention_grads`)."""
 
     @staticmethod
     def forward(
@@ -77,8 +100,7 @@ class KernelAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, positions = ctx.saved_tensors
-        with torch.enable_grad():
-            qd, kd, vd = (t.detach().float().requires_grad_() for t in (q, k, v))
-            out = _plain_attention(qd, kd, vd, positions, ctx.scale)
-            dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), grad.float())
+        one = q.dim() == 3  # a single sequence [s, H, D]
+        args = (t[None] if one else t for t in (q, k, v, positions, grad))
+        dq, dk, dv = (t[0] if one else t for t in attention_grads(*args, ctx.scale))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
