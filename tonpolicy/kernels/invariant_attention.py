@@ -195,7 +195,7 @@ class _Block:
 class Plan:
     """What an attention call computes where: everything that depends only on the positions and the key
     set's geometry, not on q/k/v values, so calls with the same geometry (every layer of a decode step)
-    share one plan (`plan_for`)."""
+    share one (`InvariantKernels.attention_pooled` keeps the last)."""
 
     nqp: int  # queries padded so that a block's row count is a multiple of the granule
     blocks: list[_Block]
