@@ -20,6 +20,9 @@ import triton
 import triton.language as tl
 
 from tonpolicy.kernels import TRITON_ATTENTION_TILE as TILE
+from tonpolicy.kernels.triton_interpreter import use_torch_dot
+
+use_torch_dot()  # in Triton's interpreter (tests on a CPU): tl.dot as a fixed-order tile GEMM
 
 BLOCK_M = 64
 # 3 pipeline stages: on an H200 1.3x (prefill) and 1.7x (decode) faster than 2, with the same bits

@@ -21,6 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tonpolicy.kernels.triton_interpreter import use_torch_dot
+
+use_torch_dot()  # in Triton's interpreter (tests on a CPU): tl.dot as a fixed-order tile GEMM
+
 # The one configuration (no autotuning: a different tile shape is a different contract).
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
 # On an H200 every tile shape tried gave the same bits (experiments/results/gpu_triton_h200.json,
