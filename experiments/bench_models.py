@@ -18,3 +18,16 @@ CPU_1024 = replace(
     intermediate_size=3072,
     vocab_size=32000,
 )
+
+# Hidden 256 x 2 layers, 4 query heads per KV head: a second GQA shape for bit checks (engine_bits.py).
+CPU_256 = replace(
+    ModelConfig(),
+    name="cpu_256",
+    num_layers=2,
+    hidden_size=256,
+    num_attention_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    intermediate_size=768,
+    vocab_size=4000,
+)

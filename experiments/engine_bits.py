@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import random
-from dataclasses import replace
 
 import torch
+from bench_models import CPU_256
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
@@ -23,23 +23,12 @@ from tonpolicy.model import Qwen3, init_state_dict
 from tonpolicy.rollout.engine import Engine, GenRequest
 from tonpolicy.rollout.logits import score_logprobs
 
-MID = replace(
-    ModelConfig(),
-    name="mid",
-    num_layers=2,
-    vocab_size=4000,
-    hidden_size=256,
-    intermediate_size=768,
-    num_attention_heads=8,
-    num_kv_heads=2,
-    head_dim=32,
-)
 PROMPT_LENS = [1, 3, 8, 31, 33, 70, 130]
 
 
 def engine_bits_hash() -> str:
     h = hashlib.sha256()
-    for cfg in (ModelConfig(), MID):
+    for cfg in (ModelConfig(), CPU_256):
         for dtype in (torch.bfloat16, torch.float32):
             for logits in ("float32", "bfloat16") if dtype == torch.bfloat16 else ("float32",):
                 model = Qwen3(cfg, get_kernels("invariant", logits_dtype=logits), dtype, init_state_dict(cfg, dtype, 1))

@@ -173,13 +173,13 @@ Keys = KeyTiles | PooledKeyTiles
 @dataclass
 class _Span:
     """Key tiles [a, b) of a block's partials; scores from tile `mask_from` (relative to a) on are masked
-    by `mask` [B, 1, R, b - a - mask_from, T] (True: the key is hidden from the row; None: none is), in
-    place as `bias` (0 or -inf, added) and `keep` (1 or 0, multiplied)."""
+    by `mask` [B, 1, R, b - a - mask_from, T] (True: the key is hidden from the row), or, in place, by
+    `bias` (0 or -inf, added) and `keep` (1 or 0, multiplied); all None: no key is hidden."""
 
     a: int
     b: int
     mask_from: int
-    mask: torch.Tensor | None
+    mask: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     keep: torch.Tensor | None = None
 
@@ -233,13 +233,13 @@ def _mask(row_pos: torch.Tensor, kpos: torch.Tensor, a: int, b: int, inplace: bo
         # no-op, so the tiles before it are skipped (the same bits, a fraction of the work).
         hides = (kpos.amax(-1) > row_pos.amin(-1, keepdim=True)).any(0).nonzero()
         if not hides.numel():
-            return _Span(a, b, 0, None)
+            return _Span(a, b, 0)
         j = int(hides[0])
     mask = kpos[:, None, None, j:] > row_pos.view(bs, 1, r, 1, 1)
     if not inplace:
         return _Span(a, b, j, mask)
     bias = torch.zeros(mask.shape, device=mask.device).masked_fill_(mask, NEG_INF)
-    return _Span(a, b, j, mask, bias, (~mask).float())
+    return _Span(a, b, j, bias=bias, keep=(~mask).float())
 
 
 def _query_rows(q: torch.Tensor, heads: int, nqp: int) -> torch.Tensor:
@@ -275,7 +275,7 @@ def _span_partials(rows: torch.Tensor, keys: Keys, sp: _Span, scale: float, inpl
             s = s.masked_fill(sp.mask, NEG_INF)
         m = s.amax(dim=-1)  # [B, Hkv, R, n]
         p = torch.exp(s - _safe(m).unsqueeze(-1))
-    elif sp.mask is None:
+    elif sp.bias is None:
         m = s.mul_(scale).amax(dim=-1)
         p = s.sub_(_safe(m).unsqueeze(-1)).exp_()
     else:
