@@ -280,3 +280,39 @@ def test_pooled_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
     other = torch.tensor([1, 2])
     fresh = get_kernels("invariant").attention_pooled(q, q_pos, *pools[1], other, 92, d**-0.5)
     assert torch.equal(shared.attention_pooled(q, q_pos, *pools[1], other, 92, d**-0.5), fresh)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
+    """`attention_batched` (prefill, the trainer) keeps the plan of its last positions for every layer of
+    a forward; other positions (even in the same tensor, changed in place), other shapes, or a call that
+    is differentiated plan anew: each call gives the bits (and gradients) of a fresh kernel set."""
+    hq, hkv, d, n = 8, 4, 32, 70
+    layers = [_qkv(n, hq, hkv, d, dtype, seed=s) for s in (1, 5)]
+    pos = torch.arange(n)[None].repeat(2, 1)
+    pos[1] += 9  # a second sequence further on: its own causal offsets
+
+    def call(kern, qkv, q_pos, k_pos):
+        q, k, v = (t[None].expand(2, *t.shape) for t in qkv)
+        return kern.attention_batched(q, k, v, q_pos, k_pos, d**-0.5)
+
+    shared = get_kernels("invariant")
+    for qkv in layers:  # two layers of one forward
+        assert torch.equal(call(shared, qkv, pos, pos), call(get_kernels("invariant"), qkv, pos, pos))
+    k_pos = pos.clone()
+    pos[:, :10] = pos[:, 60:].clone()  # queries moved, in the same tensor: some now see more keys
+    fresh = call(get_kernels("invariant"), layers[0], pos, k_pos)
+    assert torch.equal(call(shared, layers[0], pos, k_pos), fresh)
+    assert not torch.equal(call(get_kernels("invariant"), layers[0], k_pos, k_pos), fresh)  # positions matter
+    q, k, v = (t[None, :40].clone() for t in layers[1])
+    short = torch.arange(40)[None]
+    assert torch.equal(
+        shared.attention_batched(q, k, v, short, short, d**-0.5),
+        get_kernels("invariant").attention_batched(q, k, v, short, short, d**-0.5),
+    )
+    grads = []
+    for kern in (shared, get_kernels("invariant")):
+        qg = q.clone().float().requires_grad_()
+        kern.attention_batched(qg, k.float(), v.float(), short, short, d**-0.5).sum().backward()
+        grads.append(qg.grad)
+    assert torch.equal(*grads)

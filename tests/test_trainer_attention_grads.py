@@ -45,3 +45,25 @@ def test_attention_grads_equal_autograd_of_plain_attention(dtype, tol, block, b,
     # The check can fail: the gradient of attention without the causal mask is far off.
     unmasked = attention_grads(q, k, v, torch.zeros_like(positions), grad, 0.3)
     assert float((unmasked[0].double() - ref[0]).abs().max() / ref[0].abs().max()) > 0.3
+
+
+def test_causal_bias_is_reused_only_for_the_same_positions():
+    """The backward keeps the causal biases of its last positions (every layer asks for the same); new
+    positions, even written into the same tensor, get their own, and a cached bias is never changed."""
+    torch.manual_seed(0)
+    q, grad = torch.randn(2, 2, 40, 4, 16).unbind(0)
+    k, v = torch.randn(2, 2, 40, 2, 16).unbind(0)
+    positions = torch.arange(40)[None].repeat(2, 1)
+    first = [attention_grads(q, k, v, positions, grad, 0.25) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*first, strict=True))
+    positions[1] = torch.arange(40) % 17  # packed rows, in the same tensor
+    kernel_autograd._BIAS.clear()
+    fresh = attention_grads(q, k, v, positions, grad, 0.25)
+    positions[1] = torch.arange(40)
+    attention_grads(q, k, v, positions, grad, 0.25)  # caches the whole-row bias again
+    positions[1] = torch.arange(40) % 17
+    again = attention_grads(q, k, v, positions, grad, 0.25)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, again, strict=True))
+    assert not torch.equal(fresh[0], first[0][0])  # the check can fail: the positions change the gradients
+    ref = _reference(q, k, v, positions, grad, 0.25)
+    assert all((a - r).abs().max() < 2e-6 for a, r in zip(again, ref, strict=True))

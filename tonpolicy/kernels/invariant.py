@@ -45,6 +45,8 @@ class InvariantKernels:
         self.logits_dtype = logits_dtype
         # The last `attention_pooled` call's geometry, key template (no pools held) and plan.
         self._pooled: tuple[tuple, invariant_attention.PooledKeyTiles, invariant_attention.Plan] | None = None
+        # The last `attention_batched` call's geometry and plan (every layer of a forward shares it).
+        self._batched: tuple[tuple, invariant_attention.Plan] | None = None
 
     def describe(self) -> dict[str, Any]:
         """Everything that affects numerics, for the contract fingerprint."""
@@ -125,7 +127,12 @@ class InvariantKernels:
     ) -> torch.Tensor:
         """Batch of independent sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D], positions [B, N]."""
         keys = invariant_attention.key_tiles(k, v, k_pos, self.attention_tile)
-        return invariant_attention.attention(q, q_pos, keys, scale, self.row_tile)
+        inplace = invariant_attention.in_place(q, keys)
+        geometry = (q.shape, k.shape, inplace, q_pos.dtype, k_pos.dtype, _values(q_pos), _values(k_pos))
+        if self._batched is None or self._batched[0] != geometry:
+            plan = invariant_attention.plan_attention(q.shape, q_pos, keys, self.row_tile, inplace)
+            self._batched = (geometry, plan)
+        return invariant_attention.attention(q, q_pos, keys, scale, self.row_tile, self._batched[1])
 
     def attention_pooled(
         self,
@@ -149,7 +156,7 @@ class InvariantKernels:
         tiles = -(-num_keys // t)
         # Every layer of a decode step asks with the same positions and slots: one plan for them all
         # (keyed on the values, so a caller may pass new tensors or reuse its own).
-        geometry = (q.shape, k_pool.shape[:3], tiles, q_pos.shape, q_pos.cpu().numpy().tobytes(), slots.tolist())
+        geometry = (q.shape, k_pool.shape[:3], tiles, q_pos.shape, _values(q_pos), slots.tolist())
         if self._pooled is None or self._pooled[0] != geometry:
             template = invariant_attention.PooledKeyTiles(k_pool, v_pool, slots, tiles, t).over(None, None)
             plan = invariant_attention.plan_attention(q.shape, q_pos, template, self.row_tile, inplace=True)
@@ -179,3 +186,8 @@ class InvariantKernels:
     # --- logprobs -------------------------------------------------------------------------------
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
         return pointwise.logprobs(logits, tokens, vocab_size, temperature)
+
+
+def _values(t: torch.Tensor) -> bytes:
+    """A tensor's values as a plan-cache key (a caller may pass new tensors, or change its own in place)."""
+    return t.detach().cpu().numpy().tobytes()

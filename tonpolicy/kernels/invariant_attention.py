@@ -85,20 +85,22 @@ def merge_tiles(p: AttnPartial, inplace: bool = False) -> AttnPartial:
     if inplace and p.acc[0].numel() <= FOLD_TOGETHER:
         # Small partials (decode): l as column 0 beside acc, so each tile costs two ops, not four.
         la = torch.cat([p.l.unsqueeze(-1), p.acc], dim=-1).mul_(cb.unsqueeze(-1))
-        ca_la, run = ca.unsqueeze(-1), la[0]
+        # unbind: every tile's view in one call (long contexts have hundreds of tiles per layer)
+        ca_la, la_t = ca.unsqueeze(-1).unbind(0), la.unbind(0)
+        run = la_t[0]
         for t in range(1, kt):
-            run.mul_(ca_la[t]).add_(la[t])
+            run.mul_(ca_la[t]).add_(la_t[t])
         return AttnPartial(run_m[-1], run[..., 0], run[..., 1:])
-    lb = p.l * cb
-    ab = p.acc * cb.unsqueeze(-1)
-    ca_acc = ca.unsqueeze(-1)
+    lb = (p.l * cb).unbind(0)
+    ab = (p.acc * cb.unsqueeze(-1)).unbind(0)
+    ca_l, ca_acc = ca.unbind(0), ca.unsqueeze(-1).unbind(0)
     l_run, a_run = lb[0], ab[0]
     for t in range(1, kt):
         if inplace:
-            l_run.mul_(ca[t]).add_(lb[t])
+            l_run.mul_(ca_l[t]).add_(lb[t])
             a_run.mul_(ca_acc[t]).add_(ab[t])
         else:
-            l_run = l_run * ca[t] + lb[t]
+            l_run = l_run * ca_l[t] + lb[t]
             a_run = a_run * ca_acc[t] + ab[t]
     return AttnPartial(run_m[-1], l_run, a_run)
 
@@ -308,7 +310,7 @@ def _blocks(nqp: int, step: int, keys: Keys, g: int, batch: int, d: int):
     return [(q0, min(nqp, q0 + block)) for q0 in range(0, nqp, block)]
 
 
-def _in_place(q: torch.Tensor, keys: Keys) -> bool:
+def in_place(q: torch.Tensor, keys: Keys) -> bool:
     """Whether the scores may be overwritten in place (nothing is differentiated: same ops, same bits)."""
     return not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad))
 
@@ -336,7 +338,7 @@ def attention(
     -> [B, Nq, Hq, D] in q.dtype. `plan`: from `plan_attention` for these positions and key geometry."""
     b, nq, hq, d = q.shape
     heads, g = keys.heads, hq // keys.heads
-    inplace = _in_place(q, keys)
+    inplace = in_place(q, keys)
     if plan is None or plan.inplace != inplace:
         plan = plan_attention(q.shape, q_pos, keys, granule, inplace)
     if plan.whole:
@@ -355,7 +357,7 @@ def tile_partial(q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float,
     m/l [Nq, Hq], acc [Nq, Hq, D]."""
     nq, hq, _ = q.shape
     heads, g = keys.heads, hq // keys.heads
-    inplace = _in_place(q, keys)
+    inplace = in_place(q, keys)
     plan = plan_attention(q[None].shape, q_pos[None], keys, granule, inplace)
     rows = _query_rows(q[None], heads, plan.nqp)
     parts = [  # one key tile: every block's one span covers it, seen or not

@@ -47,6 +47,27 @@ class KernelLinear(torch.autograd.Function):
 GRAD_BLOCK = 1 << 17
 
 
+# The last positions' causal biases by query block (every layer of a backward pass asks for the same),
+# up to BIAS_CACHE fp32 elements: long sequences compute the rest per call.
+_BIAS: dict[tuple, torch.Tensor] = {}
+BIAS_CACHE = 1 << 22
+
+
+def _causal_bias(positions: torch.Tensor, a: int, e: int) -> torch.Tensor:
+    """[B, e-a, s] fp32: 0 where key j is visible to query i in [a, e), else -inf (added to the scores:
+    a broadcast masked_fill is slow)."""
+    key = (positions.shape, positions.dtype, positions.device, positions.detach().cpu().numpy().tobytes(), a, e)
+    if key in _BIAS:
+        return _BIAS[key]
+    if any(k[3] != key[3] for k in _BIAS):
+        _BIAS.clear()
+    hidden = positions[:, None, :] > positions[:, a:e, None]
+    bias = torch.zeros(hidden.shape, device=positions.device).masked_fill_(hidden, -math.inf)
+    if sum(b.numel() for b in _BIAS.values()) + bias.numel() <= BIAS_CACHE:
+        _BIAS[key] = bias
+    return bias
+
+
 def attention_grads(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, grad: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,9 +92,7 @@ def attention_grads(
         rows = g * (e - a)
         qb = qm[:, :, :, a:e].reshape(b, hkv, rows, d)
         gb = gm[:, :, :, a:e].reshape(b, hkv, rows, d)
-        # 0 where key j is visible to query i, else -inf (added: a broadcast masked_fill is slow)
-        hidden = positions[:, None, :] > positions[:, a:e, None]  # [B, e-a, s]
-        bias = torch.zeros(hidden.shape, device=q.device).masked_fill_(hidden, -math.inf)
+        bias = _causal_bias(positions, a, e)
         s = torch.matmul(qb, km.transpose(-1, -2)).float().mul_(scale).view(b, hkv, g, e - a, n)
         p = torch.softmax(s.add_(bias[:, None, None]), dim=-1).view(b, hkv, rows, n)
         pm = p.to(mm)
