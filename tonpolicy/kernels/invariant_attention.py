@@ -73,7 +73,8 @@ def merge_tiles(p: AttnPartial, inplace: bool = False) -> AttnPartial:
 
     Bitwise equal to folding `merge` tile by tile: the running max is an exact cummax, and the
     factors exp(M_prev - M) and exp(m_t - M) are the very values `merge` would compute. `inplace`
-    (nothing is differentiated) folds into fresh buffers in place: the same ops, the same bits."""
+    (nothing is differentiated; `p`'s buffers are the caller's to overwrite) folds in place: the same
+    ops, the same bits."""
     kt = p.m.shape[0]
     if kt == 1:
         return AttnPartial(p.m[0], p.l[0], p.acc[0])
@@ -91,8 +92,10 @@ def merge_tiles(p: AttnPartial, inplace: bool = False) -> AttnPartial:
         for t in range(1, kt):
             run.mul_(ca_la[t]).add_(la_t[t])
         return AttnPartial(run_m[-1], run[..., 0], run[..., 1:])
-    lb = (p.l * cb).unbind(0)
-    ab = (p.acc * cb.unsqueeze(-1)).unbind(0)
+    if inplace:  # the partials are this call's own buffers: scaled where they lie
+        lb, ab = p.l.mul_(cb).unbind(0), p.acc.mul_(cb.unsqueeze(-1)).unbind(0)
+    else:
+        lb, ab = (p.l * cb).unbind(0), (p.acc * cb.unsqueeze(-1)).unbind(0)
     ca_l, ca_acc = ca.unbind(0), ca.unsqueeze(-1).unbind(0)
     l_run, a_run = lb[0], ab[0]
     for t in range(1, kt):

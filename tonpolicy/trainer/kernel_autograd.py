@@ -41,6 +41,49 @@ class KernelLinear(torch.autograd.Function):
         return dx, dw, None
 
 
+class KernelRMSNorm(torch.autograd.Function):
+    """y = kernels.rms_norm(x, w, eps) with RMSNorm's textbook backward in fp32 (no graph of the
+    forward's elementwise ops: a fraction of the calls)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float, fn: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.eps = eps
+        return fn(x, w, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        x, w = ctx.saved_tensors
+        xf = x.float()
+        r = torch.rsqrt((xf * xf).mean(dim=-1, keepdim=True) + ctx.eps)
+        xr = xf * r  # the normalised input
+        g = grad.float()
+        dw = (g * xr).reshape(-1, x.shape[-1]).sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            u = g * w.float()
+            dx = ((u - xr * (u * xr).mean(dim=-1, keepdim=True)) * r).to(x.dtype)
+        return dx, dw, None, None
+
+
+class KernelSwiGLU(torch.autograd.Function):
+    """y = kernels.swiglu(gate, up) = silu(gate) * up with its textbook backward in fp32."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, fn: Any) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return fn(gate, up)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        gate, up = ctx.saved_tensors
+        gf, g = gate.float(), grad.float()
+        sig = torch.sigmoid(gf)
+        d_up = (g * gf * sig).to(up.dtype)
+        d_gate = (g * up.float() * sig * (1.0 + gf * (1.0 - sig))).to(gate.dtype)
+        return d_gate, d_up, None
+
+
 # Queries x keys of one block of the backward (scores and their gradients held at once, per head): bounds
 # its memory for long sequences. A function of the sequence length alone, so that every layout that
 # keeps a head's sequence whole (TP, PP, Ulysses CP) sums dK/dV over the same blocks.

@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from tonpolicy.trainer import cp as cp_layout
+from tonpolicy.trainer import kernel_autograd
 from tonpolicy.trainer.comm import replicated_all_gather
 from tonpolicy.trainer.cp_attention import batched_attention, context_parallel_attention
 from tonpolicy.trainer.kernel_autograd import KernelLinear
@@ -92,7 +93,7 @@ class KernelRMSNorm(MegatronModule):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.rms_norm(x, self.weight, self.eps)
+        return kernel_autograd.KernelRMSNorm.apply(x, self.weight, self.eps, self.kernels.rms_norm)
 
 
 class KernelMLP(_TakesKernels, MLP):
@@ -101,7 +102,7 @@ class KernelMLP(_TakesKernels, MLP):
     def forward(self, hidden_states: torch.Tensor, per_token_scale: Any = None, **_: Any) -> tuple[torch.Tensor, None]:
         inter, _b = self.linear_fc1(hidden_states)
         gate, up = inter.chunk(2, dim=-1)
-        out, _b = self.linear_fc2(self.kernels.swiglu(gate, up))
+        out, _b = self.linear_fc2(kernel_autograd.KernelSwiGLU.apply(gate, up, self.kernels.swiglu))
         return out, None
 
 
