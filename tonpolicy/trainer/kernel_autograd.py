@@ -55,7 +55,8 @@ class KernelRMSNorm(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, w = ctx.saved_tensors
         xf = x.float()
-        r = torch.rsqrt((xf * xf).mean(dim=-1, keepdim=True) + ctx.eps)
+        # IEEE ops only (sqrt, division), as the forward: an element's bits never depend on the tensor's length
+        r = torch.sqrt((xf * xf).mean(dim=-1, keepdim=True) + ctx.eps).reciprocal_()
         xr = xf * r  # the normalised input
         g = grad.float()
         dw = (g * xr).reshape(-1, x.shape[-1]).sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
@@ -78,7 +79,9 @@ class KernelSwiGLU(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         gate, up = ctx.saved_tensors
         gf, g = gate.float(), grad.float()
-        sig = torch.sigmoid(gf)
+        # exp, not torch.sigmoid: sigmoid's scalar-tail and vector paths differ, so a tensor's length
+        # (a CP rank's share of the sequence) would change an element's bits
+        sig = torch.exp(-gf).add_(1.0).reciprocal_()
         d_up = (g * gf * sig).to(up.dtype)
         d_gate = (g * up.float() * sig * (1.0 + gf * (1.0 - sig))).to(gate.dtype)
         return d_gate, d_up, None
