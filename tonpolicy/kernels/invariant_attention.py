@@ -46,8 +46,9 @@ BLOCK_WORK = 4096
 
 
 def _safe(m: torch.Tensor) -> torch.Tensor:
-    # A fully masked row has m = -inf; subtract 0 instead so exp(-inf - 0) = 0, never NaN.
-    return torch.where(m == NEG_INF, 0.0, m)
+    # A fully masked row has m = -inf; subtract 0 instead so exp(-inf - 0) = 0, never NaN. (One op: the
+    # values of where(m == -inf, 0, m), NaN, +inf and -0.0 kept.)
+    return torch.nan_to_num(m, nan=math.nan, posinf=math.inf, neginf=0.0)
 
 
 def merge(a: AttnPartial, b: AttnPartial) -> AttnPartial:
