@@ -128,9 +128,10 @@ class InvariantKernels:
         """Batch of independent sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D], positions [B, N]."""
         keys = invariant_attention.key_tiles(k, v, k_pos, self.attention_tile)
         inplace = invariant_attention.in_place(q, keys)
-        geometry = (q.shape, k.shape, inplace, q_pos.dtype, k_pos.dtype, _values(q_pos), _values(k_pos))
+        trim = invariant_attention.trim_rows(q.dtype, k.dtype, inplace)
+        geometry = (q.shape, k.shape, inplace, trim, q_pos.dtype, k_pos.dtype, _values(q_pos), _values(k_pos))
         if self._batched is None or self._batched[0] != geometry:
-            plan = invariant_attention.plan_attention(q.shape, q_pos, keys, self.row_tile, inplace)
+            plan = invariant_attention.plan_attention(q.shape, q_pos, keys, self.row_tile, inplace, trim)
             self._batched = (geometry, plan)
         return invariant_attention.attention(q, q_pos, keys, scale, self.row_tile, self._batched[1])
 
@@ -156,10 +157,12 @@ class InvariantKernels:
         tiles = -(-num_keys // t)
         # Every layer of a decode step asks with the same positions and slots: one plan for them all
         # (keyed on the values, so a caller may pass new tensors or reuse its own).
-        geometry = (q.shape, k_pool.shape[:3], tiles, q_pos.shape, _values(q_pos), slots.tolist())
+        inplace = not (torch.is_grad_enabled() and q.requires_grad)
+        trim = invariant_attention.trim_rows(q.dtype, k_pool.dtype, inplace)
+        geometry = (q.shape, k_pool.shape[:3], tiles, inplace, trim, q_pos.shape, _values(q_pos), slots.tolist())
         if self._pooled is None or self._pooled[0] != geometry:
             template = invariant_attention.PooledKeyTiles(k_pool, v_pool, slots, tiles, t).over(None, None)
-            plan = invariant_attention.plan_attention(q.shape, q_pos, template, self.row_tile, inplace=True)
+            plan = invariant_attention.plan_attention(q.shape, q_pos, template, self.row_tile, inplace, trim)
             self._pooled = (geometry, template, plan)
         _, template, plan = self._pooled
         return invariant_attention.attention(q, q_pos, template.over(k_pool, v_pool), scale, self.row_tile, plan)

@@ -10,7 +10,9 @@ for all the key tiles it may see in one GEMM, [rows, D] x [D, tiles * T], and ea
 batched GEMM, [rows, T] x [T, D]. Each score's and each accumulator's bits were measured independent of
 the GEMM's row count (any multiple of 4: the `granule`; 1-3 rows take a gemv-like path with other bits),
 of its column count, of the batch count and of the thread count (tests/test_kernels_attention.py), so
-prefill, decode, chunked prefill, any batch and any block size give the same bits. A tile no query of a
+prefill, decode, chunked prefill, any batch and any block size give the same bits. With bf16/fp16 q and
+keys (exact products) the score GEMM's 1-3 row path gives the same bits too, so decode scores only its
+real query rows (`trim_rows`); p @ v still pads to the granule. A tile no query of a
 block sees gives exactly (m=-inf, l=0, acc=0), and merging it is an exact no-op (up to the sign of an
 all-zero accumulator), so tiles past the last one a block may see are left out, as decode leaves out the
 tiles past its cache. `torch.exp` is used (its scalar-tail and vector paths agreed on millions of
@@ -32,6 +34,8 @@ KEY_PAD_POS = 2**62
 # Position given to padded queries: smaller than any key, so they see nothing (their rows are dropped).
 QUERY_PAD_POS = -1
 NEG_INF = float("-inf")
+# Operand dtypes whose products are exact in fp32 (8- and 11-bit significands).
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Scores of one query block held at once (fp32 elements): bounds memory for long sequences.
 SCORE_BUDGET = 1 << 23
 # Largest per-tile accumulator (elements) whose fold carries l beside acc (fewer, larger ops: faster
@@ -115,8 +119,11 @@ class KeyTiles:
     # Tiles per span a block's partials are computed over (all: the keys are already in memory).
     chunk = 1 << 62
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, heads: int) -> None:
+    def __init__(
+        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, heads: int, source_dtype: torch.dtype
+    ) -> None:
         self.k, self.v, self.pos, self.heads = k, v, pos, heads
+        self.source_dtype = source_dtype  # what the keys were before the upcast
         self.tiles, self.tile = pos.shape[1], pos.shape[2]
         self.requires_grad = k.requires_grad or v.requires_grad
 
@@ -142,6 +149,7 @@ class PooledKeyTiles:
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, tiles: int, tile: int):
         self.k_pool, self.v_pool, self.slots, self.slot_index = k_pool, v_pool, slots.tolist(), slots
         self.heads, self.tiles, self.tile = k_pool.shape[1], tiles, tile
+        self.source_dtype = k_pool.dtype
         b, d = len(self.slots), k_pool.shape[2]
         self.pos = torch.arange(tiles * tile, device=k_pool.device).view(1, tiles, tile).expand(b, tiles, tile)
         self.chunk = max(SPAN_MIN_TILES, SPAN_ELEMENTS // (b * self.heads * d * tile))
@@ -170,7 +178,7 @@ class PooledKeyTiles:
 
     def whole(self) -> KeyTiles:
         """All tiles, upcast at once (for several query blocks, which would each read them)."""
-        return KeyTiles(*self.span(0, self.tiles), self.pos, self.heads)
+        return KeyTiles(*self.span(0, self.tiles), self.pos, self.heads, self.source_dtype)
 
 
 Keys = KeyTiles | PooledKeyTiles
@@ -195,6 +203,9 @@ class _Block:
     q0: int  # padded queries [q0, q1)
     q1: int
     spans: list[_Span]
+    # Rows of real queries (a prefix of the block's rows; the rest pad the p @ v GEMM to the granule).
+    # In place, the scores and the softmax are computed for these rows only (masks cover only them).
+    real: int = 0
 
 
 @dataclass
@@ -207,10 +218,14 @@ class Plan:
     blocks: list[_Block]
     whole: bool  # pooled keys upcast at once (several blocks would each read them)
     inplace: bool
+    trim: bool  # scores and softmax of the real rows only (`trim_rows`)
 
 
-def plan_attention(q_shape: torch.Size, q_pos: torch.Tensor, keys: Keys, granule: int, inplace: bool) -> Plan:
-    """The plan of `attention(q, q_pos, keys, ...)` for q of `q_shape` [B, Nq, Hq, D]."""
+def plan_attention(
+    q_shape: torch.Size, q_pos: torch.Tensor, keys: Keys, granule: int, inplace: bool, trim: bool = False
+) -> Plan:
+    """The plan of `attention(q, q_pos, keys, ...)` for q of `q_shape` [B, Nq, Hq, D]; `trim`: as
+    `trim_rows` says for the call."""
     b, nq, hq, d = q_shape
     g = hq // keys.heads
     step = granule // math.gcd(g, granule)
@@ -227,8 +242,10 @@ def plan_attention(q_shape: torch.Size, q_pos: torch.Tensor, keys: Keys, granule
         seen = (tile_min <= row_pos.max()).nonzero()
         n = int(seen[-1]) + 1 if seen.numel() else 1
         ends = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
-        blocks.append(_Block(q0, q1, [_mask(row_pos, keys.pos[:, a:e], a, e, inplace) for a, e in ends]))
-    return Plan(nqp, blocks, whole, inplace)
+        real = (max(0, min(q1, nq) - q0) if trim else q1 - q0) * g
+        spans = [_mask(row_pos[:, :real], keys.pos[:, a:e], a, e, inplace) for a, e in ends]
+        blocks.append(_Block(q0, q1, spans, real))
+    return Plan(nqp, blocks, whole, inplace, trim)
 
 
 def _mask(row_pos: torch.Tensor, kpos: torch.Tensor, a: int, b: int, inplace: bool) -> _Span:
@@ -260,16 +277,23 @@ def _query_rows(q: torch.Tensor, heads: int, nqp: int) -> torch.Tensor:
 
 
 def _block_partials(rows: torch.Tensor, keys: Keys, blk: _Block, scale: float, inplace: bool) -> AttnPartial:
-    """Partials of query rows [B*Hkv, R, D] over the block's key tiles, tile-major: m/l [n, B*Hkv, R],
-    acc [n, B*Hkv, R, D]. Spans of `keys.chunk` tiles give the same bits as one span (a score's bits do
-    not depend on the GEMM's column count)."""
-    spans = [_span_partials(rows, keys, sp, scale, inplace) for sp in blk.spans]
+    """Partials of query rows [B*Hkv, R, D] over the block's key tiles, tile-major: m/l [n, B*Hkv, R'],
+    acc [n, B*Hkv, R', D] (R' = R, or in place the block's real rows). Spans of `keys.chunk` tiles give
+    the same bits as one span (a score's bits do not depend on the GEMM's column count)."""
+    real = blk.real if blk.real < rows.shape[1] else None
+    rows_real = rows[:, :real].contiguous() if real is not None else rows
+    spans = [_span_partials(rows_real, keys, sp, scale, inplace, rows.shape[1]) for sp in blk.spans]
     if len(spans) == 1:
         return spans[0]
     return AttnPartial(*(torch.cat([getattr(p, f) for p in spans]) for f in ("m", "l", "acc")))
 
 
-def _span_partials(rows: torch.Tensor, keys: Keys, sp: _Span, scale: float, inplace: bool) -> AttnPartial:
+def _span_partials(
+    rows: torch.Tensor, keys: Keys, sp: _Span, scale: float, inplace: bool, granule_rows: int
+) -> AttnPartial:
+    """Scores of `rows` (every row of the GEMM a real query's: the score GEMM's row bits were measured
+    independent of its row count down to 1 row, tests/test_kernels_attention.py), softmax partials, and
+    p @ v with p padded to `granule_rows` rows (that GEMM's row bits hold only for multiples of 4)."""
     bh, r, d = rows.shape
     t, n = keys.tile, sp.b - sp.a
     k, v = keys.span(sp.a, sp.b)
@@ -295,8 +319,13 @@ def _span_partials(rows: torch.Tensor, keys: Keys, sp: _Span, scale: float, inpl
         p.exp_()[:, :, :, j:].mul_(sp.keep)
     l = p.sum(dim=-1)  # noqa: E741
     # Tile-major, so the merge reads each tile's partials contiguously.
-    p_tiles = p.permute(3, 0, 1, 2, 4).reshape(n * bh, r, t).contiguous()
-    acc = torch.bmm(p_tiles, v.reshape(n * bh, t, d)).view(n, bh, r, d)
+    if granule_rows == r:
+        p_tiles = p.permute(3, 0, 1, 2, 4).reshape(n * bh, r, t).contiguous()
+    else:  # zero rows pad the GEMM; their results are dropped
+        p_tiles = p.new_zeros(n, bh // keys.heads, keys.heads, granule_rows, t)
+        p_tiles[:, :, :, :r] = p.permute(3, 0, 1, 2, 4)
+        p_tiles = p_tiles.view(n * bh, granule_rows, t)
+    acc = torch.bmm(p_tiles, v.reshape(n * bh, t, d)).view(n, bh, granule_rows, d)[:, :, :r]
     return AttnPartial(m.permute(3, 0, 1, 2).reshape(n, bh, r), l.permute(3, 0, 1, 2).reshape(n, bh, r), acc)
 
 
@@ -312,6 +341,14 @@ def _blocks(nqp: int, step: int, keys: Keys, g: int, batch: int, d: int):
     per_query = max(1, batch * keys.heads * g * keys.tiles * keys.tile)
     block = max(step, min(block, SCORE_BUDGET // per_query // step * step))
     return [(q0, min(nqp, q0 + block)) for q0 in range(0, nqp, block)]
+
+
+def trim_rows(q_dtype: torch.dtype, key_dtype: torch.dtype, inplace: bool) -> bool:
+    """Whether the score GEMM may take only the real queries' rows (1-3 rows for one decode query):
+    when q and the keys are bf16/fp16, every product is exact in fp32, and the score GEMM's row bits were
+    measured independent of its row count down to 1 row (with fp32 operands, 1-3 rows fuse the products
+    otherwise: other bits). p @ v keeps its padded rows (its 1-3 row path differs even so)."""
+    return inplace and q_dtype in LOW_PRECISION and key_dtype in LOW_PRECISION
 
 
 def in_place(q: torch.Tensor, keys: Keys) -> bool:
@@ -332,7 +369,9 @@ def key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int) 
     # One transposing upcast each (the upcast is exact).
     ks = torch.empty(b, hkv, d, kt * tile, device=k.device).copy_(k.permute(0, 2, 3, 1))
     vs = torch.empty(kt, b, hkv, tile, d, device=v.device).copy_(v.view(b, kt, tile, hkv, d).permute(1, 0, 3, 2, 4))
-    return KeyTiles(ks.view(b * hkv, d, kt * tile), vs.view(kt, b * hkv, tile, d), k_pos.reshape(b, kt, tile), hkv)
+    return KeyTiles(
+        ks.view(b * hkv, d, kt * tile), vs.view(kt, b * hkv, tile, d), k_pos.reshape(b, kt, tile), hkv, k.dtype
+    )
 
 
 def attention(
@@ -343,8 +382,9 @@ def attention(
     b, nq, hq, d = q.shape
     heads, g = keys.heads, hq // keys.heads
     inplace = in_place(q, keys)
-    if plan is None or plan.inplace != inplace:
-        plan = plan_attention(q.shape, q_pos, keys, granule, inplace)
+    trim = trim_rows(q.dtype, keys.source_dtype, inplace)
+    if plan is None or plan.inplace != inplace or plan.trim != trim:
+        plan = plan_attention(q.shape, q_pos, keys, granule, inplace, trim)
     if plan.whole:
         keys = keys.whole()  # upcast once, read by every block
     rows = _query_rows(q, heads, plan.nqp)
@@ -352,8 +392,9 @@ def attention(
     for blk in plan.blocks:
         r = rows[:, blk.q0 * g : blk.q1 * g].contiguous()
         out.append(finalize(merge_tiles(_block_partials(r, keys, blk, scale, inplace), inplace), q.dtype))
-    o = torch.cat(out, dim=1) if len(out) > 1 else out[0]  # [B*Hkv, Nqp*G, D]
-    return o.view(b, heads, plan.nqp, g, d).permute(0, 2, 1, 3, 4).reshape(b, plan.nqp, hq, d)[:, :nq]
+    o = torch.cat(out, dim=1) if len(out) > 1 else out[0]  # [B*Hkv, Nq'*G, D]: real rows, or all
+    nr = o.shape[1] // g
+    return o.view(b, heads, nr, g, d).permute(0, 2, 1, 3, 4).reshape(b, nr, hq, d)[:, :nq]
 
 
 def tile_partial(q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float, granule: int) -> AttnPartial:
@@ -369,7 +410,8 @@ def tile_partial(q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float,
     ]
     m, l, acc = (torch.cat([getattr(p, f)[0] for p in parts], dim=1) for f in ("m", "l", "acc"))  # noqa: E741
 
-    def unpack(x: torch.Tensor) -> torch.Tensor:  # [Hkv, Nqp*G(, D)] -> [Nq, Hq(, D)]
-        return x.view(heads, plan.nqp, g, *x.shape[2:]).transpose(0, 1).reshape(plan.nqp, hq, *x.shape[2:])[:nq]
+    def unpack(x: torch.Tensor) -> torch.Tensor:  # [Hkv, Nq'*G(, D)] -> [Nq, Hq(, D)] (Nq': real or padded)
+        nr = x.shape[1] // g
+        return x.view(heads, nr, g, *x.shape[2:]).transpose(0, 1).reshape(nr, hq, *x.shape[2:])[:nq]
 
     return AttnPartial(unpack(m), unpack(l), unpack(acc))
