@@ -150,26 +150,26 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
     return out
 
 
-def context_scaling(name: str, dtype: torch.dtype, contexts: list[int], gen: int = 16) -> dict:
+def context_scaling(name: str, dtype: torch.dtype, contexts: list[int], repeats: int, gen: int = 16) -> dict:
     """Decode time per token of one request at each context length: the median engine step time over
-    its `gen` decode steps (prefill chunked at 512 tokens, not counted)."""
+    its `gen` decode steps (prefill chunked at 512 tokens, not counted), then the median over `repeats`
+    rounds that alternate contexts and kernel sets (so machine drift hits every cell alike)."""
     cfg = replace(MODELS[name][0], max_position_embeddings=max(contexts) + gen + 64)
     sd = init_state_dict(cfg, dtype, seed=0)
-    out: dict = {}
-    for k in KINDS:
-        model = Qwen3(cfg, get_kernels(k), dtype, state_dict=sd)
-        per_token = {}
+    models = {k: Qwen3(cfg, get_kernels(k), dtype, state_dict=sd) for k in KINDS}
+    times: dict = {k: {ctx: [] for ctx in contexts} for k in KINDS}
+    for _ in range(repeats):
         for ctx in contexts:
-            engine = Engine(model, max_running_requests=1, chunked_prefill_size=512)
-            engine.add(_requests(cfg, 1, ctx, 1 + gen)[0])
-            steps = []
-            while engine.has_work():
-                t0 = time.perf_counter()
-                engine.step()
-                steps.append(time.perf_counter() - t0)
-            per_token[ctx] = statistics.median(steps[-gen:])
-        out[k] = per_token
-    return out
+            for k, model in models.items():
+                engine = Engine(model, max_running_requests=1, chunked_prefill_size=512)
+                engine.add(_requests(cfg, 1, ctx, 1 + gen)[0])
+                steps = []
+                while engine.has_work():
+                    t0 = time.perf_counter()
+                    engine.step()
+                    steps.append(time.perf_counter() - t0)
+                times[k][ctx].append(statistics.median(steps[-gen:]))
+    return {k: {ctx: statistics.median(ts) for ctx, ts in per.items()} for k, per in times.items()}
 
 
 def main() -> None:
@@ -215,7 +215,7 @@ def main() -> None:
     if args.context_model:
         contexts = [int(c) for c in args.contexts.split(",")]
         dtype = getattr(torch, args.dtypes.split(",")[0])
-        sweep = context_scaling(args.context_model, dtype, contexts)
+        sweep = context_scaling(args.context_model, dtype, contexts, args.repeats)
         data["context"] = {"model": args.context_model, "dtype": str(dtype), "per_token_s": sweep}
         for k, per in sweep.items():
             cells = ", ".join(f"{c}: {1 / t:.1f} tok/s ({t * 1e3:.1f} ms)" for c, t in per.items())
