@@ -205,7 +205,7 @@ class _Block:
     spans: list[_Span]
     # Rows of real queries (a prefix of the block's rows; the rest pad the p @ v GEMM to the granule).
     # In place, the scores and the softmax are computed for these rows only (masks cover only them).
-    real: int = 0
+    real: int
 
 
 @dataclass
@@ -280,8 +280,7 @@ def _block_partials(rows: torch.Tensor, keys: Keys, blk: _Block, scale: float, i
     """Partials of query rows [B*Hkv, R, D] over the block's key tiles, tile-major: m/l [n, B*Hkv, R'],
     acc [n, B*Hkv, R', D] (R' = R, or in place the block's real rows). Spans of `keys.chunk` tiles give
     the same bits as one span (a score's bits do not depend on the GEMM's column count)."""
-    real = blk.real if blk.real < rows.shape[1] else None
-    rows_real = rows[:, :real].contiguous() if real is not None else rows
+    rows_real = rows[:, : blk.real].contiguous() if blk.real < rows.shape[1] else rows
     spans = [_span_partials(rows_real, keys, sp, scale, inplace, rows.shape[1]) for sp in blk.spans]
     if len(spans) == 1:
         return spans[0]
@@ -322,7 +321,7 @@ def _span_partials(
     if granule_rows == r:
         p_tiles = p.permute(3, 0, 1, 2, 4).reshape(n * bh, r, t).contiguous()
     else:  # zero rows pad the GEMM; their results are dropped
-        p_tiles = p.new_zeros(n, bh // keys.heads, keys.heads, granule_rows, t)
+        p_tiles = p.new_zeros(n, *p.shape[:2], granule_rows, t)
         p_tiles[:, :, :, :r] = p.permute(3, 0, 1, 2, 4)
         p_tiles = p_tiles.view(n * bh, granule_rows, t)
     acc = torch.bmm(p_tiles, v.reshape(n * bh, t, d)).view(n, bh, granule_rows, d)[:, :, :r]

@@ -99,13 +99,13 @@ _BIAS: dict[tuple, torch.Tensor] = {}
 BIAS_CACHE = 1 << 22
 
 
-def _causal_bias(positions: torch.Tensor, a: int, e: int) -> torch.Tensor:
+def _causal_bias(positions: torch.Tensor, values: tuple, a: int, e: int) -> torch.Tensor:
     """[B, e-a, s] fp32: 0 where key j is visible to query i in [a, e), else -inf (added to the scores:
-    a broadcast masked_fill is slow)."""
-    key = (positions.shape, positions.dtype, positions.device, positions.detach().cpu().numpy().tobytes(), a, e)
+    a broadcast masked_fill is slow). `values`: the positions' cache key (taken once per call)."""
+    key = (values, a, e)
     if key in _BIAS:
         return _BIAS[key]
-    if any(k[3] != key[3] for k in _BIAS):
+    if any(k[0] != values for k in _BIAS):
         _BIAS.clear()
     hidden = positions[:, None, :] > positions[:, a:e, None]
     bias = torch.zeros(hidden.shape, device=positions.device).masked_fill_(hidden, -math.inf)
@@ -133,12 +133,13 @@ def attention_grads(
     dq = q.new_empty(b, hkv, g, n, d, dtype=torch.float32)
     dk, dv = dq.new_zeros(b, hkv, n, d), dq.new_zeros(b, hkv, n, d)
     block = max(1, GRAD_BLOCK // n)
+    values = (positions.shape, positions.dtype, positions.device, positions.detach().cpu().numpy().tobytes())
     for a in range(0, n, block):
         e = min(n, a + block)
         rows = g * (e - a)
         qb = qm[:, :, :, a:e].reshape(b, hkv, rows, d)
         gb = gm[:, :, :, a:e].reshape(b, hkv, rows, d)
-        bias = _causal_bias(positions, a, e)
+        bias = _causal_bias(positions, values, a, e)
         s = torch.matmul(qb, km.transpose(-1, -2)).float().mul_(scale).view(b, hkv, g, e - a, n)
         p = torch.softmax(s.add_(bias[:, None, None]), dim=-1).view(b, hkv, rows, n)
         pm = p.to(mm)
