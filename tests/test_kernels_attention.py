@@ -93,16 +93,19 @@ def _pooled(kern, q, kk, v, pos, scale):  # noqa: ANN001, ANN202
     return kern.attention_pooled(q[None], q_pos[None], k_pool, v_pool, torch.tensor([1]), len(kk), scale)[0]
 
 
-@pytest.mark.parametrize("span_elements", [None, 1, 3 * 32 * 64])
+@pytest.mark.parametrize(("span_elements", "stage_keys"), [(None, None), (None, 1), (1, None), (3 * 32 * 64, 1)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pooled_path_equals_batched_path(dtype, span_elements, monkeypatch):
+def test_pooled_path_equals_batched_path(dtype, span_elements, stage_keys, monkeypatch):
     """Keys read from a head-layout KV pool (the engine's decode and chunked prefill) and keys given
     token-major (prefill, the trainer, the SGLang package) give the same bits, for random shapes, thread
     counts, and chunks of queries at the end of the keys; also when decode reads the pool in spans of
-    fewer tiles (one; about 3 for 32-dim heads) than it sees, as for long contexts."""
+    fewer tiles (one; about 3 for 32-dim heads) than it sees, as for long contexts, and when every span's
+    keys are staged as bf16 before the upcast (`STAGE_KEYS`, long contexts)."""
     if span_elements is not None:
         monkeypatch.setattr(invariant_attention, "SPAN_ELEMENTS", span_elements)
         monkeypatch.setattr(invariant_attention, "SPAN_MIN_TILES", 1)
+    if stage_keys is not None:
+        monkeypatch.setattr(invariant_attention, "STAGE_KEYS", stage_keys)
     rng = random.Random(11)
     for trial in range(24):
         hq, hkv, d = rng.choice(HEADS)
