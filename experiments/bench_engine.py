@@ -47,10 +47,20 @@ def _requests(cfg: ModelConfig, n: int, prompt: int, gen: int) -> list[GenReques
     return [GenRequest([rng.randrange(cfg.vocab_size) for _ in range(prompt)], gen, seed=i) for i in range(n)]
 
 
-def _time(model: Qwen3, reqs: list[GenRequest], chunk: int | None = None) -> float:
-    t0 = time.perf_counter()
-    Engine(model, max_running_requests=len(reqs), chunked_prefill_size=chunk).generate(reqs)
-    return time.perf_counter() - t0
+# Shortest measurement: a run shorter than this (the tiny model's prefill, ~0.15 s) is repeated and
+# averaged, so one scheduler hiccup on a shared machine does not decide a cell.
+MIN_MEASURE_S = 0.6
+
+
+def _time(model: Qwen3, reqs: list[GenRequest], chunk: int | None = None, min_s: float = 0.0) -> float:
+    """Seconds of one generate() of `reqs` (the mean of as many runs as take `min_s`)."""
+    runs, t0 = 0, time.perf_counter()
+    while True:
+        Engine(model, max_running_requests=len(reqs), chunked_prefill_size=chunk).generate(reqs)
+        runs += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_s:
+            return elapsed / runs
 
 
 KERNEL_OPS = (
@@ -133,8 +143,8 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
     times: dict[str, dict[str, list[float]]] = {k: {"pre": [], "full": []} for k in kinds}
     for _ in range(repeats):
         for k, m in models.items():
-            times[k]["pre"].append(_time(m, pre))
-            times[k]["full"].append(_time(m, full))
+            times[k]["pre"].append(_time(m, pre, min_s=MIN_MEASURE_S))
+            times[k]["full"].append(_time(m, full, min_s=MIN_MEASURE_S))
     out: dict = {"workload": w, "hidden": cfg.hidden_size, "layers": cfg.num_layers, "bytes": memory}
     for k in kinds:
         tp = statistics.median(times[k]["pre"])
