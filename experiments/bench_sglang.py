@@ -5,7 +5,8 @@ package, and tonpolicy's embedded server (contract kernels), on the same checkpo
 
 Each server is started with the command and environment tonpolicy's launch plan renders (all under
 the SGLang environment's Python, so they share one torch build), warmed up, then driven by the same
-HTTP client at 1, 8 and 32 concurrent streams (8-token prompts, `--gen` new tokens, sampling at T=1).
+HTTP client at 1, 8 and 32 concurrent streams (8-token prompts, `--gen` new tokens, sampling at T=1;
+the median of 3 rounds per cell).
 Prints tokens/s per server and concurrency and the ratios against stock SGLang, measured in one run,
 and the target (embedded server with contract kernels >= 1.0x stock SGLang) as measured / target;
 results/bench_sglang.json gets the numbers. Without the SGLang environment (scripts/setup_sglang.sh) it
@@ -19,6 +20,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -45,6 +47,9 @@ MODELS = {
     "large": CPU_1024,
 }
 CONCURRENCY = (1, 8, 32)
+# Requests each stream sends in turn (one stream: about 1.5 s of work per measurement), and rounds.
+REQUESTS_PER_STREAM = {1: 4, 8: 2, 32: 1}
+ROUNDS = 3
 # The embedded server under the contract with contract.logits_dtype=bfloat16: logits from the native bf16
 # GEMM, the precision stock SGLang's LM head has (measured beside the default fp32 logits, bf16 only).
 BF16_LOGITS = "embedded (bf16 logits)"
@@ -138,7 +143,13 @@ def bench_server(kind: str, ckpt: Path, cfg: ModelConfig, dtype: str, gen: int, 
         url = f"http://127.0.0.1:{port}"
         RolloutClient(url).wait_healthy(600, process=proc)
         throughput(url, cfg.vocab_size, 2, 8, 1)  # warm-up
-        return {c: throughput(url, cfg.vocab_size, c, gen, 2 if c < 32 else 1) for c in CONCURRENCY}
+        # ROUNDS rounds over the concurrencies, the median of each: one scheduler hiccup on a shared
+        # machine moved single measurements by 0.1-0.3x.
+        runs = {c: [] for c in CONCURRENCY}
+        for _ in range(ROUNDS):
+            for c in CONCURRENCY:
+                runs[c].append(throughput(url, cfg.vocab_size, c, gen, REQUESTS_PER_STREAM[c]))
+        return {c: statistics.median(r) for c, r in runs.items()}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
