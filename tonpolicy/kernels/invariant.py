@@ -129,7 +129,7 @@ class InvariantKernels:
         keys = invariant_attention.key_tiles(k, v, k_pos, self.attention_tile)
         inplace = invariant_attention.in_place(q, keys)
         trim = invariant_attention.trim_rows(q.dtype, k.dtype, inplace)
-        geometry = (q.shape, k.shape, inplace, trim, q_pos.dtype, k_pos.dtype, _values(q_pos), _values(k_pos))
+        geometry = (q.shape, k.shape, inplace, trim, q_pos.dtype, k_pos.dtype, value_key(q_pos), value_key(k_pos))
         if self._batched is None or self._batched[0] != geometry:
             plan = invariant_attention.plan_attention(q.shape, q_pos, keys, self.row_tile, inplace, trim)
             self._batched = (geometry, plan)
@@ -159,7 +159,7 @@ class InvariantKernels:
         # (keyed on the values, so a caller may pass new tensors or reuse its own).
         inplace = not (torch.is_grad_enabled() and q.requires_grad)
         trim = invariant_attention.trim_rows(q.dtype, k_pool.dtype, inplace)
-        geometry = (q.shape, k_pool.shape[:3], tiles, inplace, trim, q_pos.shape, _values(q_pos), slots.tolist())
+        geometry = (q.shape, k_pool.shape[:3], tiles, inplace, trim, q_pos.shape, value_key(q_pos), slots.tolist())
         if self._pooled is None or self._pooled[0] != geometry:
             template = invariant_attention.PooledKeyTiles(k_pool, v_pool, slots, tiles, t).over(None, None)
             plan = invariant_attention.plan_attention(q.shape, q_pos, template, self.row_tile, inplace, trim)
@@ -191,6 +191,6 @@ class InvariantKernels:
         return pointwise.logprobs(logits, tokens, vocab_size, temperature)
 
 
-def _values(t: torch.Tensor) -> bytes:
+def value_key(t: torch.Tensor) -> bytes:
     """A tensor's values as a plan-cache key (a caller may pass new tensors, or change its own in place)."""
     return t.detach().cpu().numpy().tobytes()

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from tonpolicy.kernels.invariant import value_key
+
 
 def _linear_grads(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     x, w = ctx.saved_tensors
@@ -133,7 +135,7 @@ def attention_grads(
     dq = q.new_empty(b, hkv, g, n, d, dtype=torch.float32)
     dk, dv = dq.new_zeros(b, hkv, n, d), dq.new_zeros(b, hkv, n, d)
     block = max(1, GRAD_BLOCK // n)
-    values = (positions.shape, positions.dtype, positions.device, positions.detach().cpu().numpy().tobytes())
+    values = (positions.shape, positions.dtype, positions.device, value_key(positions))
     for a in range(0, n, block):
         e = min(n, a + block)
         rows = g * (e - a)
