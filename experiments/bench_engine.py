@@ -5,8 +5,9 @@ median of `--repeats` is kept, so machine noise hits both alike. Prefill tokens/
 max_new_tokens=1 (one prefill step per request); decode tokens/s from the extra time of runs with
 max_new_tokens=1+G over the prefill-only run of the same repeat. Ratios are contract time / default time
 (>1: contract is slower). Also measured: the bytes each bf16 model holds (weights, the copies its kernels
-keep, a KV pool of fixed size), decode time per token at growing contexts (one request), and where the
-contract's time goes, per kernel op.
+keep, a KV pool of fixed size), decode time per token at growing contexts (one request), the decode of
+one request alone (what one stream of a server sees: its per-op times, and its 4-row GEMM tile against
+a 1-row linear), and where the contract's time goes, per kernel op.
 Every target of issue 13 is printed as measured / target; results/bench_engine.json gets it all.
 
     .venv/bin/python experiments/bench_engine.py [--models tiny,large] [--dtypes bfloat16,float32]
@@ -159,7 +160,44 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
         out["bf16_logits_decode_ratio"] = out["default_decode_tok_s"] / out[f"{BF16_LOGITS}_decode_tok_s"]
         out["bf16_logits_memory_ratio"] = memory[BF16_LOGITS] / memory["default"]
     out["profile"] = {k: {"prefill": breakdown(m, pre), "full": breakdown(m, full)} for k, m in models.items()}
+    out["one_request"] = one_request(models, cfg, w["prompt"], w["gen"], repeats)
     return out
+
+
+def one_request(models: dict[str, Qwen3], cfg: ModelConfig, prompt: int, gen: int, repeats: int) -> dict:
+    """Decode of a single request (what one stream of a server sees): ms per decode step for each kernel
+    set (alternated per repeat, prefill-only run subtracted), and the ms per step of each kernel op."""
+    pre, full = _requests(cfg, 1, prompt, 1), _requests(cfg, 1, prompt, 1 + gen)
+    per_step: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(repeats):
+        for k, m in models.items():
+            per_step[k].append((_time(m, full, min_s=MIN_MEASURE_S) - _time(m, pre, min_s=MIN_MEASURE_S)) / gen)
+    out: dict = {"decode_ms": {k: statistics.median(t) * 1e3 for k, t in per_step.items()}, "op_ms": {}}
+    for k, m in models.items():
+        total = _time(m, full, min_s=MIN_MEASURE_S)
+        out["op_ms"][k] = {n: share * total / (gen + 1) * 1e3 for n, share in breakdown(m, full).items()}
+    out["decode_ratio"] = out["decode_ms"]["invariant"] / out["decode_ms"]["default"]
+    if BF16_LOGITS in models:
+        out["bf16_logits_decode_ratio"] = out["decode_ms"][BF16_LOGITS] / out["decode_ms"]["default"]
+    out["row_tile"] = row_tile_cost(cfg, next(iter(models.values())).dtype)
+    return out
+
+
+def row_tile_cost(cfg: ModelConfig, dtype: torch.dtype, calls: int = 200) -> dict:
+    """Why one request costs more: the contract runs a lone decode row as a GEMM of 4 rows (the row
+    granule whose bits are row-count invariant; 1-3 rows take a gemv path with other bits). Times one
+    MLP-sized weight [intermediate, hidden] as plain 1-row `F.linear` vs the 4-row GEMM, in us."""
+    w = torch.randn(cfg.intermediate_size, cfg.hidden_size).to(dtype)
+    x = torch.randn(4, cfg.hidden_size).to(dtype)
+    cost: dict = {"weight": list(w.shape)}
+    for name, rows in (("gemv_1_row_us", x[:1]), ("gemm_4_rows_us", x)):
+        for _ in range(10):
+            torch.mm(rows, w.t())
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            torch.mm(rows, w.t())
+        cost[name] = (time.perf_counter() - t0) / calls * 1e6
+    return cost
 
 
 def context_scaling(name: str, dtype: torch.dtype, contexts: list[int], repeats: int, gen: int = 16) -> dict:
@@ -212,10 +250,23 @@ def main() -> None:
             )
             prof = r["profile"]["invariant"]["full"]
             print("    contract, where the time goes: " + ", ".join(f"{n} {s:.0%}" for n, s in prof.items()))
+            one = r["one_request"]
+            ms = ", ".join(f"{k} {t:.1f}" for k, t in one["decode_ms"].items())
+            ops = one["op_ms"]
+            by_op = ", ".join(f"{n} {t:.2f}/{ops['default'].get(n, 0.0):.2f}" for n, t in ops["invariant"].items())
+            tile = one["row_tile"]
+            print(f"    one request, ms per decode step: {ms} (ratio {one['decode_ratio']:.2f}x)")
+            print(f"    one request, ms per step by op (contract/plain): {by_op}")
+            print(
+                f"    one row as the 4-row GEMM tile: {tile['gemm_4_rows_us']:.0f} us vs 1-row linear "
+                f"{tile['gemv_1_row_us']:.0f} us ({tuple(tile['weight'])} weight)"
+            )
             checks.append(
                 Check(f"engine {name} {short} prefill, contract/plain time", r["prefill_ratio"], ENGINE_RATIO)
             )
             checks.append(Check(f"engine {name} {short} decode, contract/plain time", r["decode_ratio"], ENGINE_RATIO))
+            label = f"engine {name} {short} decode at one request, contract/plain time"
+            checks.append(Check(label, r["one_request"]["decode_ratio"], ENGINE_RATIO))
             if dtype == torch.bfloat16:
                 checks.append(Check(f"memory {name} bf16, contract/plain bytes", r["memory_ratio"], MEMORY_RATIO))
                 print(
@@ -224,6 +275,8 @@ def main() -> None:
                 )
                 label = f"engine {name} bf16 decode, contract (logits_dtype=bfloat16)/plain time"
                 checks.append(Check(label, r["bf16_logits_decode_ratio"], ENGINE_RATIO))
+                label = f"engine {name} bf16 decode at one request, contract (logits_dtype=bfloat16)/plain time"
+                checks.append(Check(label, r["one_request"]["bf16_logits_decode_ratio"], ENGINE_RATIO))
     if args.context_model:
         contexts = [int(c) for c in args.contexts.split(",")]
         dtype = getattr(torch, args.dtypes.split(",")[0])

@@ -8,7 +8,8 @@ the SGLang environment's Python, so they share one torch build), warmed up, then
 HTTP client at 1, 8 and 32 concurrent streams (8-token prompts, `--gen` new tokens, sampling at T=1;
 the median of 3 rounds per cell).
 Prints tokens/s per server and concurrency and the ratios against stock SGLang, measured in one run,
-and the target (embedded server with contract kernels >= 1.0x stock SGLang) as measured / target;
+and the target (embedded server with contract kernels >= 1.0x stock SGLang) as measured / target, in
+bf16 also against stock SGLang with `--enable-fp32-lm-head` (the contract's default logits precision);
 results/bench_sglang.json gets the numbers. Without the SGLang environment (scripts/setup_sglang.sh) it
 says so and compares nothing.
 """
@@ -53,6 +54,10 @@ ROUNDS = 3
 # The embedded server under the contract with contract.logits_dtype=bfloat16: logits from the native bf16
 # GEMM, the precision stock SGLang's LM head has (measured beside the default fp32 logits, bf16 only).
 BF16_LOGITS = "embedded (bf16 logits)"
+# Stock SGLang with its own `--enable-fp32-lm-head`: the logits precision the contract's default
+# (contract.logits_dtype=float32) gives, so the like-for-like baseline for it (bf16 only; an fp32 model's
+# LM head is fp32 anyway).
+FP32_LM_HEAD = "sglang (fp32 LM head)"
 
 
 def server_command(
@@ -98,7 +103,7 @@ def server_command(
             f"rollout.skip_tokenizer_init={not text}",
         ]
     )
-    argv = sglang_argv(cfg, str(ckpt), "cpu", port)
+    argv = sglang_argv(cfg, str(ckpt), "cpu", port) + (["--enable-fp32-lm-head"] if kind == FP32_LM_HEAD else [])
     return argv, {**environment(cfg, "cpu"), **server_environment(cfg, "cpu", identity(cfg.contract).fingerprint)}
 
 
@@ -171,7 +176,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes.split(","):
             short = "bf16" if dtype == "bfloat16" else "fp32"
-            kinds = base_kinds + ((BF16_LOGITS,) if dtype == "bfloat16" else ())
+            kinds = base_kinds + ((BF16_LOGITS, FP32_LM_HEAD) if dtype == "bfloat16" else ())
             for name in args.models.split(","):
                 cfg = MODELS[name]
                 ckpt = Path(tmp) / f"{name}_{dtype}"
@@ -190,15 +195,16 @@ def main() -> None:
                 for k in kinds:
                     cells = [f"{results[k][c]:.0f} ({results[k][c] / results['sglang'][c]:.2f}x)" for c in CONCURRENCY]
                     print(f"| {k} | " + " | ".join(cells) + " |")
-                for kind, label in (
-                    ("embedded", "embedded (contract)"),
-                    (BF16_LOGITS, "embedded (contract, bf16 logits)"),
+                for kind, label, base, base_label in (
+                    ("embedded", "embedded (contract)", "sglang", "stock SGLang"),
+                    (BF16_LOGITS, "embedded (contract, bf16 logits)", "sglang", "stock SGLang"),
+                    ("embedded", "embedded (contract)", FP32_LM_HEAD, "stock SGLang --enable-fp32-lm-head"),
                 ):
-                    for c in CONCURRENCY if kind in results else ():
+                    for c in CONCURRENCY if kind in results and base in results else ():
                         checks.append(
                             Check(
-                                f"{label} / stock SGLang tok/s, {name} {short}, {c} concurrent",
-                                results[kind][c] / results["sglang"][c],
+                                f"{label} / {base_label} tok/s, {name} {short}, {c} concurrent",
+                                results[kind][c] / results[base][c],
                                 SGLANG_RATIO,
                                 at_most=False,
                             )
