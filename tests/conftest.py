@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import tonpolicy  # noqa: F401  (sets the CPU GEMM settings before any test's first GEMM: tonpolicy.cpu_numerics)
+
 # Tests must not reach W&B's servers.
 os.environ.setdefault("WANDB_MODE", "offline")
 # Without a GPU the `triton` kernel set runs in Triton's interpreter (set before Triton is imported:

@@ -322,14 +322,18 @@ def test_batched_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
 
 
 def test_score_gemm_rows_need_no_padding_for_low_precision_operands():
-    """Why decode computes its scores from the real query rows only (`trim_rows`), with bf16/fp16 q and
-    keys: products of such operands are exact in fp32, and the score GEMM ([R, D] x [D, N]) gives every
-    row the same bits for 1-3 rows as for 4 or more, at every head dim, key count, batch and thread count.
-    Its controls: with fp32 operands 1-3 rows give other bits (the products round differently), and so
-    does p @ v ([R, T] x [T, D]) even with exact products, which is why p keeps its padded rows."""
+    """Why decode computes its scores from the real query rows only (`trim_rows`, at least 2), with
+    bf16/fp16 q and keys: products of such operands are exact in fp32, and the score GEMM ([R, D] x [D, N])
+    gives every row the same bits for 2-3 rows as for 4 or more, at every head dim, key count, batch and
+    thread count. A lone row is not trimmed to: it gave the same bits on an AVX512 CPU, other bits under
+    the AMX CPU's GEMM settings (tonpolicy.cpu_numerics: MKL's strict mode takes a GEMV path for 1 row).
+    Its controls (the property is not trivially true; which one shows depends on the CPU): on the AVX512
+    CPU, with fp32 operands 2 rows give other bits (the products round differently), and so does p @ v
+    ([R, T] x [T, D]) even with exact products, which is why p keeps its padded rows; under the AMX CPU's
+    settings those agree, and a lone row of exact products differs."""
     gen = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
-    differs = {"fp32 scores": 0, "p @ v": 0}
+    differs = {"fp32 scores": 0, "p @ v": 0, "one row": 0}
     try:
         for th in (1, 2):
             torch.set_num_threads(th)
@@ -338,8 +342,9 @@ def test_score_gemm_rows_need_no_padding_for_low_precision_operands():
                     k = torch.randn(b, d, n, generator=gen).to(low).float()
                     rows = torch.randn(b, 4, d, generator=gen).to(low).float()
                     ref = torch.bmm(rows, k)
-                    for r in (1, 2, 3):
+                    for r in (2, 3):
                         assert torch.equal(torch.bmm(rows[:, :r].contiguous(), k), ref[:, :r]), (d, n, b, r, th)
+                    differs["one row"] += not torch.equal(torch.bmm(rows[:, :1].contiguous(), k), ref[:, :1])
                 k32, rows32 = torch.randn(b, d, n, generator=gen), torch.randn(b, 4, d, generator=gen)
                 ref32 = torch.bmm(rows32, k32)
                 differs["fp32 scores"] += not torch.equal(torch.bmm(rows32[:, :2].contiguous(), k32), ref32[:, :2])
@@ -348,7 +353,7 @@ def test_score_gemm_rows_need_no_padding_for_low_precision_operands():
                 differs["p @ v"] += not torch.equal(torch.bmm(p[:, :2].contiguous(), v), torch.bmm(p, v)[:, :2])
     finally:
         torch.set_num_threads(threads)
-    assert all(differs.values()), differs  # the controls: the property is not trivially true
+    assert any(differs.values()), differs  # the controls: the property is not trivially true
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

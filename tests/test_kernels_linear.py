@@ -9,6 +9,7 @@ import pytest
 import torch
 from kernel_utils import DTYPES, num_threads, randn
 
+from tonpolicy.cpu_numerics import amx_settings_active
 from tonpolicy.kernels import get_kernels, padded_vocab_size
 
 # (K, N) pairs: the tiny profile, the hidden-1024 bench profile, and larger/odd widths.
@@ -122,14 +123,16 @@ def test_linear_accuracy_fp32_accumulation():
 
 
 def test_default_linear_is_not_row_invariant():
-    """Negative control: plain F.linear results for a row depend on the batch."""
+    """Negative control: plain F.linear results for a row depend on the batch. Under the AMX CPU's
+    settings (tonpolicy.cpu_numerics) plain F.linear was measured row-invariant too, and is checked to be;
+    the contract's need for them there is test_cpu_numerics' control."""
     k = get_kernels("default")
     mismatches = 0
     for si, (kk, n) in enumerate(SHAPES):
         x = randn(64, kk, seed=si)
         w = randn(n, kk, seed=9 + si, std=kk**-0.5)
         mismatches += int(not torch.equal(k.linear(x[:1], w), k.linear(x, w)[:1]))
-    assert mismatches > 0
+    assert mismatches == 0 if amx_settings_active() else mismatches > 0
 
 
 def test_padded_vocab_size():
@@ -311,7 +314,8 @@ def test_fp32_gemm_on_a_bf16_weight_goes_by_slabs():
     w = randn(1030, 128, dtype=torch.bfloat16, seed=2, std=0.1)
     whole = invariant_linear.tiled_partials(x, w, 1, 4, 512, fp32=True)
     narrow = invariant_linear.tiled_partials(x, w[1024:], 1, 4, 512, fp32=True)  # a 6-column GEMM
-    assert not torch.equal(narrow, whole[..., 1024:])
+    # (under the AMX CPU's settings MKL's strict mode gives a narrow GEMM the same bits: checked to be so)
+    assert torch.equal(narrow, whole[..., 1024:]) == amx_settings_active()
 
 
 def test_small_weights_take_one_bmm_with_the_same_bits(monkeypatch):

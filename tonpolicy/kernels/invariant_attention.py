@@ -247,7 +247,9 @@ def plan_attention(
         seen = (tile_min <= row_pos.max()).nonzero()
         n = int(seen[-1]) + 1 if seen.numel() else 1
         ends = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
-        real = (max(0, min(q1, nq) - q0) if trim else q1 - q0) * g
+        real = (q1 - q0) * g
+        if trim:  # the real queries' rows, and never a lone row (`trim_rows`)
+            real = min(real, max(max(0, min(q1, nq) - q0) * g, MIN_TRIMMED_ROWS))
         spans = [_mask(row_pos[:, :real], keys.pos[:, a:e], a, e, inplace) for a, e in ends]
         blocks.append(_Block(q0, q1, spans, real))
     return Plan(nqp, blocks, whole, inplace, trim)
@@ -347,11 +349,17 @@ def _blocks(nqp: int, step: int, keys: Keys, g: int, batch: int, d: int):
     return [(q0, min(nqp, q0 + block)) for q0 in range(0, nqp, block)]
 
 
+# The fewest rows a trimmed score GEMM takes: 1 row takes a GEMV path with other bits under the AMX
+# CPU's GEMM settings (tonpolicy.cpu_numerics); 2 and 3 rows gave the 4-row bits on every CPU measured.
+MIN_TRIMMED_ROWS = 2
+
+
 def trim_rows(q_dtype: torch.dtype, key_dtype: torch.dtype, inplace: bool) -> bool:
-    """Whether the score GEMM may take only the real queries' rows (1-3 rows for one decode query):
-    when q and the keys are bf16/fp16, every product is exact in fp32, and the score GEMM's row bits were
-    measured independent of its row count down to 1 row (with fp32 operands, 1-3 rows fuse the products
-    otherwise: other bits). p @ v keeps its padded rows (its 1-3 row path differs even so)."""
+    """Whether the score GEMM may take only the real queries' rows (2-3 rows for one decode query, at
+    least MIN_TRIMMED_ROWS): when q and the keys are bf16/fp16, every product is exact in fp32, and the
+    score GEMM's row bits were measured independent of its row count down to 2 rows (with fp32 operands,
+    fewer rows fuse the products otherwise: other bits). p @ v keeps its padded rows (its 1-3 row path
+    differs even so)."""
     return inplace and q_dtype in LOW_PRECISION and key_dtype in LOW_PRECISION
 
 

@@ -16,6 +16,7 @@ from tonpolicy.config.schema import Config
 from tonpolicy.config.sizes import microbatches_per_replica, padded_seq_len, seq_pad_multiple, world_size
 from tonpolicy.contract.identity import identity, kernel_params
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, layer_spec, transformer_kwargs
+from tonpolicy.cpu_numerics import cpu_numerics_env
 from tonpolicy.rollout.sglang_env import (
     CPU_MAX_TOTAL_TOKENS,
     server_environment,
@@ -149,7 +150,7 @@ CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRES
 def environment(cfg: Config, device: str) -> dict[str, str]:
     env = {"PYTHONHASHSEED": str(cfg.experiment.seed)}
     if device == "cpu":
-        env |= CPU_ALLOCATOR_ENV
+        env |= CPU_ALLOCATOR_ENV | cpu_numerics_env()
     if device == "cuda":
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
         if cfg.contract.exact_zero:
