@@ -14,6 +14,7 @@ user set is kept), and the launch plan's environment carries them to processes t
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from pathlib import Path
 AMX_SETTINGS = {"MKL_CBWR": "AUTO,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
 
 
+@functools.cache  # the CPU does not change under a process: read its flags once (plans, tests ask often)
 def has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether this CPU has AMX tiles (Linux's CPU flags; False where they cannot be read)."""
     try:
