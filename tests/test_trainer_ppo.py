@@ -1,7 +1,7 @@
 """One PPO/GRPO step through megatron's schedules, DDP and optimizer at several layouts on the same
 batch (fp32, kernel spec). Before the update the trainer reproduces the rollout exactly (ratio 1,
-zero train/rollout diff); grad_norm is bitwise equal to TP1's at PP2 and CP2-Ulysses, within 1e-6 relative
-at CP2-ring and 1e-5 at TP2/TP4 (backward reductions are not under the contract). The
+zero train/rollout diff); grad_norm agrees with TP1's within 1e-6 relative at PP2 and CP2 and 1e-5 at
+TP2/TP4 (backward reductions are not under the contract). The
 off_policy control shows a non-zero train/rollout diff."""
 
 from __future__ import annotations
@@ -70,10 +70,13 @@ def test_ppo_step_two_ranks(batch: tuple) -> None:
     by = {str(r["layout"]): r for r in res}
     for name, r in by.items():
         print(name, "grad_norm", repr(r["grad_norm"]), "step_s", round(r["step_s"], 3))
-    for name in ("pp2", "cp2_ulysses"):
-        assert by[name]["grad_norm"] == ref["grad_norm"], name  # bitwise: same backward, same order
-    # Ring CP computes the attention gradient blockwise round the ring (another summation order).
-    assert abs(by["cp2_ring"]["grad_norm"] / ref["grad_norm"] - 1) < 1e-6
+    # The backward is not under the contract, and the layouts sum gradients in other orders: TP1 here is
+    # two data-parallel replicas (samples [0, 2] and [1, 3], then the all-reduce), PP2 and CP2 one replica
+    # over all four; PP adds the tied embedding's two contributions across stages; ring CP computes the
+    # attention gradient blockwise. So grad_norm agrees to fp32 rounding, not bit for bit (on an AVX512
+    # CPU the fp32 norm happened to round alike at PP2 and CP2-Ulysses; on an AMX CPU it does not).
+    for name in ("pp2", "cp2_ulysses", "cp2_ring"):
+        assert abs(by[name]["grad_norm"] / ref["grad_norm"] - 1) < 1e-6, name
     for name, r in by.items():
         # After the Adam step the weights agree to fp32 rounding (grad summation order differs, e.g. the
         # tied embedding's two contributions under PP); the new logprobs agree closely.
