@@ -7,8 +7,11 @@ process; the two alternate for `--rounds` rounds and each cell keeps its median,
 both alike. Measured per side: plain GEMMs of an MLP-sized weight at 1, 4, 64 and 512 rows (fp32 and
 bf16), and the engine's prefill and decode tokens/s of the hidden-1024 model under the contract
 (`invariant`) and the plain (`default`) kernels. Ratios are time under the settings / time under the
-defaults (>1: the settings cost). On a CPU without AMX tonpolicy sets nothing; the script still runs
-both sides (the variables act on any CPU), but its numbers answer the question only on an AMX CPU.
+defaults (>1: the settings cost). Also measured, under each side: whether a bf16 GEMM's row bits depend
+on the row count (rows 4..128 vs the same rows among 512) and on the thread count (1 vs 2) — why the
+contract cannot simply keep AMX on and pad every GEMM to one fixed row count. On a CPU without AMX
+tonpolicy sets nothing; the script still runs both sides (the variables act on any CPU), but its numbers
+answer the question only on an AMX CPU.
 
     .venv/bin/python experiments/bench_cpu_numerics.py [--rounds 3] [--threads 1]
 """
@@ -45,6 +48,30 @@ def _gemm_us(rows: int, dtype: object, weight: object, min_s: float = 0.3) -> fl
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+PROBE_SHAPES = ((3072, 1024), (1024, 3072), (2048, 1024), (4096, 4096))  # [N, K] of a bf16 weight
+
+
+def bf16_bits_probe() -> dict:
+    """Per weight shape: the row counts (multiples of 4 up to 128) whose rows differ from the same rows in
+    a 512-row GEMM, and whether a 64-row GEMM's bits change with 2 threads instead of 1."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for n, k in PROBE_SHAPES:
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(512, k, generator=g).bfloat16()
+        ref = torch.mm(x, w.t())
+        rows = [m for m in range(4, 129, 4) if not torch.equal(torch.mm(x[:m], w.t()), ref[:m])]
+        before = torch.get_num_threads()
+        one = torch.mm(x[:64], w.t())
+        torch.set_num_threads(2)
+        two = torch.mm(x[:64], w.t())
+        torch.set_num_threads(before)
+        out[f"{n}x{k}"] = {"row_counts_that_differ": rows, "threads_change_bits": not torch.equal(one, two)}
+    return out
+
+
 def measure(threads: int) -> dict:
     """One side's numbers, in this process (run under that side's environment)."""
     import torch
@@ -55,7 +82,7 @@ def measure(threads: int) -> dict:
     from tonpolicy.model import Qwen3, init_state_dict
 
     torch.set_num_threads(threads)
-    cfg, out = CPU_1024, {"gemm_us": {}, "engine": {}}
+    cfg, out = CPU_1024, {"gemm_us": {}, "engine": {}, "bf16_bits": bf16_bits_probe()}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         w = torch.randn(cfg.intermediate_size, cfg.hidden_size).to(dtype)
         for rows in GEMM_ROWS:
@@ -119,8 +146,23 @@ def main() -> None:
             d, s = med["defaults"][group][k], med["amx_settings"][group][k]
             unit = "us" if group == "gemm_us" else "s"
             print(f"    {k:28s} {v:5.2f}x  ({d:.4g} -> {s:.4g} {unit})")
+    bits = {side: rs[0]["bf16_bits"] for side, rs in runs.items()}
+    print("  bf16 GEMM bits [N x K]: row counts (4..128) whose rows differ from a 512-row GEMM; 1 vs 2 threads")
+    for side, per in bits.items():
+        for shape, b in per.items():
+            print(
+                f"    {side:13s} {shape:10s} rows {b['row_counts_that_differ'] or 'none'}; "
+                f"threads change bits: {b['threads_change_bits']}"
+            )
     out = RESULTS / "bench_cpu_numerics.json"
-    data = {"has_amx": has_amx(), "sides": SIDES, "work": ENGINE_WORK, "median": med, "ratios": ratios}
+    data = {
+        "has_amx": has_amx(),
+        "sides": SIDES,
+        "work": ENGINE_WORK,
+        "median": med,
+        "ratios": ratios,
+        "bf16_bits": bits,
+    }
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -54,6 +54,8 @@ def test_settings_only_on_amx_and_a_users_value_is_kept(monkeypatch: pytest.Monk
     monkeypatch.setattr(cpu_numerics, "has_amx", lambda: True)
     assert environment(compose_config([]), "cpu").items() >= cpu_numerics.AMX_SETTINGS.items()
     assert not set(cpu_numerics.AMX_SETTINGS) & set(environment(compose_config([]), "cuda"))
+    # Without the contract (stock SGLang, the off_policy control) the libraries keep their fast paths.
+    assert not set(cpu_numerics.AMX_SETTINGS) & set(environment(compose_config(["contract=off_policy"]), "cpu"))
     monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     assert cpu_numerics.pin_cpu_numerics() == {"MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}

@@ -150,7 +150,11 @@ CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRES
 def environment(cfg: Config, device: str) -> dict[str, str]:
     env = {"PYTHONHASHSEED": str(cfg.experiment.seed)}
     if device == "cpu":
-        env |= CPU_ALLOCATOR_ENV | cpu_numerics_env()
+        env |= CPU_ALLOCATOR_ENV
+        if cfg.contract.exact_zero:
+            # The contract's GEMM settings cost an AMX CPU's bf16 GEMM up to ~4x (experiments/
+            # bench_cpu_numerics.py); a server without the contract (stock SGLang) runs as it comes.
+            env |= cpu_numerics_env()
     if device == "cuda":
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
         if cfg.contract.exact_zero:
