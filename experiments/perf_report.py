@@ -17,6 +17,9 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 
 
+CPU_KIND = {True: " with AMX (tonpolicy's GEMM settings on)", False: " without AMX"}  # unrecorded: nothing
+
+
 def load() -> dict[str, dict]:
     return {b: json.loads((RESULTS / f"{b}.json").read_text()) for b in BENCHES if (RESULTS / f"{b}.json").exists()}
 
@@ -31,7 +34,9 @@ def table(results: dict[str, dict]) -> str:
             result = "pass" if c["passed"] else "miss"
             rows.append(f"| {c['name']} | {c['measured']:.2f} | {sign} {c['target']:.2f} | {result} |")
     machines = {
-        f"{b['machine']['cpu']}, {b['machine']['cores']} cores, torch {b['machine']['torch']}" for b in results.values()
+        f"{b['machine']['cpu']}{CPU_KIND.get(b['machine'].get('amx'), '')}, {b['machine']['cores']} cores, "
+        f"torch {b['machine']['torch']}"
+        for b in results.values()
     }
     dates = sorted(b["date"] for b in results.values())
     source = ", ".join(f"`experiments/{b}.py`" for b in results)

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from tonpolicy.cpu_numerics import has_amx
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 ENGINE_RATIO = 1.2  # embedded engine, contract time / plain time (prefill and decode)
@@ -66,6 +68,8 @@ def report(bench: str, checks: list[Check], data: dict[str, Any]) -> Path:
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
             "torch": torch.__version__,
+            # An AMX CPU runs under tonpolicy's GEMM settings (tonpolicy/cpu_numerics.py): other speeds.
+            "amx": has_amx(),
         },
         "checks": [asdict(c) | {"passed": c.passed} for c in checks],
         "data": data,

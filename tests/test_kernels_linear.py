@@ -247,6 +247,25 @@ def test_gemm_row_tile_sizes_give_same_bits(dtype):
     assert not all(torch.equal(r, tiled_partials(x, w, 1, 16)[:, i : i + 1]) for i, r in enumerate(one_row))
 
 
+def test_bf16_tail_padding_follows_the_cpu():
+    """Under an AMX CPU's settings (tonpolicy.cpu_numerics) oneDNN's capped bf16 GEMM gives a row the same
+    bits at any row count from 2 on, so the contract pads a 1-3 row tail to at least 2 rows there, not to
+    4 (decode of one request: ~22% less per bf16 linear). Control: 1 row alone (a GEMV) differs, for this
+    weight, which is why the floor is 2. Other CPUs keep the multiple-of-4 granule."""
+    from tonpolicy.kernels import invariant_linear as il
+
+    assert il._under_amx_settings() == amx_settings_active()
+    if not amx_settings_active():
+        return  # nothing else changes there: the granule tests above hold as they are
+    x = randn(64, 4096, dtype=torch.bfloat16, seed=5)
+    w = randn(4096, 4096, dtype=torch.bfloat16, seed=6, std=4096**-0.5)
+    ref = il.tiled_partials(x, w, 1, 4, 512)[0]  # one 64-row GEMM
+    for m in (1, 2, 3, 5, 6, 7):
+        assert torch.equal(torch.mm(x[:m], w.t()), ref[:m]) == (m > 1), m
+        assert torch.equal(il.tiled_partials(x[:m], w, 1, 4, 512)[0], ref[:m]), m
+        assert torch.equal(il.tiled_partials(x[: 64 - m], w, 1, 4)[0], ref[: 64 - m]), m  # 4-row tiles + tail
+
+
 def test_bf16_linear_is_one_rounding_of_an_fp32_accumulation():
     """bf16 operands take the native bf16 GEMM: products exact, fp32 accumulation, one rounding. So the
     result is within one bf16 rounding (plus fp32 summation error) of the exact product, and the LM head

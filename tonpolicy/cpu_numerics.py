@@ -9,7 +9,13 @@ paths there, and oneDNN's bf16 GEMM runs AMX tiles for some row counts only. On 
 conditional-numerical-reproducibility mode and oneDNN capped below AMX restore them (the same host: the
 invariance tests pass, the default job holds exact zero for 24 steps in fp32 at TP1 and bf16 at TP2).
 Both libraries read these variables at their first call, so importing tonpolicy sets them (a value the
-user set is kept), and the launch plan's environment carries them to processes that start elsewhere.
+user set is kept), and the launch plan's environment carries them to the processes of a job under the
+contract (a server without it, stock SGLang, keeps the libraries' fast paths).
+Their cost there (experiments/bench_cpu_numerics.py): oneDNN's bf16 GEMM below AMX is ~3.5-4.5x slower at
+64-512 rows, so bf16 prefill ~3.3x (contract) and ~5x (plain kernels) slower; fp32 is unaffected. AMX stays
+off because no fixed padding rule recovers the bits with it: a bf16 GEMM's row bits there depend on the
+row count in a shape-dependent way (for some weights every count up to 128 differs from 512) and, for
+small-N/large-K weights, on the thread count.
 """
 
 from __future__ import annotations

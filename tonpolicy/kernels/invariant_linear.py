@@ -16,12 +16,22 @@ of the weight at a time: no fp32 copy of any weight is kept).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from tonpolicy.cpu_numerics import amx_settings_active
 
 # Output columns per upcast slab of a low-precision weight in an fp32 GEMM: the slab ([slab, K] fp32)
 # stays in cache, so the GEMM reads the weight's own bytes once instead of an fp32 copy twice as large.
 WEIGHT_SLAB = 1024
+# Under an AMX CPU's GEMM settings (tonpolicy.cpu_numerics) oneDNN's bf16 GEMM gives the same row bits for
+# any row count from 2 on, not only multiples of 4 (1 row takes a GEMV path with other bits for large
+# weights): measured, tests/test_kernels_linear.py. A lone decode row costs 2 rows there, not 4 (-22%).
+AMX_BF16_MIN_ROWS = 2
+# Read once: the GEMM libraries read the settings at their first call, so a process keeps what it began with.
+_under_amx_settings = functools.cache(amx_settings_active)
 # Weights of at most this many elements take `_bf16_small_weight` (bf16, no autograd): measured faster up
 # to 128 x 384, slower from 256 x 512 on.
 SMALL_WEIGHT = 1 << 16
@@ -106,6 +116,8 @@ def tiled_partials(
     m_big = (m // big) * big
     m_pad = max(m_big + -(-(m - m_big) // row_granule) * row_granule, row_granule)
     if not fp32 and x.dtype == weight.dtype == torch.bfloat16:
+        if _under_amx_settings():  # any row count from 2 on gives the same row bits there: pad less
+            m_pad = m_big + max(m - m_big, AMX_BF16_MIN_ROWS) if m > m_big else max(m, AMX_BF16_MIN_ROWS)
         x2 = x.reshape(-1, k)
         if m_pad != m:
             x2 = F.pad(x2, (0, 0, 0, m_pad - m))
