@@ -33,14 +33,14 @@ def table(results: dict[str, dict]) -> str:
             sign = "<=" if c["at_most"] else ">="
             result = "pass" if c["passed"] else "miss"
             rows.append(f"| {c['name']} | {c['measured']:.2f} | {sign} {c['target']:.2f} | {result} |")
-    machines = {
-        f"{b['machine']['cpu']}{CPU_KIND.get(b['machine'].get('amx'), '')}, {b['machine']['cores']} cores, "
-        f"torch {b['machine']['torch']}"
-        for b in results.values()
-    }
-    dates = sorted(b["date"] for b in results.values())
-    source = ", ".join(f"`experiments/{b}.py`" for b in results)
-    note = f"Measured by {source} ({', '.join(sorted(machines))}; {dates[0]} to {dates[-1]})."
+
+    def machine(b: dict) -> str:
+        m = b["machine"]
+        return f"{m['cpu']}{CPU_KIND.get(m.get('amx'), '')}, {m['cores']} cores, torch {m['torch']}"
+
+    # Each benchmark with its own machine and date: the results may come from different hosts.
+    parts = [f"`experiments/{name}.py` ({machine(b)}; {b['date']})" for name, b in results.items()]
+    note = "Measured by " + ", ".join(parts) + "."
     return "\n".join(rows) + "\n\n" + note + "\n"
 
 
