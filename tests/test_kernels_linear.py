@@ -90,6 +90,61 @@ def test_row_parallel_canonical_shards(dtype):
             )
 
 
+def _row_parallel_rank(cases: list[tuple[str, torch.dtype, int]]) -> list[bool]:
+    """One TP rank of a row-parallel linear over gloo, per (kernel set, dtype, canonical shards): its
+    consecutive K-shards' partials combined across the group; whether every rank got the TP=1 bits."""
+    import torch.distributed as dist
+
+    from tonpolicy.kernels.row_parallel import combine_row_parallel
+
+    dist.init_process_group("gloo")
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    ok = []
+    for kernel_set, dtype, shards in cases:
+        k = get_kernels(kernel_set, canonical_shards=shards) if kernel_set == "invariant" else get_kernels(kernel_set)
+        same = True
+        for si, (kk, n) in enumerate(SHAPES[:4]):
+            x = randn(19, kk, dtype=dtype, seed=si)
+            w = randn(n, kk, dtype=dtype, seed=90 + si, std=kk**-0.5)
+            c = kk // tp
+            mine = k.linear_partials(x[:, rank * c : (rank + 1) * c], w[:, rank * c : (rank + 1) * c], shards // tp)
+            same &= torch.equal(combine_row_parallel(k, mine, dtype, dist.group.WORLD), k.linear_k_sharded(x, w))
+        every: list[bool] = [False] * tp
+        dist.all_gather_object(every, same)
+        ok.append(all(every))
+    return ok
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_row_parallel_combine_across_gloo_ranks(tp):
+    """The row-parallel combine over real gloo ranks (each rank its subtree sum, then one all-reduce at
+    TP=2 or a gather of the subtree sums at TP=4) gives every rank the TP=1 bits, bf16 and fp32; with
+    8 canonical shards too (2 per rank at TP=4). Negative control: the default kernels do not keep TP=1's
+    bits across ranks."""
+    from tonpolicy.trainer.dist import spawn
+
+    cases = [("invariant", d, 4) for d in DTYPES] + [("invariant", torch.float32, 8), ("default", torch.float32, 4)]
+    assert spawn(_row_parallel_rank, tp, cases) == [True] * (len(cases) - 1) + [False]
+
+
+def test_fold_partials_splits_the_tree_at_power_of_two_groups():
+    """A rank's `fold_partials` (its subtree of the pairwise tree) stands in for its partials in
+    `combine_partials`, for 8 shards over 2, 4 and 8 ranks; 3 shards per rank do not split the tree (None).
+    Negative control: a left-to-right sum of the same partials (another order) differs from the tree."""
+    k = get_kernels("invariant")
+    parts = randn(8, 64, 512, dtype=torch.float32, seed=5) * randn(8, 1, 1, dtype=torch.float32, seed=6).exp()
+    whole = k.combine_partials(parts, torch.float32)
+    for ranks in (2, 4, 8):
+        g = 8 // ranks
+        folds = torch.stack([k.fold_partials(parts[r * g : (r + 1) * g]) for r in range(ranks)])
+        assert torch.equal(k.combine_partials(folds, torch.float32), whole), ranks
+    assert k.fold_partials(parts[:3]) is None
+    left = parts[0].clone()
+    for p in parts[1:]:
+        left += p
+    assert not torch.equal(left, whole)
+
+
 def test_combine_tree_order():
     k = get_kernels("invariant")
     p = torch.tensor([[1e8], [1.0], [-1e8], [1.0]], dtype=torch.float32)

@@ -79,6 +79,13 @@ class InvariantKernels:
     def combine_partials(self, partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return tree_sum(partials).to(out_dtype)
 
+    def fold_partials(self, partials: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 tree sum of one rank's consecutive canonical partials, which `combine_partials` takes
+        in their place (the ranks' sums stacked in rank order give the same bits): the pairwise tree
+        splits at groups of a power-of-two size. None where it does not (the partials must travel)."""
+        n = partials.shape[0]
+        return tree_sum(partials) if n & (n - 1) == 0 else None
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return tiled_partials(x, weight, 1, self.row_tile, self.prefill_row_tile)[0].to(x.dtype)
 

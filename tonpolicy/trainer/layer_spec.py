@@ -2,8 +2,8 @@
 numerical op routed to a tonpolicy kernel set (the same functions the rollout model calls).
 
 - column-parallel linears: `kernels.linear` on the local weight (its columns equal the unsharded op's);
-- row-parallel linears: `kernels.linear_partials` over this rank's canonical K-shards, gathered across
-  TP in rank order, `kernels.combine_partials` (fixed tree) -> the same bits at TP=1/2/4;
+- row-parallel linears: `kernels.linear_partials` over this rank's canonical K-shards, combined across
+  TP in the fixed tree (`kernels.row_parallel`) -> the same bits at TP=1/2/4;
 - RMSNorm (incl. QK-norm), SwiGLU, RoPE, core attention: the kernels; context parallel (Ulysses and
   zigzag ring) lives inside the core attention module (megatron's own CP needs TransformerEngine);
 - LM head: a contract column-parallel linear over the TP-independent padded vocab.
@@ -27,9 +27,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from tonpolicy.kernels.row_parallel import combine_row_parallel
 from tonpolicy.trainer import cp as cp_layout
 from tonpolicy.trainer import kernel_autograd
-from tonpolicy.trainer.comm import replicated_all_gather
 from tonpolicy.trainer.cp_attention import batched_attention, context_parallel_attention
 from tonpolicy.trainer.kernel_autograd import KernelLinear
 
@@ -61,9 +61,8 @@ class KernelRowParallelLinear(_TakesKernels, RowParallelLinear):
         group = parallel_state.get_tensor_model_parallel_group()
 
         def canonical(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            # Every rank's canonical K-shard partials, gathered in rank order, one fixed tree sum.
-            stack = replicated_all_gather(self.kernels.linear_partials(x, w, shards // tp), 0, group)
-            return self.kernels.combine_partials(stack, x.dtype)
+            # This rank's canonical K-shard partials, combined across TP in the contract's fixed tree.
+            return combine_row_parallel(self.kernels, self.kernels.linear_partials(x, w, shards // tp), x.dtype, group)
 
         # Every TP rank holds the same y and receives the same dY, so the local gradients need no
         # communication (dX_local = dY W_local, dW_local = dY^T X_local): the plain linear backward.

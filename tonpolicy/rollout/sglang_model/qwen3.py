@@ -4,8 +4,8 @@ Tensor parallelism over SGLang's TP group, the contract way (same as the Megatro
 - q/k/v and gate/up are column shards: `kernels.linear` on the local rows of the weight gives exactly
   those columns of the unsharded result;
 - o_proj and down_proj are row-parallel: each rank computes fp32 partials over its canonical K-shards
-  (`linear_partials`), the partials are gathered in rank order and summed in the contract's fixed
-  tree (`combine_partials`), so TP 1, 2 and 4 give the same bits;
+  (`linear_partials`), combined across ranks in the contract's fixed tree (`kernels.row_parallel`, the
+  trainer's way), so TP 1, 2 and 4 give the same bits;
 - the LM head is a column shard of the padded vocab (padding depends on the canonical shard count,
   never on TP); the fp32 logits are gathered in rank order.
 KV heads are replicated when TP exceeds their number (SGLang's rule), so the pool SGLang sizes for
@@ -24,6 +24,7 @@ from torch import nn
 
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.kernels import get_kernels, padded_vocab_size
+from tonpolicy.kernels.row_parallel import combine_row_parallel
 from tonpolicy.model.checkpoint import config_from_hf
 from tonpolicy.rollout.sglang_model.attention import PooledAttention
 from tonpolicy.rollout.sglang_model.heads import ContractLogitsProcessor, contract_sampler_active
@@ -93,7 +94,7 @@ class Qwen3ForCausalLM(nn.Module):
     def _row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         k = self.kernels
         partials = k.linear_partials(x, weight, k.canonical_shards // self.tp_size)
-        return k.combine_partials(self._gather(partials, 0), x.dtype)
+        return combine_row_parallel(k, partials, x.dtype, self.tp_group if self.tp_size > 1 else None)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._gather(self.kernels.lm_head(hidden, self.lm_head.weight), -1)
