@@ -7,7 +7,7 @@ sampler). SGLang keeps its scheduler, continuous batching, chunked prefill, radi
 server; every numerical op of the model is a call into the contract kernel set:
 
 - `qwen3.py`: the model, TP-sharded over SGLang's TP group (column shards; row-parallel layers as
-  canonical K-shard partials gathered in rank order and summed in the fixed tree);
+  canonical K-shard partials combined across ranks in the fixed tree, `kernels/row_parallel.py`);
 - `attention.py`: split-KV attention reading SGLang's own paged KV pool;
 - `heads.py`: the fp32 LM head over the TP-independent padded vocab, and the sampler that reports
   fp32 log_softmax(logits / T) of the sampled token;
