@@ -225,6 +225,13 @@ class RecordingKernels:
         self._pending = role
         return self._call(role, "linear_partials", x, weight, num_shards)
 
+    def fold_partials(self, partials: torch.Tensor) -> torch.Tensor | None:
+        # Asked between the partials and their combine (kernels/row_parallel): the op's own kernel set
+        # decides whether its tree splits at rank boundaries (a perturbing set without the method does not).
+        ops = () if self._pending is None else self._pending.ops
+        fold = getattr(self._kern(self._layer, *ops), "fold_partials", None)
+        return fold(partials) if fold is not None else None
+
     def combine_partials(self, partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         role, self._pending = self._pending, None
         y = self._call(role, "combine_partials", partials, out_dtype)
