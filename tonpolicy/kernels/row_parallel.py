@@ -7,8 +7,8 @@ its own consecutive canonical shards. Where the kernel set's tree splits at rank
 own subtree first and only the fp32 subtree sums cross ranks: at TP=2 one all-reduce, whose single IEEE
 addition per element gives both ranks the tree's top node (a + b == b + a), at TP=4 a gather of the four
 subtree sums for the tree's last levels. Otherwise every partial is gathered in rank order and combined.
-Measured (experiments/bench_trainer.py, 2-core CPU, gloo): TP2 trainer step 1.17x -> 1.04x stock in
-fp32, 1.15x -> 1.11x in bf16, against gathering every partial.
+Measured (experiments/bench_trainer.py, 2-core CPU, gloo, five runs): TP2 trainer step 1.17x -> 1.04-1.14x
+stock in fp32, 1.15x -> 1.10-1.13x in bf16, against gathering every partial.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import torch.distributed as dist
 from tonpolicy.kernels.base import KernelSet
 
 
-def _gather(x: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(world)]
+def gather_in_rank_order(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim` in rank order (no autograd)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
+    return torch.cat(parts, dim=dim)
 
 
 def combine_row_parallel(
@@ -37,9 +38,9 @@ def combine_row_parallel(
     fold = getattr(kernels, "fold_partials", None)
     local = fold(partials) if fold is not None else None
     if local is None:
-        return kernels.combine_partials(_gather(partials, group, world), out_dtype)
+        return kernels.combine_partials(gather_in_rank_order(partials, group), out_dtype)
     if world == 2:
         local = local.contiguous()
         dist.all_reduce(local, group=group)
         return kernels.combine_partials(local[None], out_dtype)
-    return kernels.combine_partials(_gather(local[None], group, world), out_dtype)
+    return kernels.combine_partials(gather_in_rank_order(local[None], group), out_dtype)

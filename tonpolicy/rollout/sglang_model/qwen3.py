@@ -18,13 +18,12 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from sglang.srt.distributed.parallel_state import get_tp_group
 from torch import nn
 
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.kernels import get_kernels, padded_vocab_size
-from tonpolicy.kernels.row_parallel import combine_row_parallel
+from tonpolicy.kernels.row_parallel import combine_row_parallel, gather_in_rank_order
 from tonpolicy.model.checkpoint import config_from_hf
 from tonpolicy.rollout.sglang_model.attention import PooledAttention
 from tonpolicy.rollout.sglang_model.heads import ContractLogitsProcessor, contract_sampler_active
@@ -87,9 +86,7 @@ class Qwen3ForCausalLM(nn.Module):
     def _gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         if self.tp_size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.tp_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
-        return torch.cat(parts, dim=dim)
+        return gather_in_rank_order(x, self.tp_group, dim)
 
     def _row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         k = self.kernels
