@@ -11,6 +11,7 @@ from kernel_utils import DTYPES, num_threads, randn
 
 from tonpolicy.cpu_numerics import amx_settings_active
 from tonpolicy.kernels import get_kernels, padded_vocab_size
+from tonpolicy.kernels.invariant_linear import SUM_BLOCK, _tree, tree_sum
 
 # (K, N) pairs: the tiny profile, the hidden-1024 bench profile, and larger/odd widths.
 SHAPES = [(128, 256), (128, 2048), (384, 128), (1024, 1024), (1024, 3072), (3072, 1024), (256, 96), (512, 4096)]
@@ -143,6 +144,28 @@ def test_fold_partials_splits_the_tree_at_power_of_two_groups():
     for p in parts[1:]:
         left += p
     assert not torch.equal(left, whole)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_sum_in_row_blocks_keeps_the_bits(dtype):
+    """A long sum runs in row blocks (`SUM_BLOCK`; prefill-sized partials): every element the same as
+    the whole-tensor tree, for 2, 3, 4 and 8 partials, ragged last blocks and leading dims, rounded to
+    bf16 or kept fp32. Negative control: a left-to-right sum of the same fp32 partials differs."""
+    n = 256
+    rows = 3 * (SUM_BLOCK // n) + 37  # blocked (over two blocks), last block ragged
+    for c in (2, 3, 4, 8):
+        parts = randn(c, rows, n, seed=c) * randn(c, 1, 1, seed=20 + c).exp()
+        parts = parts.to(dtype)
+        whole = _tree(parts, False)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(tree_sum(parts, out_dtype), whole.to(out_dtype)), (c, out_dtype)
+        lead = parts.view(c, 1, rows, n)
+        assert torch.equal(tree_sum(lead), whole.view(1, rows, n)), c
+        if dtype == torch.float32 and c > 3:  # 2, 3 partials: the tree is a left fold; sums of bf16 are exact
+            left = parts[0].clone()
+            for p in parts[1:]:
+                left += p
+            assert not torch.equal(left, whole), c
 
 
 def test_combine_tree_order():

@@ -77,7 +77,7 @@ class InvariantKernels:
         return tiled_partials(x, weight, num_shards, self.row_tile, self.prefill_row_tile)
 
     def combine_partials(self, partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return tree_sum(partials).to(out_dtype)
+        return tree_sum(partials, out_dtype)
 
     def fold_partials(self, partials: torch.Tensor) -> torch.Tensor | None:
         """The fp32 tree sum of one rank's consecutive canonical partials, which `combine_partials` takes

@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from tonpolicy.trainer import cp as cp_layout
 from tonpolicy.trainer.dist import device
+from tonpolicy.trainer.layer_spec import lm_head_rows
 from tonpolicy.trainer.logprobs import token_logprobs
 
 LossFn = Callable[["Microbatch", torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
@@ -138,6 +139,13 @@ def local_logprobs(
     return list(lp.split([y["targets"].numel() for y in sliced])), sliced
 
 
+def read_rows(mb: Microbatch) -> torch.Tensor:
+    """Flat indices into the model's [s_local * rows] hidden rows (sequence-major, as Megatron lays
+    them out) of the rows whose logits the loss reads: the ones predicting a response token."""
+    b = mb.tokens.shape[0]
+    return torch.cat([s.rows * b + r for s, r in zip(mb.slices, mb.rows, strict=True)]).unique()
+
+
 def run(
     model: Any, mbs: list[Microbatch], seq_len: int, loss_fn: LossFn, forward_only: bool, kernel_spec: bool
 ) -> list[dict]:
@@ -150,8 +158,11 @@ def run(
         mb = next(data_iterator)
         dev = device()
         positions = mb.positions.to(dev)
-        carried = cp_layout.TokenPositions(positions=positions) if kernel_spec else None
-        out = module(mb.tokens.to(dev), positions, None, packed_seq_params=carried)
+        if not kernel_spec:
+            return module(mb.tokens.to(dev), positions, None), functools.partial(loss_fn, mb)
+        carried = cp_layout.TokenPositions(positions=positions)
+        with lm_head_rows(module, read_rows(mb).to(dev)):
+            out = module(mb.tokens.to(dev), positions, None, packed_seq_params=carried)
         return out, functools.partial(loss_fn, mb)
 
     fb = get_forward_backward_func()

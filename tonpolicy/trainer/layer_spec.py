@@ -11,6 +11,8 @@ numerical op routed to a tonpolicy kernel set (the same functions the rollout mo
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -71,14 +73,39 @@ class KernelRowParallelLinear(_TakesKernels, RowParallelLinear):
 
 class KernelLMHead(KernelColumnParallelLinear):
     """Column-parallel LM head: the kernel set's own `lm_head` (fp32 logits, never rounded to the
-    activation dtype), the call the rollout model makes, on this rank's vocab rows."""
+    activation dtype), the call the rollout model makes, on this rank's vocab rows.
+
+    `rows` (set by `lm_head_rows` for one forward): flat indices into the [s*b] hidden rows whose
+    logits are read; only those go through the head (a contract kernel's row bits do not depend on
+    the row count), the others are zero. Prompt rows then cost nothing in the head, forward or backward."""
+
+    rows: torch.Tensor | None = None
 
     def forward(
         self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
     ) -> tuple[torch.Tensor, None]:
         w = self.weight if weight is None else weight
         x = copy_to_tensor_model_parallel_region(input_)
-        return KernelLinear.apply(x, w, self.kernels.lm_head), None
+        if self.rows is None:
+            return KernelLinear.apply(x, w, self.kernels.lm_head), None
+        flat = x.reshape(-1, x.shape[-1])
+        picked = KernelLinear.apply(flat.index_select(0, self.rows), w, self.kernels.lm_head)
+        out = picked.new_zeros(flat.shape[0], picked.shape[-1]).index_copy(0, self.rows, picked)
+        return out.view(*x.shape[:-1], -1), None
+
+
+@contextlib.contextmanager
+def lm_head_rows(model: torch.nn.Module, rows: torch.Tensor) -> Iterator[None]:
+    """Within the block, the model's kernel LM head (if this stage has one) computes only `rows`
+    (flat indices into its [s*b] input rows); every other row's logits are zero."""
+    heads = [m for m in model.modules() if isinstance(m, KernelLMHead)]
+    for h in heads:
+        h.rows = rows
+    try:
+        yield
+    finally:
+        for h in heads:
+            h.rows = None
 
 
 class KernelRMSNorm(MegatronModule):
