@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tonpolicy.kernels.invariant import value_key
 
@@ -23,24 +24,31 @@ def _linear_grads(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, to
     x, w = ctx.saved_tensors
     g = grad.to(x.dtype)
     dx = g.matmul(w.to(x.dtype)) if ctx.needs_input_grad[0] else None
+    # A column-parallel linear's dX is summed over TP: started here, it runs while dW is computed
+    # (megatron's own linear overlaps them the same way; synchronous, it doubled the step's wait).
+    pending = dist.all_reduce(dx, group=ctx.dgrad_group, async_op=True) if dx is not None and ctx.dgrad_group else None
     dw = None
     if ctx.needs_input_grad[1]:
         dw = g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])).to(w.dtype)
+    if pending is not None:
+        pending.wait()
     return dx, dw
 
 
 class KernelLinear(torch.autograd.Function):
-    """y = kernels.linear(x, w) (or the fp32 LM head) with the plain linear backward."""
+    """y = kernels.linear(x, w) (or the fp32 LM head) with the plain linear backward. `dgrad_group`: the
+    TP group of a column-parallel linear (its input is replicated: dX is all-reduced over the group)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fn: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fn: Any, dgrad_group: Any = None) -> torch.Tensor:
         ctx.save_for_backward(x, w)
+        ctx.dgrad_group = dgrad_group
         return fn(x, w)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         dx, dw = _linear_grads(ctx, grad)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 class KernelRMSNorm(torch.autograd.Function):

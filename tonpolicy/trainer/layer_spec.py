@@ -20,7 +20,6 @@ from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -45,13 +44,19 @@ class _TakesKernels:
         self.kernels = kernels
 
 
+def tp_dgrad_group() -> Any:
+    """The group a column-parallel linear all-reduces its input gradient over (None at TP=1)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
 class KernelColumnParallelLinear(_TakesKernels, ColumnParallelLinear):
     def forward(
         self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
     ) -> tuple[torch.Tensor, None]:
         w = self.weight if weight is None else weight
-        x = copy_to_tensor_model_parallel_region(input_)  # identity forward, TP all-reduce of dgrad
-        return KernelLinear.apply(x, w, self.kernels.linear), None
+        return KernelLinear.apply(input_, w, self.kernels.linear, tp_dgrad_group()), None
 
 
 class KernelRowParallelLinear(_TakesKernels, RowParallelLinear):
@@ -85,13 +90,13 @@ class KernelLMHead(KernelColumnParallelLinear):
         self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
     ) -> tuple[torch.Tensor, None]:
         w = self.weight if weight is None else weight
-        x = copy_to_tensor_model_parallel_region(input_)
+        group = tp_dgrad_group()
         if self.rows is None:
-            return KernelLinear.apply(x, w, self.kernels.lm_head), None
-        flat = x.reshape(-1, x.shape[-1])
-        picked = KernelLinear.apply(flat.index_select(0, self.rows), w, self.kernels.lm_head)
+            return KernelLinear.apply(input_, w, self.kernels.lm_head, group), None
+        flat = input_.reshape(-1, input_.shape[-1])
+        picked = KernelLinear.apply(flat.index_select(0, self.rows), w, self.kernels.lm_head, group)
         out = picked.new_zeros(flat.shape[0], picked.shape[-1]).index_copy(0, self.rows, picked)
-        return out.view(*x.shape[:-1], -1), None
+        return out.view(*input_.shape[:-1], -1), None
 
 
 @contextlib.contextmanager
