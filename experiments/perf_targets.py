@@ -32,7 +32,7 @@ CONTEXT_RATIO = 1.5  # decode time per token at context 4096 / at context 512
 def with_launch_environment() -> None:
     """Re-run this script under the CPU allocator settings tonpolicy's launch plan gives its processes
     (glibc reads them at start), so a benchmark measures what a launched job gets."""
-    from tonpolicy.launch.plan import CPU_ALLOCATOR_ENV
+    from tonpolicy.cpu_memory import CPU_ALLOCATOR_ENV
 
     if any(os.environ.get(k) != v for k, v in CPU_ALLOCATOR_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **CPU_ALLOCATOR_ENV})

@@ -16,6 +16,7 @@ from tonpolicy.config.schema import Config
 from tonpolicy.config.sizes import microbatches_per_replica, padded_seq_len, seq_pad_multiple, world_size
 from tonpolicy.contract.identity import identity, kernel_params
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, layer_spec, transformer_kwargs
+from tonpolicy.cpu_memory import CPU_ALLOCATOR_ENV
 from tonpolicy.cpu_numerics import cpu_numerics_env
 from tonpolicy.rollout.sglang_env import (
     CPU_MAX_TOTAL_TOKENS,
@@ -140,17 +141,10 @@ def megatron_config(cfg: Config) -> dict[str, Any]:
     }
 
 
-# glibc malloc on a CPU host: big blocks from the heap (up to 32 MiB, the largest it allows) and freed
-# memory kept, instead of an mmap, page faults and an unmap per large temporary. Measured: the tiny
-# model's prefill 13% faster under the contract kernels, the plain ones unchanged
-# (experiments/bench_engine.py applies it too).
-CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
-
-
 def environment(cfg: Config, device: str) -> dict[str, str]:
     env = {"PYTHONHASHSEED": str(cfg.experiment.seed)}
     if device == "cpu":
-        env |= CPU_ALLOCATOR_ENV
+        env |= CPU_ALLOCATOR_ENV  # glibc's heap settings (tonpolicy.cpu_memory)
         if cfg.contract.exact_zero:
             # The contract's GEMM settings cost an AMX CPU's bf16 GEMM up to ~4x (experiments/
             # bench_cpu_numerics.py); a server without the contract (stock SGLang) runs as it comes.
