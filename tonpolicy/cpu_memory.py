@@ -31,9 +31,9 @@ def tune_malloc() -> dict[str, int]:
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): their allocators differ; leave them be
-        return {}
-    if mallopt is None:
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:  # not glibc (musl, macOS): their allocators differ; leave them be
         return {}
     done = {}
     for env, value in CPU_ALLOCATOR_ENV.items():
