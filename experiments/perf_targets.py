@@ -68,7 +68,6 @@ def report(bench: str, checks: list[Check], data: dict[str, Any]) -> Path:
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
             "torch": torch.__version__,
-            # An AMX CPU runs under tonpolicy's GEMM settings (tonpolicy/cpu_numerics.py): other speeds.
             "amx": has_amx(),
         },
         "checks": [asdict(c) | {"passed": c.passed} for c in checks],

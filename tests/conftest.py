@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import tonpolicy  # noqa: F401  (sets the CPU GEMM settings before any test's first GEMM: tonpolicy.cpu_numerics)
+import tonpolicy  # noqa: F401
 
 # Tests must not reach W&B's servers.
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -16,6 +16,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def host_check() -> None:
+    """Once per test session: the contract's invariances on this host (tonpolicy.kernels.host_check) at
+    the default job's shapes and fp32; a host that fails them cannot pass the parity tests, so say why
+    first."""
+    from tonpolicy.config.compose import compose_config
+    from tonpolicy.contract.host import host_problems
+
+    if os.environ.get("TONPOLICY_HOST_CHECK_FAIL"):
+        return  # a test of the refusal path runs under a forced failure
+    for dtype in ("bfloat16", "float32"):
+        cfg = compose_config([f"contract.dtype={dtype}"])
+        problems = host_problems(cfg.model, cfg.contract)
+        if problems:
+            pytest.exit("\n".join(problems), returncode=3)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
-"""The CPU GEMM settings tonpolicy pins (tonpolicy.cpu_numerics): where they apply, that a user's value
-wins, and that the contract's linear is row-invariant with them and, on an AMX CPU, not without them."""
+"""The host description (tonpolicy.cpu_numerics) and the host check's refusal: a probe forced to fail
+stops the job with exit 2 before any process starts, naming the CPU, the libraries, the shape and the
+property; the runtime fingerprint carries the host's numeric path."""
 
 from __future__ import annotations
 
@@ -8,63 +9,68 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tonpolicy import cpu_numerics
 from tonpolicy.config.compose import compose_config
-from tonpolicy.launch.plan import environment
-
-# Row-invariance of the contract's linear in a fresh process (the settings act at a process's first GEMM):
-# prints how many row slices differ from the same rows inside the full batch.
-PROBE = """
-import torch
+from tonpolicy.contract.host import host_problems
+from tonpolicy.contract.identity import build_info
 from tonpolicy.kernels import get_kernels
-k, g, bad = get_kernels("invariant"), torch.Generator().manual_seed(0), 0
-for dt in (torch.float32, torch.bfloat16):
-    for kk, n in ((1024, 1024), (128, 256), (1024, 3072)):
-        x = torch.randn(300, kk, generator=g).to(dt)
-        w = (torch.randn(n, kk, generator=g) * kk**-0.5).to(dt)
-        full = k.linear(x, w)
-        for m, off in ((1, 0), (2, 144), (7, 200), (16, 46)):
-            bad += int(not torch.equal(k.linear(x[off : off + m], w), full[off : off + m]))
-print(bad)
-"""
+from tonpolicy.kernels.host_check import FORCE_FAIL_ENV, Shapes, probe
 
 
-def _mismatches(env: dict[str, str]) -> int:
-    base = {k: v for k, v in os.environ.items() if k not in cpu_numerics.AMX_SETTINGS}
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE], env=base | env, capture_output=True, text=True, timeout=300, check=True
+def test_cpu_info_reads_the_flags(tmp_path: Path) -> None:
+    f = tmp_path / "cpuinfo"
+    f.write_text(
+        "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 106\n"
+        "model name\t: Intel Xeon\nflags\t\t: fpu fma avx2 avx512f avx512_vnni\n\nprocessor\t: 1\n"
     )
-    return int(out.stdout.split()[-1])
+    info = cpu_numerics.cpu_info.__wrapped__(f)
+    assert info == {
+        "model_name": "Intel Xeon",
+        "vendor": "GenuineIntel",
+        "family_model": "6/106",
+        "flags": ["fma", "avx2", "avx512f", "avx512_vnni"],
+    }
+    assert cpu_numerics.cpu_info.__wrapped__(tmp_path / "missing")["flags"] == []
 
 
-def test_has_amx_reads_the_cpu_flags(tmp_path: Path) -> None:
-    amx, avx = tmp_path / "amx", tmp_path / "avx"
-    amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile avx512_fp16\n")
-    avx.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512bw\n")
-    assert cpu_numerics.has_amx(amx) and not cpu_numerics.has_amx(avx)
-    assert not cpu_numerics.has_amx(tmp_path / "missing")
+def test_fingerprint_build_carries_the_host_path(monkeypatch) -> None:
+    info = build_info("cpu")
+    assert info["cpu"]["flags"] == cpu_numerics.cpu_info()["flags"]
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert build_info("cpu")["isa_caps"] == {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
-def test_settings_only_on_amx_and_a_users_value_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_numerics, "has_amx", lambda: False)
-    assert cpu_numerics.cpu_numerics_env() == {}
-    assert not set(cpu_numerics.AMX_SETTINGS) & set(environment(compose_config([]), "cpu"))
-    monkeypatch.setattr(cpu_numerics, "has_amx", lambda: True)
-    assert environment(compose_config([]), "cpu").items() >= cpu_numerics.AMX_SETTINGS.items()
-    assert not set(cpu_numerics.AMX_SETTINGS) & set(environment(compose_config([]), "cuda"))
-    # Without the contract (stock SGLang, the off_policy control) the libraries keep their fast paths.
-    assert not set(cpu_numerics.AMX_SETTINGS) & set(environment(compose_config(["contract=off_policy"]), "cpu"))
-    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    assert cpu_numerics.pin_cpu_numerics() == {"MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+def test_probe_passes_here_and_fails_when_forced(monkeypatch) -> None:
+    s = Shapes(128, 384, 8, 4, 32, 2003, "float32", 4, 32)
+    assert probe(get_kernels("invariant"), s) == []
+    monkeypatch.setenv(FORCE_FAIL_ENV, "linear.row_count")
+    failed = probe(get_kernels("invariant"), s)
+    assert [f.prop for f in failed] == ["linear.row_count", "linear.row_count"]
+    # the plain kernels fail the probe on their own (negative control)
+    monkeypatch.delenv(FORCE_FAIL_ENV)
+    assert {f.prop for f in probe(get_kernels("default"), s)} & {"linear.row_count", "attention.prefill_vs_decode"}
 
 
-def test_contract_linear_is_row_invariant_with_the_settings_and_not_without_them_on_amx() -> None:
-    """With what importing tonpolicy sets, no row slice differs on any CPU. Control: with both libraries
-    at their own defaults (a user's value is kept), an AMX CPU gives row-count dependent bits (the reason
-    for the settings), and any other CPU still gives none (the reason they apply to AMX only)."""
-    assert _mismatches({}) == 0
-    defaults = _mismatches({"MKL_CBWR": "AUTO", "ONEDNN_MAX_CPU_ISA": "ALL"})
-    assert defaults > 0 if cpu_numerics.has_amx() else defaults == 0
+def test_default_job_passes_the_host_check() -> None:
+    for dtype in ("bfloat16", "float32"):
+        cfg = compose_config([f"contract.dtype={dtype}"])
+        assert host_problems(cfg.model, cfg.contract) == []
+
+
+def test_a_failing_host_check_refuses_before_anything_starts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, FORCE_FAIL_ENV: "attention.prefill_vs_decode"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tonpolicy", "experiment.steps=1", "logger=none", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr
+    assert "tonpolicy: invalid configuration" in err and "host check failed: attention.prefill_vs_decode" in err
+    assert cpu_numerics.cpu_info()["model_name"] in err and "torch" in err and "D=32" in err
+    # nothing started: no checkpoint, no logs, no plan; only the summary of the refusal (and Hydra's own)
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "__main__.log", "summary.json"]

@@ -76,7 +76,7 @@ def test_query_block_size_is_a_speed_knob(dtype, monkeypatch):
         ungrouped.attention(q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], pos[: i + 1], 0.125)
         for i in range(n)
     ]
-    assert not torch.equal(torch.cat(alone), ref)  # one query alone: a 1-row GEMM
+    assert torch.equal(torch.cat(alone), ref)  # one query alone, a 1-row GEMM: the contract GEMM's same bits
 
 
 def _pooled(kern, q, kk, v, pos, scale):  # noqa: ANN001, ANN202
@@ -321,45 +321,10 @@ def test_batched_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
     assert torch.equal(*grads)
 
 
-def test_score_gemm_rows_need_no_padding_for_low_precision_operands():
-    """Why decode computes its scores from the real query rows only (`trim_rows`, at least 2), with
-    bf16/fp16 q and keys: products of such operands are exact in fp32, and the score GEMM ([R, D] x [D, N])
-    gives every row the same bits for 2-3 rows as for 4 or more, at every head dim, key count, batch and
-    thread count. A lone row is not trimmed to: it gave the same bits on an AVX512 CPU, other bits under
-    the AMX CPU's GEMM settings (tonpolicy.cpu_numerics: MKL's strict mode takes a GEMV path for 1 row).
-    Its controls (the property is not trivially true; which one shows depends on the CPU): on the AVX512
-    CPU, with fp32 operands 2 rows give other bits (the products round differently), and so does p @ v
-    ([R, T] x [T, D]) even with exact products, which is why p keeps its padded rows; under the AMX CPU's
-    settings those agree, and a lone row of exact products differs."""
-    gen = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
-    differs = {"fp32 scores": 0, "p @ v": 0, "one row": 0}
-    try:
-        for th in (1, 2):
-            torch.set_num_threads(th)
-            for d, n, b in ((32, 32, 4), (64, 1024, 8), (128, 96, 1), (64, 256, 64)):
-                for low in (torch.bfloat16, torch.float16):
-                    k = torch.randn(b, d, n, generator=gen).to(low).float()
-                    rows = torch.randn(b, 4, d, generator=gen).to(low).float()
-                    ref = torch.bmm(rows, k)
-                    for r in (2, 3):
-                        assert torch.equal(torch.bmm(rows[:, :r].contiguous(), k), ref[:, :r]), (d, n, b, r, th)
-                    differs["one row"] += not torch.equal(torch.bmm(rows[:, :1].contiguous(), k), ref[:, :1])
-                k32, rows32 = torch.randn(b, d, n, generator=gen), torch.randn(b, 4, d, generator=gen)
-                ref32 = torch.bmm(rows32, k32)
-                differs["fp32 scores"] += not torch.equal(torch.bmm(rows32[:, :2].contiguous(), k32), ref32[:, :2])
-                p = torch.rand(b, 4, 32, generator=gen)
-                v = torch.randn(b, 32, d, generator=gen).bfloat16().float()
-                differs["p @ v"] += not torch.equal(torch.bmm(p[:, :2].contiguous(), v), torch.bmm(p, v)[:, :2])
-    finally:
-        torch.set_num_threads(threads)
-    assert any(differs.values()), differs  # the controls: the property is not trivially true
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_trimmed_decode_rows_give_the_padded_bits(dtype, monkeypatch):
     """Decode queries (1-3 rows per KV head) scored from their real rows only give the bits of the padded
-    computation, pooled and batched, one query or a few, GQA or not; fp32 is never trimmed."""
+    computation, pooled and batched, one query or a few, GQA or not, fp32 and bf16."""
     for hq, hkv, d in HEADS:
         n = 75
         q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=hq + d)
@@ -367,7 +332,7 @@ def test_trimmed_decode_rows_give_the_padded_bits(dtype, monkeypatch):
         kern = get_kernels("invariant")
         for nq in (1, 2, 3):
             trimmed = _pooled(kern, q[-nq:], kk, v, pos, d**-0.5)
-            assert kern._pooled[2].trim == (dtype != torch.float32)  # the trimmed path was taken
+            assert kern._pooled[2].trim  # the trimmed path was taken
             monkeypatch.setattr(invariant_attention, "trim_rows", lambda *a: False)
             padded = _pooled(get_kernels("invariant"), q[-nq:], kk, v, pos, d**-0.5)
             monkeypatch.undo()

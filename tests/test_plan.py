@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tonpolicy import cpu_numerics
 from tonpolicy.config.compose import compose_config
 from tonpolicy.contract.identity import NUMERICS_FIELDS, fingerprint
 from tonpolicy.launch.plan import (
@@ -89,7 +88,6 @@ def render(overrides: list[str]) -> dict:
 @pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
 def test_golden_plan(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TONPOLICY_SGLANG_PYTHON", "python")  # no machine-specific interpreter path
-    monkeypatch.setattr(cpu_numerics, "has_amx", lambda: False)  # nor CPU-specific settings (their own test)
     plan = render(GOLDEN_CASES[name])
     path = GOLDEN / f"{name}.json"
     if os.environ.get("TONPOLICY_UPDATE_GOLDEN"):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tonpolicy.config.schema import ContractConfig
+from tonpolicy.cpu_numerics import cpu_info, isa_caps
 
 # Contract fields handed to tonpolicy.kernels.get_kernels as keyword arguments.
 KERNEL_PARAM_FIELDS = (
@@ -87,6 +88,10 @@ def build_info(device: str) -> dict[str, Any]:
         "device": device,
         "blas": libs,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        # The CPU class and the caps on its libraries' dispatch: the paths torch's vectorised ops take
+        # (the contract GEMM is the same on every CPU; exp and fixed-length sums follow these).
+        "cpu": {k: v for k, v in cpu_info().items() if k in ("vendor", "flags")},
+        "isa_caps": isa_caps(),
     }
     if device == "cuda":
         info["cuda"] = torch.version.cuda

@@ -2,9 +2,10 @@
 composition, token count, prefill/decode/chunked prefill, row position, TP and thread count. TP
 invariance: a column-parallel linear (QKV, gate/up, LM head) never splits K, so it runs whole; a
 row-parallel one (o_proj, down) is defined over canonical K-shards that any TP dividing their count
-reproduces. dtype steps: weights/activations in the model dtype (bf16 or fp32); every linear
-accumulates in fp32 (bf16 operands: the native bf16 GEMM, one rounding per output; row-parallel partials
-summed in fp32); attention GEMMs, norms' statistics, softmax and logprobs in fp32; logits fp32.
+reproduces. dtype steps: weights/activations in the model dtype (bf16 or fp32); every GEMM (linears,
+attention scores, p @ v) is the exact fixed-point product of tonpolicy.kernels.exact_gemm, rounded once to
+fp32 (its bits depend on no library, CPU or thread count); row-parallel partials summed in fp32; norms'
+statistics, softmax and logprobs in fp32; logits fp32.
 """
 
 from __future__ import annotations
@@ -57,15 +58,17 @@ class InvariantKernels:
             "row_tile": self.row_tile,
             "prefill_row_tile": self.prefill_row_tile,
             "logits_dtype": self.logits_dtype,
-            "linear": "bmm (bf16 operands: native bf16 GEMM, bf16 out; else fp32) of [prefill_row_tile, K] x "
-            "[K, N] tiles, the rest in one GEMM padded to a multiple of row_tile rows; K whole (column-parallel)",
-            "linear_k_sharded": "the same GEMMs per canonical K-shard [K/C], partials summed in fp32 in a "
-            "pairwise tree, one rounding (o_proj, down)",
-            "logits": "fp32 GEMM (bf16 weights upcast), K whole"
+            "gemm": "exact fixed-point: per row/column powers of two, b=(53-ceil(log2 K))//2-bit integers "
+            "(fp32 operands keeping < 23 bits: two slices, hi*hi + (hi*lo + lo*hi)*2^-b), fp64 GEMM exact below "
+            "2^53, scaled back, one rounding to fp32 (docs/REDUCTION_RULES.md)",
+            "linear": "the contract GEMM, K whole (column-parallel), rounded to the activation dtype",
+            "linear_k_sharded": "the contract GEMM per canonical K-shard [K/C], fp32 partials summed in fp32 in "
+            "a pairwise tree, one rounding (o_proj, down)",
+            "logits": "the contract GEMM, K whole, fp32"
             if self.logits_dtype == "float32"
-            else "as linear (bf16 operands: native bf16 GEMM, rounded to bf16), then fp32",
-            "attention": "split-KV fixed tile, fp32 (m,l,acc), left-to-right merge in key order; scores of a "
-            "query block over its key tiles in one GEMM, rows (query x G) a multiple of row_tile",
+            else "the contract GEMM rounded to bf16 (bf16 operands), then fp32",
+            "attention": "split-KV fixed tile, fp32 (m,l,acc), left-to-right merge in key order; scores q.k by the "
+            "contract GEMM; p @ v by the contract GEMM with v's per-key powers of two folded into p",
             "rms_norm": "fp32 sum(x^2)/K, x/sqrt(var+eps)*w, one rounding",
             "swiglu": "fp32 g/(1+exp(-g))*u, one rounding",
             "rope": "fp32 rotate-half, cos/sin tables in 64-position chunks",
@@ -74,7 +77,7 @@ class InvariantKernels:
 
     # --- linear -------------------------------------------------------------------------------
     def linear_partials(self, x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:
-        return tiled_partials(x, weight, num_shards, self.row_tile, self.prefill_row_tile)
+        return tiled_partials(x, weight, num_shards)
 
     def combine_partials(self, partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return tree_sum(partials, out_dtype)
@@ -87,16 +90,18 @@ class InvariantKernels:
         return tree_sum(partials) if n & (n - 1) == 0 else None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return tiled_partials(x, weight, 1, self.row_tile, self.prefill_row_tile)[0].to(x.dtype)
+        return tiled_partials(x, weight, 1)[0].to(x.dtype)
 
     def linear_k_sharded(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self.combine_partials(self.linear_partials(x, weight, self.canonical_shards), x.dtype)
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """fp32 logits; K whole, like every column-parallel linear. `logits_dtype` "float32": an fp32 GEMM
-        (no rounding); "bfloat16": the linear's GEMM (bf16 operands: rounded to bf16), then fp32."""
-        fp32 = self.logits_dtype == "float32"
-        return tiled_partials(x, weight, 1, self.row_tile, self.prefill_row_tile, fp32=fp32)[0].float()
+        """fp32 logits; K whole, like every column-parallel linear. `logits_dtype` "float32": the contract
+        GEMM's fp32 result; "bfloat16": that result rounded to bf16 (as a bf16 linear's), then fp32."""
+        logits = tiled_partials(x, weight, 1)[0]
+        if self.logits_dtype == "float32" or not x.dtype == weight.dtype == torch.bfloat16:
+            return logits
+        return logits.to(torch.bfloat16).float()
 
     # --- norms / activations / rotary ----------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

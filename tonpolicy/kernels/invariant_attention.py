@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tonpolicy.kernels import exact_gemm
 from tonpolicy.kernels.base import AttnPartial
 
 # Position given to padded keys: larger than any query, so the causal mask removes them.
@@ -283,19 +284,21 @@ def _query_rows(q: torch.Tensor, heads: int, nqp: int) -> torch.Tensor:
     return qf.view(b, nqp, heads, g, d).permute(0, 2, 1, 3, 4).reshape(b * heads, nqp * g, d)
 
 
-def _block_partials(rows: torch.Tensor, keys: Keys, blk: _Block, scale: float, inplace: bool) -> AttnPartial:
+def _block_partials(
+    rows: torch.Tensor, keys: Keys, blk: _Block, scale: float, inplace: bool, q_dtype: torch.dtype
+) -> AttnPartial:
     """Partials of query rows [B*Hkv, R, D] over the block's key tiles, tile-major: m/l [n, B*Hkv, R'],
     acc [n, B*Hkv, R', D] (R' = R, or in place the block's real rows). Spans of `keys.chunk` tiles give
     the same bits as one span (a score's bits do not depend on the GEMM's column count)."""
     rows_real = rows[:, : blk.real].contiguous() if blk.real < rows.shape[1] else rows
-    spans = [_span_partials(rows_real, keys, sp, scale, inplace, rows.shape[1]) for sp in blk.spans]
+    spans = [_span_partials(rows_real, keys, sp, scale, inplace, rows.shape[1], q_dtype) for sp in blk.spans]
     if len(spans) == 1:
         return spans[0]
     return AttnPartial(*(torch.cat([getattr(p, f) for p in spans]) for f in ("m", "l", "acc")))
 
 
 def _span_partials(
-    rows: torch.Tensor, keys: Keys, sp: _Span, scale: float, inplace: bool, granule_rows: int
+    rows: torch.Tensor, keys: Keys, sp: _Span, scale: float, inplace: bool, granule_rows: int, q_dtype: torch.dtype
 ) -> AttnPartial:
     """Scores of `rows` (every row of the GEMM a real query's: the score GEMM's row bits were measured
     independent of its row count down to 1 row, tests/test_kernels_attention.py), softmax partials, and
@@ -303,7 +306,7 @@ def _span_partials(
     bh, r, d = rows.shape
     t, n = keys.tile, sp.b - sp.a
     k, v = keys.span(sp.a, sp.b)
-    s = torch.bmm(rows, k).view(-1, keys.heads, r, n, t)  # [B, Hkv, R, n, T]
+    s = exact_gemm.matmul_as(rows, q_dtype, k, keys.source_dtype).view(-1, keys.heads, r, n, t)  # [B, Hkv, R, n, T]
     j = sp.mask_from
     if not inplace:
         s = s * scale
@@ -331,7 +334,8 @@ def _span_partials(
         p_tiles = p.new_zeros(n, *p.shape[:2], granule_rows, t)
         p_tiles[:, :, :, :r] = p.permute(3, 0, 1, 2, 4)
         p_tiles = p_tiles.view(n * bh, granule_rows, t)
-    acc = torch.bmm(p_tiles, v.reshape(n * bh, t, d)).view(n, bh, granule_rows, d)[:, :, :r]
+    acc = exact_gemm.pv_product(p_tiles, v.reshape(n * bh, t, d), keys.source_dtype)
+    acc = acc.view(n, bh, granule_rows, d)[:, :, :r]
     return AttnPartial(m.permute(3, 0, 1, 2).reshape(n, bh, r), l.permute(3, 0, 1, 2).reshape(n, bh, r), acc)
 
 
@@ -349,18 +353,15 @@ def _blocks(nqp: int, step: int, keys: Keys, g: int, batch: int, d: int):
     return [(q0, min(nqp, q0 + block)) for q0 in range(0, nqp, block)]
 
 
-# The fewest rows a trimmed score GEMM takes: 1 row takes a GEMV path with other bits under the AMX
-# CPU's GEMM settings (tonpolicy.cpu_numerics); 2 and 3 rows gave the 4-row bits on every CPU measured.
-MIN_TRIMMED_ROWS = 2
+# The fewest rows a trimmed score GEMM takes (the contract GEMM gives a row the same bits at any count).
+MIN_TRIMMED_ROWS = 1
 
 
 def trim_rows(q_dtype: torch.dtype, key_dtype: torch.dtype, inplace: bool) -> bool:
-    """Whether the score GEMM may take only the real queries' rows (2-3 rows for one decode query, at
-    least MIN_TRIMMED_ROWS): when q and the keys are bf16/fp16, every product is exact in fp32, and the
-    score GEMM's row bits were measured independent of its row count down to 2 rows (with fp32 operands,
-    fewer rows fuse the products otherwise: other bits). p @ v keeps its padded rows (its 1-3 row path
-    differs even so)."""
-    return inplace and q_dtype in LOW_PRECISION and key_dtype in LOW_PRECISION
+    """Whether the score GEMM takes only the real queries' rows (decode: its one query's G rows, not the
+    padded block): whenever nothing is differentiated. The contract GEMM's row bits do not depend on
+    its row count, so this is a matter of speed only."""
+    return inplace
 
 
 def in_place(q: torch.Tensor, keys: Keys) -> bool:
@@ -403,7 +404,8 @@ def attention(
     out = []
     for blk in plan.blocks:
         r = rows[:, blk.q0 * g : blk.q1 * g].contiguous()
-        out.append(finalize(merge_tiles(_block_partials(r, keys, blk, scale, inplace), inplace), q.dtype))
+        parts = _block_partials(r, keys, blk, scale, inplace, q.dtype)
+        out.append(finalize(merge_tiles(parts, inplace), q.dtype))
     o = torch.cat(out, dim=1) if len(out) > 1 else out[0]  # [B*Hkv, Nq'*G, D]: real rows, or all
     nr = o.shape[1] // g
     return o.view(b, heads, nr, g, d).permute(0, 2, 1, 3, 4).reshape(b, nr, hq, d)[:, :nq]
@@ -418,7 +420,8 @@ def tile_partial(q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float,
     plan = plan_attention(q[None].shape, q_pos[None], keys, granule, inplace)
     rows = _query_rows(q[None], heads, plan.nqp)
     parts = [  # one key tile: every block's one span covers it, seen or not
-        _block_partials(rows[:, blk.q0 * g : blk.q1 * g].contiguous(), keys, blk, scale, inplace) for blk in plan.blocks
+        _block_partials(rows[:, blk.q0 * g : blk.q1 * g].contiguous(), keys, blk, scale, inplace, q.dtype)
+        for blk in plan.blocks
     ]
     m, l, acc = (torch.cat([getattr(p, f)[0] for p in parts], dim=1) for f in ("m", "l", "acc"))  # noqa: E741
 

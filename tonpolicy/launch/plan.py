@@ -17,7 +17,6 @@ from tonpolicy.config.sizes import microbatches_per_replica, padded_seq_len, seq
 from tonpolicy.contract.identity import identity, kernel_params
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, layer_spec, transformer_kwargs
 from tonpolicy.cpu_memory import CPU_ALLOCATOR_ENV
-from tonpolicy.cpu_numerics import cpu_numerics_env
 from tonpolicy.rollout.sglang_env import (
     CPU_MAX_TOTAL_TOKENS,
     server_environment,
@@ -145,10 +144,6 @@ def environment(cfg: Config, device: str) -> dict[str, str]:
     env = {"PYTHONHASHSEED": str(cfg.experiment.seed)}
     if device == "cpu":
         env |= CPU_ALLOCATOR_ENV  # glibc's heap settings (tonpolicy.cpu_memory)
-        if cfg.contract.exact_zero:
-            # The contract's GEMM settings cost an AMX CPU's bf16 GEMM up to ~4x (experiments/
-            # bench_cpu_numerics.py); a server without the contract (stock SGLang) runs as it comes.
-            env |= cpu_numerics_env()
     if device == "cuda":
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
         if cfg.contract.exact_zero:

@@ -66,8 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config)
     run_dir = Path(args.run_dir)
 
+    from tonpolicy.launch.plan import resolve_device
     from tonpolicy.trainer.worker import TrainerWorker
 
+    if resolve_device(cfg) == "cpu":  # this node's CPU (another node's may differ from the launcher's)
+        from tonpolicy.contract.host import host_problems
+
+        problems = host_problems(cfg.model, cfg.contract)
+        if problems:
+            print("tonpolicy trainer: " + "\n".join(problems), file=sys.stderr, flush=True)
+            return 2
     worker = TrainerWorker(cfg, args.checkpoint)
     rank0 = dist.get_rank() == 0
     client = logger = None
@@ -77,8 +85,6 @@ def main(argv: list[str] | None = None) -> int:
 
         client = RolloutClient(args.server_url)
         client.wait_healthy(cfg.rollout.health_timeout_s)  # launch.sh starts both at once
-        from tonpolicy.launch.plan import resolve_device
-
         ours_runtime = runtime_identity(worker.kernel_set, cfg.contract.dtype, resolve_device(cfg))
         refusal = handshake(cfg, client, ours_runtime)
         tokenizer = load_tokenizer(args.checkpoint)  # None for a checkpoint without one: ids only

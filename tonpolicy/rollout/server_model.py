@@ -23,6 +23,12 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
             check_same_architecture(args.model, cfg, args.model_path)
     else:  # the profile's deterministic random init (same seed as the trainer's)
         cfg, state_dict = args.model or ModelConfig(), None
+    if args.device == "cpu":  # the contract's invariances on this host, before serving a token
+        from tonpolicy.contract.host import kernel_problems
+
+        problems = kernel_problems(cfg, args.kernels, args.kernel_params, args.dtype)
+        if problems:
+            raise RuntimeError("; ".join(problems))
     model = Qwen3(cfg, kernels, dtype, state_dict).to(args.device)
     engine = Engine(
         model, max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size

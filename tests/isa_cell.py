@@ -1,0 +1,65 @@
+"""One cell of the instruction-set matrix (tests/test_isa_matrix.py), run in a fresh process under the
+cell's caps: prints a JSON line with the host check's failures, a hash of the contract GEMM's bits, and
+how many rows the pre-exact strategy (library GEMMs in fixed row tiles) got wrong (the negative control)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from tonpolicy.config.compose import compose_config
+from tonpolicy.contract.host import host_problems
+from tonpolicy.kernels import exact_gemm, get_kernels
+
+
+def old_strategy_mismatches() -> int:
+    """Rows whose bits differ between a 512-row library GEMM and 4-row tiles (zero-padded), the tiling the
+    kernels used before the exact GEMM: fp32 through MKL, bf16 through oneDNN."""
+    bad = 0
+    for dt in (torch.float32, torch.bfloat16):
+        for k, n in ((128, 256), (1024, 1024)):
+            g = torch.Generator().manual_seed(k + n)
+            x = torch.randn(512, k, generator=g).to(dt)
+            w = (torch.randn(n, k, generator=g) * k**-0.5).to(dt)
+            big = torch.mm(x, w.t())
+            tiles = torch.bmm(x[:16].reshape(4, 4, k), w.t().unsqueeze(0).expand(4, k, n)).reshape(16, n)
+            bad += int((big[:16] != tiles).any(dim=1).sum())
+    return bad
+
+
+def gemm_hash() -> str:
+    h = hashlib.sha256()
+    k = get_kernels("invariant")
+    for dt in (torch.float32, torch.bfloat16):
+        # integer draws scaled by a power of two: the same values under every cap (randn is not: its
+        # vectorised Box-Muller follows the CPU capability)
+        g = torch.Generator().manual_seed(1)
+        x = (torch.randint(-(2**15), 2**15, (37, 384), generator=g).double() * 2**-14).to(dt)
+        w = (torch.randint(-(2**15), 2**15, (256, 384), generator=g).double() * 2**-20).to(dt)
+        h.update(k.linear(x, w).float().numpy().tobytes())
+        h.update(k.linear_k_sharded(x, w).float().numpy().tobytes())
+        h.update(exact_gemm.matmul_as(x.float(), dt, w.float().t(), dt).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    problems = []
+    for dtype in ("bfloat16", "float32"):
+        cfg = compose_config([f"contract.dtype={dtype}"])
+        problems += host_problems(cfg.model, cfg.contract)
+    print(
+        json.dumps(
+            {
+                "capability": torch.backends.cpu.get_cpu_capability(),
+                "problems": problems,
+                "gemm_hash": gemm_hash(),
+                "old_mismatches": old_strategy_mismatches(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""The host check for a job: the contract kernel set's invariances probed on this host at the job's
+shapes (tonpolicy.kernels.host_check), by the launcher before anything starts and by every server and
+trainer process before it computes (a node of a multi-node job may be another kind of CPU)."""
+
+from __future__ import annotations
+
+from tonpolicy.config.model import ModelConfig
+from tonpolicy.config.schema import ContractConfig
+from tonpolicy.contract.identity import kernel_params
+from tonpolicy.kernels.host_check import Shapes, failure_lines, probe_cached
+
+# Kernel sets whose invariances are probed on a CPU (the triton set runs on GPUs; default promises none).
+PROBED_KERNEL_SETS = ("invariant",)
+
+
+def kernel_problems(model: ModelConfig, kernels: str, params: dict, dtype: str) -> list[str]:
+    """Why this host cannot run kernel set `kernels` (built with `params`) at the model's shapes."""
+    if kernels not in PROBED_KERNEL_SETS:
+        return []
+    shapes = Shapes(
+        hidden=model.hidden_size,
+        intermediate=model.intermediate_size,
+        heads=model.num_attention_heads,
+        kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        vocab=model.vocab_size,
+        dtype=dtype,
+        canonical_shards=params.get("canonical_shards", 4),
+        attention_tile=params.get("attention_tile", 32),
+    )
+    return failure_lines(probe_cached(kernels, tuple(sorted(params.items())), shapes))
+
+
+def host_problems(model: ModelConfig, contract: ContractConfig) -> list[str]:
+    """Why this host cannot run the contract at these shapes (empty: it can)."""
+    if not contract.exact_zero:
+        return []
+    return kernel_problems(model, contract.kernels, kernel_params(contract), contract.dtype)
