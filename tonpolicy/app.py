@@ -13,9 +13,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from tonpolicy.config.schema import Config
-from tonpolicy.config.validate import ConfigIssue, validate
+from tonpolicy.config.validate import ConfigError, ConfigIssue, validate
 from tonpolicy.files import write_atomic
-from tonpolicy.launch.plan import launch_plan, launch_script
+from tonpolicy.launch.plan import launch_plan, launch_script, resolve_device
 
 
 def write_plan(cfg: Config, run_dir: Path) -> dict:
@@ -30,6 +30,13 @@ def write_plan(cfg: Config, run_dir: Path) -> dict:
 def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) -> int:
     """Return the process exit code. `unknown`: keys the composed config had that the schema lacks."""
     validate(cfg, unknown=unknown)
+    if cfg.mode in ("run", "align") and resolve_device(cfg) == "cpu":
+        # This host's invariances at the job's shapes, on a sound config, before anything starts.
+        from tonpolicy.contract.host import host_problems
+
+        problems = host_problems(cfg.model, cfg.contract)
+        if problems:
+            raise ConfigError([ConfigIssue("contract.kernels", cfg.contract.kernels, line) for line in problems])
     if cfg.mode == "run":  # which node this launcher is (a scheduler's task, $NODE_RANK, ...)
         from tonpolicy.launch.nodes import node_dir, place, scheduler_task
 

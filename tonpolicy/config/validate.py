@@ -135,11 +135,6 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
         check_sglang(cfg, bad)
     if cfg.mode in ("run", "align"):
         _check_checkpoint(cfg, issues)
-        if not issues and _runs_on_cpu(cfg):  # a sound config only: the probe builds the kernel set
-            from tonpolicy.contract.host import host_problems
-
-            for line in host_problems(cfg.model, cfg.contract):
-                issues.append(ConfigIssue("contract.kernels", cfg.contract.kernels, line))
     if check_hf and m.hf_config:
         for key, value, rule in hf_config_mismatches(m):
             issues.append(ConfigIssue(key, value, rule))
@@ -293,10 +288,6 @@ def _check_triton(cfg: Config, bad: Any) -> None:
         )
     if cfg.trainer.device == "auto" and not interpreted and not _cuda_available():
         bad("trainer.device", f"contract {c.name} runs Triton kernels on CUDA GPUs and this machine has none")
-
-
-def _runs_on_cpu(cfg: Config) -> bool:
-    return cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not _cuda_available())
 
 
 def _cuda_available() -> bool:

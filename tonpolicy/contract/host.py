@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.config.schema import ContractConfig
-from tonpolicy.contract.identity import kernel_params
-from tonpolicy.kernels.host_check import Shapes, failure_lines, probe_cached
+from tonpolicy.contract.identity import build_info, kernel_params
+from tonpolicy.cpu_numerics import describe_host
+from tonpolicy.kernels.host_check import Failure, Shapes, probe_cached
 
 # Kernel sets whose invariances are probed on a CPU (the triton set runs on GPUs; default promises none).
 PROBED_KERNEL_SETS = ("invariant",)
@@ -36,3 +37,14 @@ def host_problems(model: ModelConfig, contract: ContractConfig) -> list[str]:
     if not contract.exact_zero:
         return []
     return kernel_problems(model, contract.kernels, kernel_params(contract), contract.dtype)
+
+
+def failure_lines(failures: tuple[Failure, ...] | list[Failure]) -> list[str]:
+    """One line per failure naming the CPU, the libraries, the shape and the property."""
+    info = build_info("cpu")
+    libs = "; ".join(info["blas"]) or "no BLAS reported"
+    return [
+        f"host check failed: {f.prop} at {f.shape}: {f.detail}, on {describe_host()}, torch {info['torch']} "
+        f"(vector ISA {info['cpu_capability']}; {libs}); the contract's bits cannot be promised on this host"
+        for f in failures
+    ]

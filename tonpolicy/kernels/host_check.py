@@ -194,17 +194,3 @@ def probe_cached(kernel_set: str, params: tuple, s: Shapes) -> tuple[Failure, ..
     from tonpolicy.kernels import get_kernels
 
     return tuple(probe(get_kernels(kernel_set, **dict(params)), s))
-
-
-def failure_lines(failures: tuple[Failure, ...] | list[Failure]) -> list[str]:
-    """One line per failure naming the CPU, the libraries, the shape and the property."""
-    from tonpolicy.contract.identity import build_info
-    from tonpolicy.cpu_numerics import describe_host
-
-    info = build_info("cpu")
-    libs = "; ".join(info["blas"]) or "no BLAS reported"
-    return [
-        f"host check failed: {f.prop} at {f.shape}: {f.detail}, on {describe_host()}, torch {info['torch']} "
-        f"(vector ISA {info['cpu_capability']}; {libs}); the contract's bits cannot be promised on this host"
-        for f in failures
-    ]
