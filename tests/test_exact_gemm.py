@@ -20,28 +20,29 @@ def test_result_is_the_definition(dtype: torch.dtype) -> None:
     combination of those exact integers (one fp64 addition, exact scalings, one rounding)."""
     for k, n in SHAPES:
         x, w = randn(9, k, dtype=dtype, seed=k), randn(n, k, dtype=dtype, seed=n, std=k**-0.5)
-        bits, sa, sb = eg.contraction_bits(dtype, dtype, k)
-        assert sa == sb == (1 if dtype == torch.bfloat16 or k <= 128 else 2)
-        qx, scale_x = eg.quantize(x, -1, bits, sa)
-        qw, scale_w = eg.quantize(w.t(), -2, bits, sb)
-        assert all(q.abs().max() <= 2**bits for q in qx + qw)
-        hh = (qx[0].long() @ qw[0].long()).double()
-        assert torch.equal(torch.matmul(qx[0], qw[0]), hh)  # exact, whatever MKL's order
-        c = hh
-        if sa == 2:
-            cross = (qx[0].long() @ qw[1].long() + qx[1].long() @ qw[0].long()).double()
-            c = hh + cross * 2.0**-bits
+        bits_a, bits_b, slices = eg.contraction_bits(dtype, dtype, k)
+        assert bits_a + bits_b + (k - 1).bit_length() <= 53
+        assert slices == (1 if dtype == torch.bfloat16 or bits_a >= 23 else 2)
+        qx, scale_x = eg.quantize(x, -1, bits_a, slices)
+        qw, scale_w = eg.quantize(w.t(), -2, bits_b)
+        assert qx.abs().max() <= 2**bits_a and qw.abs().max() <= 2**bits_b
+        parts = [(q.long() @ qw.long()).double() for q in (qx.unbind(-3) if slices == 2 else [qx])]
+        for q, exact in zip(qx.unbind(-3) if slices == 2 else [qx], parts, strict=True):
+            assert torch.equal(torch.matmul(q, qw), exact)  # exact, whatever MKL's order
+        c = parts[0] if slices == 1 else parts[0] + parts[1] * 2.0**-bits_a
         expected = (c * scale_x * scale_w).float()
         assert torch.equal(eg.linear_partials(x, w, 1)[0], expected), (k, n)
 
 
 def test_bound_holds_at_the_worst_case() -> None:
     """Every integer at its largest magnitude, one sign: the sum reaches the 2^53 bound and stays exact."""
-    for k in (1, 2, 31, 32, 128, 1000, 4096, 8192):
-        bits = eg.fixed_point_bits(k)
-        assert 2 * bits + (k - 1).bit_length() <= 53
-        a = torch.full((2, k), float(2**bits), dtype=torch.float64)
-        assert torch.equal(a @ a.t(), (a.long() @ a.long().t()).double())
+    for k in (1, 2, 31, 32, 128, 1000, 4096, 8192, 25600):
+        for dt in DTYPES:
+            bits_a, bits_b, _ = eg.contraction_bits(dt, dt, k)
+            assert bits_a + bits_b + (k - 1).bit_length() <= 53
+            a = torch.full((2, k), float(2**bits_a), dtype=torch.float64)
+            b = torch.full((k, 3), float(2**bits_b), dtype=torch.float64)
+            assert torch.equal(a @ b, (a.long() @ b.long()).double())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

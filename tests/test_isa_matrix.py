@@ -91,8 +91,13 @@ def test_the_old_tiling_fails_some_cell(cells: dict[str, dict]) -> None:
 @pytest.mark.parametrize("index", DEEP, ids=[_name(CELLS[i]) for i in DEEP])
 def test_kernel_invariance_tests_pass_under_the_cell(index: int) -> None:
     cell = CELLS[index]
+    deselect = []
+    if cell.get("ATEN_CPU_CAPABILITY") == "default":
+        # torch's own bf16 SDPA raises there ("pack_vnni2 is only supported when avx512 is supported"): the
+        # plain kernels' control cannot run in this cell; the contract's own tests all do.
+        deselect = ["--deselect", "test_kernels_attention.py::test_default_attention_prefill_differs_from_decode"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS, *deselect],
         cwd=TESTS,
         env=_env(cell),
         capture_output=True,

@@ -52,15 +52,19 @@ def _randn(shape: tuple[int, ...], dtype: torch.dtype, seed: int, std: float = 1
 def _fp64_exact(k: int) -> bool:
     """The library's fp64 GEMM on integers at the contract's bound equals int64 arithmetic, for the
     worst case (every product at its maximum, one sign) and random integers."""
-    bits = exact_gemm.fixed_point_bits(k)
-    top = float(2**bits)
-    worst = torch.full((3, k), top, dtype=torch.float64), torch.full((k, 5), top, dtype=torch.float64)
     g = torch.Generator().manual_seed(k)
-    rand = (
-        torch.randint(-(2**bits), 2**bits + 1, (5, k), generator=g).double(),
-        torch.randint(-(2**bits), 2**bits + 1, (k, 7), generator=g).double(),
-    )
-    for a, b in (worst, rand):
+    cases = []
+    for dtype in (torch.bfloat16, torch.float32):
+        bits_a, bits_b, _ = exact_gemm.contraction_bits(dtype, dtype, k)
+        ta, tb = float(2**bits_a), float(2**bits_b)
+        cases.append((torch.full((3, k), ta, dtype=torch.float64), torch.full((k, 5), tb, dtype=torch.float64)))
+        cases.append(
+            (
+                torch.randint(-(2**bits_a), 2**bits_a + 1, (5, k), generator=g).double(),
+                torch.randint(-(2**bits_b), 2**bits_b + 1, (k, 7), generator=g).double(),
+            )
+        )
+    for a, b in cases:
         if not torch.equal(torch.matmul(a, b), (a.long() @ b.long()).double()):
             return False
     return True

@@ -58,9 +58,10 @@ class InvariantKernels:
             "row_tile": self.row_tile,
             "prefill_row_tile": self.prefill_row_tile,
             "logits_dtype": self.logits_dtype,
-            "gemm": "exact fixed-point: per row/column powers of two, b=(53-ceil(log2 K))//2-bit integers "
-            "(fp32 operands keeping < 23 bits: two slices, hi*hi + (hi*lo + lo*hi)*2^-b), fp64 GEMM exact below "
-            "2^53, scaled back, one rounding to fp32 (docs/REDUCTION_RULES.md)",
+            "gemm": "exact fixed-point: per row (A) / column (B) powers of two, integers of bits_a + bits_b + "
+            "ceil(log2 K) <= 53 (bf16 x bf16: equal halves; else bits_b = min(24, 41 - L), an fp32 A below 23 bits "
+            "in two slices, hi*B + (lo*B)*2^-bits_a), fp64 GEMM exact below 2^53, scaled back, one rounding to "
+            "fp32 (docs/REDUCTION_RULES.md)",
             "linear": "the contract GEMM, K whole (column-parallel), rounded to the activation dtype",
             "linear_k_sharded": "the contract GEMM per canonical K-shard [K/C], fp32 partials summed in fp32 in "
             "a pairwise tree, one rounding (o_proj, down)",

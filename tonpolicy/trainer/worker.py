@@ -18,7 +18,7 @@ from tonpolicy.config.schema import Config
 from tonpolicy.contract.gate import compare as gate_compare
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
-from tonpolicy.kernels import INVARIANT_KERNEL_SETS, get_kernels, logprob_temperature, padded_vocab_size
+from tonpolicy.kernels import INVARIANT_KERNEL_SETS, exact_gemm, get_kernels, logprob_temperature, padded_vocab_size
 from tonpolicy.rl.objective import PPOConfig, metrics, token_loss
 from tonpolicy.trainer import forward as trainer_forward
 from tonpolicy.trainer.dist import Layout, init_distributed
@@ -188,6 +188,7 @@ class TrainerWorker:
             ok, grad_norm = False, float("nan")
         else:
             ok, grad_norm, _ = self.optimizer.step()
+            exact_gemm.weights_updated()  # the optimizer writes the params through `.data`
         out = metrics(
             new_lp,
             [e["old"] for e in extras],
