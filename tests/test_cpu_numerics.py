@@ -74,3 +74,18 @@ def test_a_failing_host_check_refuses_before_anything_starts(tmp_path: Path) -> 
     assert cpu_numerics.cpu_info()["model_name"] in err and "torch" in err and "D=32" in err
     # nothing started: no checkpoint, no logs, no plan; only the summary of the refusal (and Hydra's own)
     assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "__main__.log", "summary.json"]
+
+
+def test_hosts_of_another_cpu_class_differ_in_the_runtime_fingerprint() -> None:
+    """A trainer and a server whose CPUs take other vector paths compute other bits in the row-local ops:
+    their runtime identities differ, naming the CPU (the handshake refuses such a pair with exit 6)."""
+    from tonpolicy.contract.identity import runtime_differences, runtime_identity
+
+    kernels = get_kernels("invariant")
+    ours = runtime_identity(kernels, "bfloat16", "cpu")
+    theirs = runtime_identity(kernels, "bfloat16", "cpu")
+    assert ours["fingerprint"] == theirs["fingerprint"]
+    theirs["build"]["cpu"] = {"vendor": "AuthenticAMD", "flags": ["fma", "avx2"]}
+    theirs["build"]["isa_caps"] = {"ATEN_CPU_CAPABILITY": "avx2"}
+    diff = runtime_differences(ours, theirs)
+    assert {"build.cpu.flags", "build.cpu.vendor", "build.isa_caps.ATEN_CPU_CAPABILITY"} <= set(diff), diff
