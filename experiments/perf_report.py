@@ -17,7 +17,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 
 
-CPU_KIND = {True: " with AMX (tonpolicy's GEMM settings on)", False: " without AMX"}  # unrecorded: nothing
+CPU_KIND = {True: " with AMX", False: " without AMX"}  # unrecorded: nothing
 
 
 def load() -> dict[str, dict]:
