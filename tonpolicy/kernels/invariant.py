@@ -36,13 +36,13 @@ class InvariantKernels:
     ) -> None:
         self.attention_tile = attention_tile
         self.canonical_shards = canonical_shards
-        # Every GEMM's row count is a multiple of this granule (4: the smallest that gives the same
-        # row bits as any other multiple; 1-3 rows take a gemv-like path with other bits).
+        # Attention pads a query block's rows to a multiple of this granule. Since the exact GEMM no row
+        # count changes a bit (the granule and `prefill_row_tile` were the library GEMMs' fixed shapes);
+        # both stay contract fields, in the fingerprint, so that configs and plans keep their keys.
         self.row_tile = row_tile
-        # Rows per linear GEMM for long inputs (same row bits as `row_tile`, proven by tests; faster).
         self.prefill_row_tile = prefill_row_tile
-        # "bfloat16": with bf16 operands the LM head is the native bf16 GEMM (logits rounded to bf16,
-        # then fp32), half the bytes per decode step of the fp32 GEMM that "float32" runs.
+        # "bfloat16": with bf16 operands the LM head's fp32 result is rounded to bf16 (as stock SGLang's
+        # bf16 logits), then fp32.
         self.logits_dtype = logits_dtype
         # The last `attention_pooled` call's geometry, key template (no pools held) and plan.
         self._pooled: tuple[tuple, invariant_attention.PooledKeyTiles, invariant_attention.Plan] | None = None
