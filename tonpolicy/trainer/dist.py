@@ -6,6 +6,7 @@ megatron CUDA redirections of `cpu_compat`), GPU uses NCCL.
 
 from __future__ import annotations
 
+import io
 import os
 import traceback
 from collections.abc import Callable
@@ -100,6 +101,12 @@ def reset_model_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
+def _to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
 def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
@@ -107,7 +114,9 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     torch.set_num_threads(1)  # the build machine has 2 shared cores; ranks must not oversubscribe
     try:
         out = fn(*args)
-        queue.put((rank, "ok", out if rank == 0 else None))
+        # As bytes: a tensor put on the queue as is travels as a shared-memory fd that the parent must
+        # fetch from this process while it still lives (a rank that exits first fails the parent's get).
+        queue.put((rank, "ok", _to_bytes(out) if rank == 0 else None))
     except BaseException:  # report to the parent instead of hanging the others
         queue.put((rank, "error", traceback.format_exc()))
         raise
@@ -133,7 +142,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
                 errors.append(f"rank {rank}:\n{payload}")
                 break
             if rank == 0:
-                result = payload
+                result = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5 if errors else timeout)
