@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from e2e_common import records
 
-from tonpolicy.cpu_numerics import cpu_info
+from tonpolicy.cpu_numerics import ISA_VARIABLES, cpu_info
 
 TESTS = Path(__file__).resolve().parent
 FLAGS = set(cpu_info()["flags"])
@@ -46,11 +46,7 @@ KERNEL_TESTS = [
 
 
 def _env(cell: dict[str, str]) -> dict[str, str]:
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR")
-    }
+    base = {k: v for k, v in os.environ.items() if k not in ISA_VARIABLES}
     return base | cell | {"PYTHONPATH": str(TESTS)}
 
 

@@ -170,7 +170,7 @@ def probe(kernels, s: Shapes) -> list[Failure]:  # noqa: ANN001
         torch.equal(_with_threads(1, lambda: kernels.logprobs(logits, tokens, s.vocab, 0.7)), lp),
         f"1 thread differs from {threads}",
     )
-    heads, kv = min(s.heads, 4 * max(1, s.heads // s.kv_heads)), min(s.kv_heads, 4)
+    kv = min(s.kv_heads, 4)  # up to 4 KV heads with the job's group size
     heads = kv * (s.heads // s.kv_heads)
     n = 2 * s.attention_tile + 3
     q, kk, v = (_randn((n, h, s.head_dim), dtype, 9 + i) for i, h in enumerate((heads, kv, kv)))
