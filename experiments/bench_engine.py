@@ -1,4 +1,4 @@
-"""Engine throughput and memory under the `invariant` kernels vs the `default` (plain torch) kernels.
+"""Engine throughput and memory under the `invariant` kernels vs the `plain` (plain torch) kernels.
 
 Same model weights, same workload, one process; runs alternate between the two kernel sets and the
 median of `--repeats` is kept, so machine noise hits both alike. Prefill tokens/s comes from runs with
@@ -37,7 +37,7 @@ MODELS = {
     "tiny": (ModelConfig(), dict(requests=16, prompt=200, gen=32)),
     "large": (CPU_1024, dict(requests=16, prompt=128, gen=16)),
 }
-KINDS = ("invariant", "default")
+KINDS = ("invariant", "plain")
 # Also measured in bf16: the contract with contract.logits_dtype=bfloat16 (the LM head on the bf16 GEMM).
 BF16_LOGITS = "invariant_bf16_logits"
 POOL = dict(slots=16, capacity=1024)  # the fixed KV pool the memory comparison counts
@@ -155,10 +155,10 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
         out[f"{k}_decode_tok_s"] = w["requests"] * w["gen"] / td
     out["prefill_ratio"] = out["default_prefill_tok_s"] / out["invariant_prefill_tok_s"]
     out["decode_ratio"] = out["default_decode_tok_s"] / out["invariant_decode_tok_s"]
-    out["memory_ratio"] = memory["invariant"] / memory["default"]
+    out["memory_ratio"] = memory["invariant"] / memory["plain"]
     if BF16_LOGITS in models:
         out["bf16_logits_decode_ratio"] = out["default_decode_tok_s"] / out[f"{BF16_LOGITS}_decode_tok_s"]
-        out["bf16_logits_memory_ratio"] = memory[BF16_LOGITS] / memory["default"]
+        out["bf16_logits_memory_ratio"] = memory[BF16_LOGITS] / memory["plain"]
     out["profile"] = {k: {"prefill": breakdown(m, pre), "full": breakdown(m, full)} for k, m in models.items()}
     out["one_request"] = one_request(models, cfg, w["prompt"], w["gen"], repeats)
     return out
@@ -176,9 +176,9 @@ def one_request(models: dict[str, Qwen3], cfg: ModelConfig, prompt: int, gen: in
     for k, m in models.items():
         total = _time(m, full, min_s=MIN_MEASURE_S)
         out["op_ms"][k] = {n: share * total / (gen + 1) * 1e3 for n, share in breakdown(m, full).items()}
-    out["decode_ratio"] = out["decode_ms"]["invariant"] / out["decode_ms"]["default"]
+    out["decode_ratio"] = out["decode_ms"]["invariant"] / out["decode_ms"]["plain"]
     if BF16_LOGITS in models:
-        out["bf16_logits_decode_ratio"] = out["decode_ms"][BF16_LOGITS] / out["decode_ms"]["default"]
+        out["bf16_logits_decode_ratio"] = out["decode_ms"][BF16_LOGITS] / out["decode_ms"]["plain"]
     out["row_tile"] = row_tile_cost(cfg, next(iter(models.values())).dtype)
     return out
 
@@ -246,14 +246,14 @@ def main() -> None:
                 f"{r['invariant_prefill_tok_s']:.0f} default {r['default_prefill_tok_s']:.0f} ratio "
                 f"{r['prefill_ratio']:.2f}x | decode tok/s contract {r['invariant_decode_tok_s']:.1f} default "
                 f"{r['default_decode_tok_s']:.1f} ratio {r['decode_ratio']:.2f}x | memory "
-                f"{r['bytes']['invariant'] / 2**20:.1f} / {r['bytes']['default'] / 2**20:.1f} MiB"
+                f"{r['bytes']['invariant'] / 2**20:.1f} / {r['bytes']['plain'] / 2**20:.1f} MiB"
             )
             prof = r["profile"]["invariant"]["full"]
             print("    contract, where the time goes: " + ", ".join(f"{n} {s:.0%}" for n, s in prof.items()))
             one = r["one_request"]
             ms = ", ".join(f"{k} {t:.1f}" for k, t in one["decode_ms"].items())
             ops = one["op_ms"]
-            by_op = ", ".join(f"{n} {t:.2f}/{ops['default'].get(n, 0.0):.2f}" for n, t in ops["invariant"].items())
+            by_op = ", ".join(f"{n} {t:.2f}/{ops['plain'].get(n, 0.0):.2f}" for n, t in ops["invariant"].items())
             tile = one["row_tile"]
             print(f"    one request, ms per decode step: {ms} (ratio {one['decode_ratio']:.2f}x)")
             print(f"    one request, ms per step by op (contract/plain): {by_op}")

@@ -26,18 +26,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf_targets import TRAINER_RATIO, Check, report, with_launch_environment  # noqa: E402
 
+from tonpolicy.align import harness  # noqa: E402
 from tonpolicy.config.model import ModelConfig  # noqa: E402
-from tonpolicy.parity import harness  # noqa: E402
-from tonpolicy.trainer.dist import Layout, spawn  # noqa: E402
+from tonpolicy.trainer.process_groups import Layout, spawn  # noqa: E402
 
 
 def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int) -> dict[str, Any]:
-    from tonpolicy.trainer import forward as trainer_forward
-    from tonpolicy.trainer.dist import reset_model_parallel
+    from tonpolicy.trainer import schedule
+    from tonpolicy.trainer.process_groups import reset_model_parallel
     from tonpolicy.trainer.worker import TrainerWorker
 
     recipe = {"s": 0.0}
-    inner = trainer_forward.token_logprobs
+    inner = schedule.token_logprobs
 
     def timed(*a: Any, **k: Any) -> torch.Tensor:
         t = time.perf_counter()
@@ -45,7 +45,7 @@ def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int)
         recipe["s"] += time.perf_counter() - t
         return out
 
-    trainer_forward.token_logprobs = timed
+    schedule.token_logprobs = timed
     out: dict[str, Any] = {"layout": str(layout), "dtype": dtype}
     p, r = batch["prompts"], batch["responses"]
     # Both specs live side by side (same process groups) and their steps alternate, so drift of a

@@ -21,7 +21,7 @@ from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model import Qwen3, init_state_dict
 from tonpolicy.rollout.engine import Engine, GenRequest
-from tonpolicy.rollout.logits import score_logprobs
+from tonpolicy.rollout.engine.logits import score_logprobs
 
 PROMPT_LENS = [1, 3, 8, 31, 33, 70, 130]
 

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tonpolicy.parity import harness  # noqa: E402
-from tonpolicy.trainer.dist import Layout, reset_model_parallel  # noqa: E402
+from tonpolicy.align import harness  # noqa: E402
+from tonpolicy.trainer.process_groups import Layout, reset_model_parallel  # noqa: E402
 
 REPORT: dict[str, Any] = {}
 

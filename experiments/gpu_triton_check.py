@@ -28,9 +28,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tonpolicy.align import harness  # noqa: E402
 from tonpolicy.kernels import get_kernels  # noqa: E402
 from tonpolicy.kernels import triton_linear as tlin  # noqa: E402
-from tonpolicy.parity import harness  # noqa: E402
 
 REPORT: dict[str, Any] = {}
 OUT = Path("gpu_triton.json")
@@ -214,7 +214,7 @@ def model(root: Path) -> dict:
     from tonpolicy.config.model import ModelConfig
     from tonpolicy.model.checkpoint import init_state_dict, load_hf, save_hf
     from tonpolicy.model.qwen3 import Qwen3
-    from tonpolicy.trainer.dist import Layout
+    from tonpolicy.trainer.process_groups import Layout
     from tonpolicy.trainer.worker import TrainerWorker
 
     out: dict[str, Any] = {}

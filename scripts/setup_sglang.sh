@@ -34,7 +34,7 @@ else
 fi
 "$VENV/bin/python" -m pip install -q -e ".[test]"
 # On a machine without a GPU SGLang runs its CPU engine; the few sgl_kernel CPU ops it calls come from
-# tonpolicy/rollout/sglang_cpu (PyPI ships sgl_kernel for CUDA only), put on PYTHONPATH by the launch plan.
+# tonpolicy/inside_sglang/cpu_standin (PyPI ships sgl_kernel for CUDA only), put on PYTHONPATH by the launch plan.
 "$VENV/bin/python" - <<'PYCHECK'
 import sglang, torch
 print(f"tonpolicy SGLang environment ready: sglang {sglang.__version__}, torch {torch.__version__}")

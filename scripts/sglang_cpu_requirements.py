@@ -2,7 +2,7 @@
 
 SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1, torch_native attention) never imports these: their
 wheels are CUDA builds (together ~3 GB, a third of the environment), and `sgl_kernel`'s few CPU ops
-come from tonpolicy/rollout/sglang_cpu instead. Everything else SGLang asks for is installed, at the
+come from tonpolicy/inside_sglang/cpu_standin instead. Everything else SGLang asks for is installed, at the
 versions it pins, with its own dependencies. Run with the environment's Python after
 `pip install --no-deps sglang`.
 """

@@ -17,10 +17,10 @@ from tonpolicy.config.model import ModelConfig
 from tonpolicy.config.sglang_rules import sglang_python
 from tonpolicy.contract.identity import identity
 from tonpolicy.launch.plan import sglang_argv
+from tonpolicy.launch.sglang_env import server_environment
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
 from tonpolicy.ports import free_port
 from tonpolicy.rollout.client import RolloutClient
-from tonpolicy.rollout.sglang_env import server_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 

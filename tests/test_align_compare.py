@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tonpolicy.parity.compare import compare_dumps
-from tonpolicy.parity.dump import Dump, load_dump, save_dump
-from tonpolicy.parity.names import LAYER_OPS, Checkpoint, checkpoint, parse_name, split_qkv
+from tonpolicy.align.compare import compare_dumps
+from tonpolicy.align.dump import Dump, load_dump, save_dump
+from tonpolicy.align.names import LAYER_OPS, Checkpoint, checkpoint, parse_name, split_qkv
 
 LAYERS = 2
 

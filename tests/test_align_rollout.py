@@ -1,7 +1,7 @@
 """The rollout dumper: the engine's decode path against a full forward of the same model.
 
-Under `invariant` they must match bit for bit; a checkpoint forced onto the `default` kernels must be
-reported at exactly that (layer, op); `default` everywhere (the negative control) must diverge.
+Under `invariant` they must match bit for bit; a checkpoint forced onto the `plain` kernels must be
+reported at exactly that (layer, op); `plain` everywhere (the negative control) must diverge.
 """
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tonpolicy.align.compare import compare_dumps
+from tonpolicy.align.names import Checkpoint, checkpoint
+from tonpolicy.align.recorder import Selection
+from tonpolicy.align.rollout_dump import decode_dump, full_forward_dump
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model.qwen3 import Qwen3
-from tonpolicy.parity.compare import compare_dumps
-from tonpolicy.parity.names import Checkpoint, checkpoint
-from tonpolicy.parity.recorder import Selection
-from tonpolicy.parity.rollout_dump import decode_dump, full_forward_dump
-from tonpolicy.rollout.requests import GenRequest
+from tonpolicy.rollout.engine.requests import GenRequest
 
 CFG = ModelConfig()
 PROMPT = [3, 11, 12, 13, 14, 15, 4]
@@ -70,7 +70,7 @@ def test_decode_matches_full_forward_and_engine_logprobs(chunk: int | None) -> N
 def test_perturbed_op_is_reported_at_exactly_that_layer_and_op(dtype: torch.dtype, layer: int, op: str) -> None:
     model = _model(dtype=dtype)
     target = checkpoint(layer, op, CFG.num_layers)
-    dump, _, _ = decode_dump(model, _request(4), Selection(), perturb={target: get_kernels("default")})
+    dump, _, _ = decode_dump(model, _request(4), Selection(), perturb={target: get_kernels("plain")})
     report = compare_dumps(dump, full_forward_dump(model, dump.tokens, len(PROMPT), 1.0, Selection()))
     assert not report.match
     assert (report.first.layer, report.first.op) == (target.layer, op)
@@ -78,8 +78,8 @@ def test_perturbed_op_is_reported_at_exactly_that_layer_and_op(dtype: torch.dtyp
     assert before and all(c.mismatched_elements == 0 for c in before)
 
 
-def test_default_kernels_are_a_negative_control() -> None:
-    model = _model("default")
+def test_plain_kernels_are_a_negative_control() -> None:
+    model = _model("plain")
     dump, _, _ = decode_dump(model, _request(), Selection())
     report = compare_dumps(dump, full_forward_dump(model, dump.tokens, len(PROMPT), 1.0, Selection()))
     assert not report.match and report.first is not None

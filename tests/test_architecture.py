@@ -4,6 +4,8 @@ the page stays true): every `tonpolicy` import in the package, lazy ones include
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,11 +22,25 @@ def room_of(path: Path) -> str:
     return parts[0] if len(parts) > 1 else path.stem
 
 
-def imported_modules(path: Path, root: Path = ROOT) -> list[str]:
-    """Absolute dotted names of every import (relative ones resolved; `from a import b` counts a.b)."""
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (names for the type checker, never loaded)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
+def imported_modules(path: Path, root: Path = ROOT, runtime_only: bool = False) -> list[str]:
+    """Absolute dotted names of every import (relative ones resolved; `from a import b` counts a.b);
+    `runtime_only` leaves out the imports under `if TYPE_CHECKING:`."""
     package = path.relative_to(root).with_suffix("").parts[:-1]
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_only(tree) if runtime_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -61,5 +77,63 @@ def test_the_import_reader_sees_every_form(tmp_path: Path) -> None:
     """The check itself can fail: package-level, from-package and relative imports all count."""
     probe = tmp_path / "tonpolicy" / "model" / "probe.py"
     probe.parent.mkdir(parents=True)
-    probe.write_text("from tonpolicy import launch\nimport tonpolicy.parity.dump\nfrom ..app import run\n")
-    assert imported_rooms(probe, tmp_path) == {"launch", "parity", "app"}
+    probe.write_text("from tonpolicy import launch\nimport tonpolicy.align.dump\nfrom ..app import run\n")
+    assert imported_rooms(probe, tmp_path) == {"launch", "align", "app"}
+
+
+# --- sub-rooms: the rollout side split by process and role ------------------------------------------
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _imports_of(folder: str, runtime_only: bool = False) -> dict[str, list[str]]:
+    base = PACKAGE / folder
+    paths = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
+    return {_module(p): imported_modules(p, runtime_only=runtime_only) for p in paths}
+
+
+def _offenders(imports: dict[str, list[str]], forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{m} imports {n}" for m, names in imports.items() for n in names if n.startswith(forbidden)]
+
+
+def test_nothing_in_tonpolicy_imports_the_sglang_side() -> None:
+    """`inside_sglang/` runs in SGLang's processes and environment; tonpolicy only names it (launch plan)."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if room_of(path) != "inside_sglang":
+            wrong += _offenders({_module(path): imported_modules(path)}, ("tonpolicy.inside_sglang",))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_engine_knows_no_server_client_or_wire() -> None:
+    forbidden = ("tonpolicy.rollout.server", "tonpolicy.rollout.client", "tonpolicy.rollout.wire")
+    assert not _offenders(_imports_of("rollout/engine"), forbidden)
+
+
+def test_the_wire_format_and_the_client_stand_alone() -> None:
+    """The wire format imports nothing of tonpolicy but itself, the client nothing but the wire format, and
+    neither imports torch (the type checker's names aside)."""
+    wire = _imports_of("rollout/wire", runtime_only=True)
+    client = _imports_of("rollout/client", runtime_only=True)
+    wrong = [
+        f"{m} imports {n}"
+        for imports, allowed in ((wire, ("tonpolicy.rollout.wire",)), (client, ("tonpolicy.rollout.wire",)))
+        for m, names in imports.items()
+        for n in names
+        if (n.startswith("tonpolicy.") and not n.startswith(allowed)) or n.split(".")[0] == "torch"
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_client_loads_no_torch_and_no_engine() -> None:
+    """The same, as the interpreter sees it: importing the client loads neither torch nor the engine."""
+    code = (
+        "import sys, tonpolicy.rollout.client\n"
+        "engine = ('tonpolicy.rollout.engine', 'tonpolicy.model', 'tonpolicy.kernels')\n"
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith(engine)]\n"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -49,7 +49,7 @@ CASES = [
         ["SGLang's own kernels cannot reproduce its bits"],
     ),
     (
-        ["rollout=sglang", "contract=off_policy", "contract.sglang.model_package=tonpolicy.rollout.sglang_model"],
+        ["rollout=sglang", "contract=off_policy", "contract.sglang.model_package=tonpolicy.inside_sglang.model"],
         ["is stock SGLang's: must be null"],
     ),
     (["rollout=sglang", "trainer.device=cpu", "contract.sglang.attention_backend=fa3"], ["runs only torch_native"]),

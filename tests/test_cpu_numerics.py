@@ -48,7 +48,7 @@ def test_probe_passes_here_and_fails_when_forced(monkeypatch) -> None:
     assert [f.prop for f in failed] == ["linear.row_count", "linear.row_count"]
     # the plain kernels fail the probe on their own (negative control)
     monkeypatch.delenv(FORCE_FAIL_ENV)
-    assert {f.prop for f in probe(get_kernels("default"), s)} & {"linear.row_count", "attention.prefill_vs_decode"}
+    assert {f.prop for f in probe(get_kernels("plain"), s)} & {"linear.row_count", "attention.prefill_vs_decode"}
 
 
 def test_default_job_passes_the_host_check() -> None:

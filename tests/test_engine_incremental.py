@@ -1,6 +1,6 @@
 """The incremental engine API (add / step / has_work): requests added while others are mid-decode get
 results bit-identical (torch.equal) to the request run alone and to one full-sequence forward under
-`invariant`, fp32 and bf16; `default` finds mismatches in the same scenario (negative control). The
+`invariant`, fp32 and bf16; `plain` finds mismatches in the same scenario (negative control). The
 add/step schedule is the one `generate` runs: feeding arrivals by hand equals `arrival_step`."""
 
 from __future__ import annotations
@@ -98,17 +98,17 @@ def test_contract_requests_joining_mid_decode_are_bitwise(dtype, seed):
     assert bad_full == 0 and bad_alone == 0
 
 
-def test_default_requests_joining_mid_decode_mismatch():
+def test_plain_requests_joining_mid_decode_mismatch():
     """Negative control, as tests/test_engine_parity.py: plain kernels show the batch in the numbers."""
-    bad = [mismatches("default", dtype, seed) for dtype in DTYPES for seed in range(2)]
+    bad = [mismatches("plain", dtype, seed) for dtype in DTYPES for seed in range(2)]
     assert all(b[2] > 0 for b in bad)
     assert sum(b[0] for b in bad) > 0
     assert sum(b[0] + b[1] for b in bad) > 0
 
 
-@pytest.mark.parametrize("kernels", ["invariant", "default"])
+@pytest.mark.parametrize("kernels", ["invariant", "plain"])
 def test_adding_between_steps_is_the_generate_schedule(kernels):
-    """Same batches step for step, so even `default` agrees bit for bit: one scheduling path."""
+    """Same batches step for step, so even `plain` agrees bit for bit: one scheduling path."""
     m = model(kernels, torch.bfloat16)
     reqs, arrivals, cap, chunk = workload(7)
     by_hand, _ = run_incremental(Engine(m, max_running_requests=cap, chunked_prefill_size=chunk), reqs, arrivals)

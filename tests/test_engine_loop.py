@@ -10,7 +10,7 @@ from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model import Qwen3
 from tonpolicy.rollout.engine import Engine, GenRequest
-from tonpolicy.rollout.engine_loop import EngineLoop
+from tonpolicy.rollout.engine.loop import EngineLoop
 
 
 def test_calls_wait_for_in_flight_requests_and_keep_arrival_order() -> None:
@@ -42,7 +42,7 @@ def test_calls_wait_for_in_flight_requests_and_keep_arrival_order() -> None:
 def test_one_failing_request_fails_only_its_own_job(monkeypatch) -> None:  # noqa: ANN001
     """A request whose sampling raises mid-batch ends its own job with the error; the requests of
     other jobs batched with it finish normally (they used to get the error too)."""
-    import tonpolicy.rollout.engine as engine_module
+    import tonpolicy.rollout.engine.core as engine_module
 
     real = engine_module.sample_token
 

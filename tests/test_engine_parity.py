@@ -1,7 +1,7 @@
 """The engine's decode logprobs are bit-identical (torch.equal) to one full-sequence forward of
 prompt+response and to the same request run alone, under `invariant`, for random prompts (lengths not
 multiples of the tile), arrival orders, running caps and chunked prefill, fp32 and bf16. Under
-`default` the same check must find mismatches (negative control)."""
+`plain` the same check must find mismatches (negative control)."""
 
 from __future__ import annotations
 
@@ -87,9 +87,9 @@ def test_contract_engine_bitwise(dtype, seed):
     assert bad_full == 0 and bad_alone == 0
 
 
-def test_default_engine_mismatches():
+def test_plain_engine_mismatches():
     """Negative control: the same checks under plain kernels find non-zero mismatch."""
-    bad = [mismatches("default", dtype, seed) for dtype in DTYPES for seed in range(2)]
+    bad = [mismatches("plain", dtype, seed) for dtype in DTYPES for seed in range(2)]
     assert sum(b[0] for b in bad) > 0
     assert sum(b[0] + b[1] for b in bad) > 0
 

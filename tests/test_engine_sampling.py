@@ -11,7 +11,7 @@ from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model import Qwen3
 from tonpolicy.rollout.engine import Engine, GenRequest
-from tonpolicy.rollout.logits import make_generator, sample_token
+from tonpolicy.rollout.engine.logits import make_generator, sample_token
 
 CFG = ModelConfig()
 PROMPT = [5, 17, 300, 42, 1999, 7, 8]

@@ -1,6 +1,6 @@
 """Split-KV attention invariance: prefill vs one-query decode vs chunked prefill, batched decode of
 sequences of different lengths, the tile-by-tile merge (also across a ring-CP style key split), masked
-tiles as exact no-ops, thread count. The default set (SDPA) is the negative control."""
+tiles as exact no-ops, thread count. The plain set (SDPA) is the negative control."""
 
 from __future__ import annotations
 
@@ -220,9 +220,9 @@ def test_contract_attention_is_accurate(dtype):
     assert (got - ref).abs().max() < tol
 
 
-def test_default_attention_prefill_differs_from_decode():
+def test_plain_attention_prefill_differs_from_decode():
     """Negative control: SDPA's causal row i differs from query i decoded alone."""
-    k = get_kernels("default")
+    k = get_kernels("plain")
     mismatches = 0
     for dtype in DTYPES:
         q, kk, v = _qkv(100, 8, 4, 32, dtype, seed=7)

@@ -1,5 +1,5 @@
 """Invariance of the contract linear: batch composition / token count / row position, column shards,
-canonical K-shards at TP=1/2/4, thread count. The default set is the negative control."""
+canonical K-shards at TP=1/2/4, thread count. The plain set is the negative control."""
 
 from __future__ import annotations
 
@@ -119,11 +119,11 @@ def _row_parallel_rank(cases: list[tuple[str, torch.dtype, int]]) -> list[bool]:
 def test_row_parallel_combine_across_gloo_ranks(tp):
     """The row-parallel combine over real gloo ranks (each rank its subtree sum, then one all-reduce at
     TP=2 or a gather of the subtree sums at TP=4) gives every rank the TP=1 bits, bf16 and fp32; with
-    8 canonical shards too (2 per rank at TP=4). Negative control: the default kernels do not keep TP=1's
+    8 canonical shards too (2 per rank at TP=4). Negative control: the plain kernels do not keep TP=1's
     bits across ranks."""
-    from tonpolicy.trainer.dist import spawn
+    from tonpolicy.trainer.process_groups import spawn
 
-    cases = [("invariant", d, 4) for d in DTYPES] + [("invariant", torch.float32, 8), ("default", torch.float32, 4)]
+    cases = [("invariant", d, 4) for d in DTYPES] + [("invariant", torch.float32, 8), ("plain", torch.float32, 4)]
     assert spawn(_row_parallel_rank, tp, cases) == [True] * (len(cases) - 1) + [False]
 
 
@@ -199,10 +199,10 @@ def test_linear_accuracy_fp32_accumulation():
     assert ((got - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
 
 
-def test_default_linear_is_not_row_invariant():
+def test_plain_linear_is_not_row_invariant():
     """Negative control: plain F.linear results for a row depend on the batch (1 row vs 64, fp32, on some
     shape; on every CPU measured one row alone takes a GEMV path)."""
-    k = get_kernels("default")
+    k = get_kernels("plain")
     mismatches = 0
     for si, (kk, n) in enumerate(SHAPES):
         x = randn(64, kk, seed=si)
@@ -323,4 +323,4 @@ def test_bf16_logits_option():
     diff = (k32.lm_head(x, w) - logits).abs().max().item()
     assert 0 < diff < 0.05
     with pytest.raises(ValueError, match="logits_dtype"):
-        get_kernels("default", logits_dtype="bfloat16")
+        get_kernels("plain", logits_dtype="bfloat16")

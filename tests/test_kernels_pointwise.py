@@ -78,7 +78,7 @@ def test_rope_positions_independent():
             sel = torch.tensor(sorted(rng.sample(range(3000), rng.randrange(1, 50))))
             c, s = K.rope_cos_sin(sel, d, 1_000_000.0)
             assert torch.equal(c, cos[sel]) and torch.equal(s, sin[sel])
-        ref = get_kernels("default").rope_cos_sin(allpos, d, 1_000_000.0)
+        ref = get_kernels("plain").rope_cos_sin(allpos, d, 1_000_000.0)
         assert (cos - ref[0]).abs().max() < 1e-6
 
 
@@ -93,7 +93,7 @@ def test_apply_rope_rows(dtype):
         m = rng.randrange(1, 300)
         off = rng.randrange(0, 300 - m + 1)
         assert torch.equal(K.apply_rope(x[off : off + m], cos[off : off + m], sin[off : off + m]), full[off : off + m])
-    ref = get_kernels("default").apply_rope(x.double(), cos.double(), sin.double())
+    ref = get_kernels("plain").apply_rope(x.double(), cos.double(), sin.double())
     assert (full.double() - ref).abs().max() <= (1e-5 if dtype == torch.float32 else 2**-7 * 8)
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from tonpolicy.align import harness
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.model import pipeline_stage_layers
 from tonpolicy.launch.job import with_flags
 from tonpolicy.launch.plan import launch_plan
-from tonpolicy.parity import harness
-from tonpolicy.trainer.dist import spawn
+from tonpolicy.trainer.process_groups import spawn
 
 CASES = [
     ["parallel=tp2"],

@@ -46,7 +46,7 @@ def _hf_model(tied: bool, dtype: torch.dtype):
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernels", ["invariant", "default"])
+@pytest.mark.parametrize("kernels", ["invariant", "plain"])
 def test_hf_logits_match(tmp_path, tied, dtype, kernels):
     hf = _hf_model(tied, dtype)
     hf.save_pretrained(tmp_path)

@@ -55,11 +55,11 @@ def test_prefix_and_segment_batches(dtype):
         assert torch.equal(out, torch.cat(want))
 
 
-def test_default_prefix_forward_differs():
+def test_plain_prefix_forward_differs():
     """Negative control: under plain kernels a prefix forward does not reproduce the full forward rows."""
     bad = 0
     for dtype in DTYPES:
-        m = _model("default", dtype)
+        m = _model("plain", dtype)
         s = torch.randint(0, m.cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(1))
         bad += int(not torch.equal(m(s[:33]), m(s)[:33]))
     assert bad > 0

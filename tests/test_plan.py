@@ -52,7 +52,7 @@ def test_fingerprint_tracks_every_numerics_field() -> None:
     assert base == fingerprint(compose_config().contract), "fingerprint must be deterministic"
     changes = {
         "family": "qwen3_moe",
-        "kernels": "default",
+        "kernels": "plain",
         "dtype": "float32",
         "accumulate_dtype": "float64",
         "attention_tile": 64,
@@ -102,7 +102,7 @@ def test_plan_contents() -> None:
     argv = plan["sglang_command"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     # The contract inside SGLang: tonpolicy's model package, no deterministic mode, radix cache on.
-    assert argv[1:3] == ["-m", "tonpolicy.rollout.sglang_server"]
+    assert argv[1:3] == ["-m", "tonpolicy.inside_sglang.server"]
     assert "--enable-deterministic-inference" not in argv and "--disable-radix-cache" not in argv
     assert "--rl-on-policy-target" not in argv and "--skip-tokenizer-init" in argv
     assert "--disable-cuda-graph" in argv and "--device" not in argv
@@ -131,7 +131,7 @@ def test_rendered_sglang_flags_exist_in_sglang() -> None:
         ["contract=off_policy", "rollout=sglang", "trainer.device=cuda", "rollout.chunked_prefill_size=256"],
     ]:
         argv = sglang_argv(compose_config(overrides), "/ckpt")
-        assert argv[1:3] in (["-m", "sglang.launch_server"], ["-m", "tonpolicy.rollout.sglang_server"])
+        assert argv[1:3] in (["-m", "sglang.launch_server"], ["-m", "tonpolicy.inside_sglang.server"])
         # The shell's part: launch.sh expands the node rank (and the API key) before SGLang parses them.
         argvs.append([{NODE_RANK_PLACEHOLDER: "1", API_KEY_PLACEHOLDER: "key"}.get(a, a) for a in argv[3:]])
     proc = subprocess.run(

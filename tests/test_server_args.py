@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.contract.identity import identity, kernel_params
-from tonpolicy.rollout.server_args import parse_server_args
+from tonpolicy.rollout.server.args import parse_server_args
 
 
 def _write_resolved(tmp_path: Path, overrides: list[str]) -> tuple[Path, object]:
@@ -40,19 +40,19 @@ def test_off_policy_config_has_another_fingerprint(tmp_path: Path) -> None:
     on_args = parse_server_args(["--config", str(on)])
     off, _ = _write_resolved(tmp_path, ["contract=off_policy"])
     off_args = parse_server_args(["--config", str(off)])
-    assert off_args.kernels == "default"
+    assert off_args.kernels == "plain"
     assert off_args.contract_fingerprint != on_args.contract_fingerprint
 
 
 def test_flags_alone(tmp_path: Path) -> None:
     a = parse_server_args(
         [
-            "--model-path", str(tmp_path), "--kernels", "default", "--dtype", "float32",
+            "--model-path", str(tmp_path), "--kernels", "plain", "--dtype", "float32",
             "--contract-name", "c", "--contract-version", "2", "--contract-fingerprint", "ab" * 32,
             "--attention-tile", "16", "--max-running-requests", "3",
         ]
     )  # fmt: skip
-    assert a.model_path == str(tmp_path) and a.kernels == "default" and a.dtype == "float32"
+    assert a.model_path == str(tmp_path) and a.kernels == "plain" and a.dtype == "float32"
     assert (a.contract_name, a.contract_version) == ("c", 2)
     assert a.kernel_params == {"attention_tile": 16} and a.max_running_requests == 3
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from tonpolicy.rollout.answers import build_generate_output, finish_reason_json, parse_generate_output
-from tonpolicy.rollout.protocol import (
+from tonpolicy.rollout.engine.requests import GenResult
+from tonpolicy.rollout.wire.request import (
     DEFAULT_MAX_NEW_TOKENS,
     GenerateItem,
     ProtocolError,
@@ -16,7 +16,7 @@ from tonpolicy.rollout.protocol import (
     parse_generate_request,
     parse_sampling_params,
 )
-from tonpolicy.rollout.requests import GenResult
+from tonpolicy.rollout.wire.response import build_generate_output, finish_reason_json, parse_generate_output
 
 
 def _result(ids: list[int], lps: list[float], reason: str = "length") -> GenResult:

@@ -19,7 +19,7 @@ from tonpolicy.kernels import get_kernels
 from tonpolicy.model.checkpoint import load_hf
 from tonpolicy.model.qwen3 import Qwen3
 from tonpolicy.model.tokenizer import load_text_tokenizer
-from tonpolicy.rollout.logits import score_logprobs
+from tonpolicy.rollout.engine.logits import score_logprobs
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}{{ 'say' }}"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from tonpolicy.rollout.sglang_guard import VocabGuard, out_of_range
+from tonpolicy.inside_sglang.vocab_guard import VocabGuard, out_of_range
 
 
 def test_out_of_range_finds_bad_ids_only() -> None:

@@ -1,4 +1,4 @@
-"""The pure-torch stand-in for sgl_kernel's CPU ops (tonpolicy/rollout/sglang_cpu/sgl_kernel) against
+"""The pure-torch stand-in for sgl_kernel's CPU ops (tonpolicy/inside_sglang/cpu_standin/sgl_kernel) against
 plain-Python references of what SGLang's Triton kernels compute."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from tonpolicy.rollout.sglang_env import CPU_STANDIN_DIR
+from tonpolicy.launch.sglang_env import CPU_STANDIN_DIR
 
 
 def _load_standin():

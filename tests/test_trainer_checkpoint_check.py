@@ -9,7 +9,7 @@ import torch
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
-from tonpolicy.trainer.dist import spawn
+from tonpolicy.trainer.process_groups import spawn
 
 
 def build_or_refuse(checkpoint: str) -> str:

@@ -1,7 +1,7 @@
 """The kernel spec's LM head over the loss's rows only (`layer_spec.lm_head_rows`): the picked rows'
 logits keep the whole-sequence bits (the contract's row invariance), the rest are zero, and the head's
 gradients are those of the whole-sequence head. Real GPTModel at TP=2 (gloo, 2 processes).
-Negative control: the default kernels' head on one picked row gives other bits (a plain GEMM's row
+Negative control: the plain kernels' head on one picked row gives other bits (a plain GEMM's row
 depends on the row count)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from trainer_common import random_hf
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.trainer.dist import Layout, spawn
+from tonpolicy.trainer.process_groups import Layout, spawn
 
 PICKS = {"three": [5, 6, 17], "one": [9]}
 
@@ -24,10 +24,10 @@ def _head_grads(model: torch.nn.Module) -> torch.Tensor:
 
 def _worker(kernel_set: str, dtype: torch.dtype) -> dict[str, float]:
     from tonpolicy.kernels import get_kernels, padded_vocab_size
-    from tonpolicy.trainer.cp import TokenPositions
-    from tonpolicy.trainer.dist import init_distributed
+    from tonpolicy.trainer.cp_layout import TokenPositions
     from tonpolicy.trainer.layer_spec import lm_head_rows
     from tonpolicy.trainer.model import build_gpt
+    from tonpolicy.trainer.process_groups import init_distributed
     from tonpolicy.trainer.weights import load_into
 
     cfg = ModelConfig()
@@ -72,7 +72,7 @@ def test_lm_head_rows_keep_the_whole_sequence_bits() -> None:
         assert r["restored"] == 1.0
 
 
-def test_default_kernels_head_on_one_row_is_not_the_whole_sequence_bits() -> None:
-    r = spawn(_worker, 2, "default", torch.float32)
+def test_plain_kernels_head_on_one_row_is_not_the_whole_sequence_bits() -> None:
+    r = spawn(_worker, 2, "plain", torch.float32)
     print(r)
     assert r["one_equal"] == 0.0

@@ -7,7 +7,7 @@ import torch
 from trainer_common import grad_norm, random_hf
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.trainer.dist import Layout, spawn
+from tonpolicy.trainer.process_groups import Layout, spawn
 
 
 def _loss_grad_norm(cfg: ModelConfig, hf: dict, stock_gather: bool) -> tuple[float, torch.Tensor]:
@@ -28,7 +28,7 @@ def _loss_grad_norm(cfg: ModelConfig, hf: dict, stock_gather: bool) -> tuple[flo
 
 
 def _worker() -> dict[str, float]:
-    from tonpolicy.trainer.dist import init_distributed, reset_model_parallel
+    from tonpolicy.trainer.process_groups import init_distributed, reset_model_parallel
 
     cfg = ModelConfig()
     hf = random_hf(cfg, seed=3)

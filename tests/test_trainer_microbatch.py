@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from tonpolicy.align import harness
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.parity import harness
-from tonpolicy.trainer.dist import Layout, spawn
+from tonpolicy.trainer.process_groups import Layout, spawn
 
 T = 0.8
 

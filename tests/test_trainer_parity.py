@@ -1,18 +1,18 @@
 """Exact-zero parity: the Megatron trainer's logprobs for responses sampled by the embedded engine
 (rollout TP=1) are torch.equal to the engine's decode logprobs, in fp32 and bf16, at TP1, TP2, TP4,
 PP2, TP2xPP2, CP2-Ulysses and CP2-ring (plus TP2xCP2-ring). Negative control: the `off_policy`
-contract (default kernels in the engine; megatron's stock local spec, or at CP the kernel spec on the
-default kernels) mismatches at every layout. Real multi-process runs over gloo."""
+contract (plain kernels in the engine; megatron's stock local spec, or at CP the kernel spec on the
+plain kernels) mismatches at every layout. Real multi-process runs over gloo."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tonpolicy.align import harness
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
-from tonpolicy.parity import harness
-from tonpolicy.trainer.dist import Layout, spawn
+from tonpolicy.trainer.process_groups import Layout, spawn
 
 TEMPERATURE = 0.8
 
@@ -25,7 +25,7 @@ def rollouts(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         checkpoints[name] = str(root / name)
         save_hf(init_state_dict(cfg, dtype, 11), cfg, checkpoints[name])
-        for contract, kernels in (("exact", "invariant"), ("off_policy", "default")):
+        for contract, kernels in (("exact", "invariant"), ("off_policy", "plain")):
             # 4 prompts of lengths 40, 37, 34, 31 (ring pads them to 2*CP*tile), 12 new tokens each.
             out[(name, contract)] = harness.rollout(checkpoints[name], kernels, 4, 40, 12, TEMPERATURE)
     return checkpoints, out

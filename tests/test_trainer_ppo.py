@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tonpolicy.align import harness
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
-from tonpolicy.parity import harness
-from tonpolicy.trainer.dist import Layout, spawn
+from tonpolicy.trainer.process_groups import Layout, spawn
 
 T = 0.8
 ADV = [1.0, -0.5, 0.7, -1.2]
@@ -28,7 +28,7 @@ def batch(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict, dict, st
     return (
         ck,
         harness.rollout(ck, "invariant", 4, 40, 12, T),
-        harness.rollout(ck, "default", 4, 40, 12, T),
+        harness.rollout(ck, "plain", 4, 40, 12, T),
         ck16,
         harness.rollout(ck16, "invariant", 4, 40, 12, T),
     )

@@ -2,19 +2,19 @@
 experiments/gpu_triton_check.py runs the same in bf16): the embedded engine's decode logprobs equal
 a full-sequence prefill of the same model, and the Megatron trainer (real gloo process groups) at
 TP1, TP2 and CP2-ring reproduces them bit for bit. Negative control: the `off_policy` contract
-(default kernels) mismatches at the same layouts."""
+(plain kernels) mismatches at the same layouts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tonpolicy.align import harness
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model.checkpoint import init_state_dict, load_hf, save_hf
 from tonpolicy.model.qwen3 import Qwen3
-from tonpolicy.parity import harness
-from tonpolicy.trainer.dist import Layout, spawn
+from tonpolicy.trainer.process_groups import Layout, spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 TEMPERATURE = 0.8
@@ -27,7 +27,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     save_hf(init_state_dict(MODEL, torch.float32, 5), MODEL, ck)
     ros = {
         ("float32", c): harness.rollout(ck, k, 3, 40, 6, TEMPERATURE)
-        for c, k in (("triton", "triton"), ("off_policy", "default"))
+        for c, k in (("triton", "triton"), ("off_policy", "plain"))
     }
     return {"float32": ck}, ros
 

@@ -19,8 +19,8 @@ from tonpolicy.config.model import ModelConfig
 from tonpolicy.launch.weight_push import WeightPusher
 from tonpolicy.model.checkpoint import init_state_dict, load_hf
 from tonpolicy.rollout.client import RolloutClient, RolloutError
-from tonpolicy.rollout.requests import GenRequest
-from tonpolicy.rollout.weight_sync import DEFAULT_GROUP, buckets, init_update_group, listen
+from tonpolicy.rollout.engine.requests import GenRequest
+from tonpolicy.rollout.weight_group import DEFAULT_GROUP, buckets, init_update_group, listen
 
 PROMPTS = [[3, 11, 12], [5, 17, 18, 19, 4]]
 PARAMS = [{"max_new_tokens": 5, "sampling_seed": s} for s in (1, 2)]
@@ -170,7 +170,7 @@ def test_only_ranks_told_the_group_name_can_join() -> None:
     listener = listen("127.0.0.1")
     port = listener.getsockname()[1]
     intruder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from tonpolicy.rollout.weight_sync import init_update_group; "
+        [sys.executable, "-c", "import sys; from tonpolicy.rollout.weight_group import init_update_group; "
          f"init_update_group('gloo', '127.0.0.1', {port}, 2, 1, {DEFAULT_GROUP!r}, timeout_s=5)"],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -200,7 +200,7 @@ def test_the_store_listens_on_the_given_address_only() -> None:
         time.sleep(0.05)
     assert _listening(port) == ["0100007F"]  # 127.0.0.1 only: no 0.0.0.0 or [::] socket for the store
     peer = subprocess.run(
-        [sys.executable, "-c", "from tonpolicy.rollout.weight_sync import init_update_group, destroy; "
+        [sys.executable, "-c", "from tonpolicy.rollout.weight_group import init_update_group, destroy; "
          f"destroy(init_update_group('gloo', '127.0.0.1', {port}, 2, 1, 'g', 10))"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -51,6 +51,6 @@ def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) ->
         from tonpolicy.launch.job import run_job
 
         return run_job(cfg, run_dir, plan)
-    from tonpolicy.parity.align_run import run_align
+    from tonpolicy.align.run import run_align
 
     return run_align(cfg, run_dir)

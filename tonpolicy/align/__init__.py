@@ -1,2 +1,2 @@
 """`python -m tonpolicy.align compare A B`: the alignment harness's offline comparator (see
-tonpolicy.parity.align_report)."""
+tonpolicy.align.report)."""

@@ -1,5 +1,5 @@
 import sys
 
-from tonpolicy.parity.align_report import main
+from tonpolicy.align.report import main
 
 sys.exit(main())

@@ -17,13 +17,13 @@ from tonpolicy.config.model import ModelConfig
 
 
 @dataclass
-class SGLangPolicy:
+class SGLangSettings:
     """How the contract maps onto released SGLang."""
 
     # Out-of-tree model package SGLang loads (SGLANG_EXTERNAL_MODEL_PACKAGE) in place of its own
-    # Qwen3: tonpolicy.rollout.sglang_model runs every op on the contract kernels. null: SGLang's own
+    # Qwen3: tonpolicy.inside_sglang.model runs every op on the contract kernels. null: SGLang's own
     # model and kernels (stock SGLang).
-    model_package: str | None = "tonpolicy.rollout.sglang_model"
+    model_package: str | None = "tonpolicy.inside_sglang.model"
     enable_deterministic_inference: bool = False
     # null: SGLang's default on GPUs, torch_native on CPU (the one CPU backend that needs no AMX).
     attention_backend: str | None = None
@@ -39,7 +39,7 @@ class ContractConfig:
     family: str = "qwen3"
     # Promise of the contract: rollout and trainer logprobs are bitwise equal.
     exact_zero: bool = True
-    kernels: str = "invariant"  # "invariant" | "triton" | "default" (the negative control)
+    kernels: str = "invariant"  # "invariant" | "triton" | "plain" (the negative control)
     dtype: str = "bfloat16"  # "bfloat16" | "float32": weights and activations
     accumulate_dtype: str = "float32"  # matmuls, norms' statistics, softmax, logprobs
     attention_tile: int = 32  # split-KV key tile shared by prefill, decode and ring CP
@@ -54,7 +54,7 @@ class ContractConfig:
     supported_cp_types: list[str] = field(default_factory=lambda: ["ulysses", "ring"])
     supported_rollout_backends: list[str] = field(default_factory=lambda: ["embedded", "sglang"])
     supported_trainer_backends: list[str] = field(default_factory=lambda: ["megatron"])
-    sglang: SGLangPolicy = field(default_factory=SGLangPolicy)
+    sglang: SGLangSettings = field(default_factory=SGLangSettings)
 
 
 @dataclass

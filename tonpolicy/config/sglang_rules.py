@@ -15,7 +15,7 @@ PYTHON_ENV = "TONPOLICY_SGLANG_PYTHON"
 VENV = ".venv-sglang"
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 # The model package that carries the contract into released SGLang.
-CONTRACT_SGLANG_PACKAGE = "tonpolicy.rollout.sglang_model"
+CONTRACT_SGLANG_PACKAGE = "tonpolicy.inside_sglang.model"
 
 
 def check_sglang(cfg: Config, bad: Any) -> None:

@@ -23,7 +23,7 @@ from tonpolicy.kernels import INVARIANT_KERNEL_SETS, LOGITS_DTYPES
 RENAMED = {("contract.kernels", "contract"): "invariant"}
 KNOWN = {
     "mode": ("plan", "run", "align"),
-    "contract.kernels": ("invariant", "triton", "default"),
+    "contract.kernels": ("invariant", "triton", "plain"),
     "contract.dtype": ("bfloat16", "float32"),
     "parallel.cp_type": ("none", "ulysses", "ring"),
     "rollout.backend": ("embedded", "sglang"),

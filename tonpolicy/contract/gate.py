@@ -42,7 +42,7 @@ class ParityReport:
         return {**asdict(self), "exact": self.exact}
 
 
-def compare(rollout: list[torch.Tensor], trainer: list[torch.Tensor]) -> ParityReport:
+def compare_logprobs(rollout: list[torch.Tensor], trainer: list[torch.Tensor]) -> ParityReport:
     tokens = mismatched = 0
     max_diff = sum_diff = 0.0
     for r, t in zip(rollout, trainer, strict=True):

@@ -30,7 +30,7 @@ NUMERICS_FIELDS = (
     *KERNEL_PARAM_FIELDS,
     "logprob_recipe",
 )
-SGLANG_NUMERICS_FIELDS = ("model_package", "enable_deterministic_inference", "attention_backend", "rl_on_policy_target")
+SGLANG_NUMERICS_FIELDS = ("enable_deterministic_inference", "attention_backend", "rl_on_policy_target")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ def numerics(contract: ContractConfig) -> dict[str, Any]:
 
     body = {f: getattr(contract, f) for f in NUMERICS_FIELDS}
     body["sglang"] = {f: getattr(contract.sglang, f) for f in SGLANG_NUMERICS_FIELDS}
+    # Whether SGLang runs the contract model package (its numerics are then the kernel set's, described
+    # below), not where the package lives: moving a module changes no bit.
+    body["sglang"]["contract_model_package"] = contract.sglang.model_package is not None
     # The kernel set's own account of its dtype steps and reduction orders: a kernel change that
     # updates its description changes the fingerprint even when no config field moved.
     body["kernel_description"] = get_kernels(contract.kernels, **kernel_params(contract)).describe()

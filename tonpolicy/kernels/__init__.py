@@ -1,5 +1,5 @@
 """Kernel sets: `invariant` (bitwise-invariant numerics, CPU and any torch device), `triton` (the same
-invariances on GPU tensor cores, its own numerics) and `default` (plain torch, the negative control)."""
+invariances on GPU tensor cores, its own numerics) and `plain` (plain torch, the negative control)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def get_kernels(
     prefill_row_tile: int = 512,
     logits_dtype: str = "float32",
 ) -> KernelSet:
-    """Build a kernel set by name ("invariant", "triton" or "default").
+    """Build a kernel set by name ("invariant", "triton" or "plain").
 
     attention_tile: keys per split-KV tile; canonical_shards: K-shards of the row-parallel linears (TP
     must divide it); row_tile: every GEMM's row count is a multiple of it; prefill_row_tile: rows per
@@ -77,8 +77,8 @@ def get_kernels(
                 f"the triton kernel set uses {TRITON_ATTENTION_TILE}-key tiles, got attention_tile={attention_tile}"
             )
         return TritonKernels(canonical_shards=canonical_shards)
-    if name == "default":
-        from tonpolicy.kernels.default import DefaultKernels
+    if name == "plain":
+        from tonpolicy.kernels.plain import PlainKernels
 
-        return DefaultKernels(attention_tile=attention_tile, canonical_shards=canonical_shards)
-    raise ValueError(f"unknown kernel set {name!r} (expected 'invariant', 'triton' or 'default')")
+        return PlainKernels(attention_tile=attention_tile, canonical_shards=canonical_shards)
+    raise ValueError(f"unknown kernel set {name!r} (expected 'invariant', 'triton' or 'plain')")

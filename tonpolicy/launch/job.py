@@ -36,8 +36,8 @@ from tonpolicy.launch.records import (
     read_jsonl,
     step_table,
 )
+from tonpolicy.launch.sglang_env import trainer_python
 from tonpolicy.ports import free_port, port_is_free
-from tonpolicy.rollout.sglang_env import trainer_python
 
 
 class JobFailed(Exception):

@@ -17,7 +17,7 @@ from tonpolicy.config.sizes import microbatches_per_replica, padded_seq_len, seq
 from tonpolicy.contract.identity import identity, kernel_params
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, layer_spec, transformer_kwargs
 from tonpolicy.cpu_memory import CPU_ALLOCATOR_ENV
-from tonpolicy.rollout.sglang_env import (
+from tonpolicy.launch.sglang_env import (
     CPU_MAX_TOTAL_TOKENS,
     server_environment,
     sglang_python,
@@ -42,11 +42,11 @@ def resolve_device(cfg: Config) -> str:
 
 def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: int | None = None) -> list[str]:
     """Released SGLang's server command (on `port`, default the plan's). With a model package (the
-    contract inside SGLang) it is `python -m tonpolicy.rollout.sglang_server`, which takes exactly
+    contract inside SGLang) it is `python -m tonpolicy.inside_sglang.server`, which takes exactly
     SGLang's flags."""
     c, r, p = cfg.contract, cfg.rollout, cfg.parallel
     device = device or resolve_device(cfg)
-    entry = "tonpolicy.rollout.sglang_server" if c.sglang.model_package else "sglang.launch_server"
+    entry = "tonpolicy.inside_sglang.server" if c.sglang.model_package else "sglang.launch_server"
     argv = [
         sglang_python(cfg),
         "-m",

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tonpolicy.config.compose import load_config
 from tonpolicy.config.schema import Config
-from tonpolicy.contract.gate import compare
+from tonpolicy.contract.gate import compare_logprobs
 from tonpolicy.contract.handshake import handshake
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.files import write_json_atomic
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         batch = broadcast(with_fault_advantages(collect_batch(cfg, client, step)) if rank0 else None)
         t_rollout = time.monotonic() - t0
         trainer_logprobs = worker.logprobs(batch["prompts"], batch["responses"])
-        parity = compare(batch["rollout_logprobs"], trainer_logprobs) if rank0 else None
+        parity = compare_logprobs(batch["rollout_logprobs"], trainer_logprobs) if rank0 else None
         # The gate runs before the update: a step that breaks the contract trains nothing. Two checks:
         # rollout == recompute (here), recompute == first training forward (inside ppo_step).
         gate_failed = broadcast(bool(rank0 and fail_on_mismatch and not parity.exact))

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tonpolicy.rollout.weight_sync import (
+from tonpolicy.rollout.weight_group import (
     DEFAULT_GROUP,
     FLATTENED_BUCKET,
     buckets,

@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from tonpolicy.rollout.answers import parse_generate_output
+from tonpolicy.rollout.wire.response import parse_generate_output
 
 
 class RolloutError(RuntimeError):

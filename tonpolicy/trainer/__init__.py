@@ -8,7 +8,7 @@ that call the kernel set), `cp_attention`, `ring_attention` and `cp` (Ulysses / 
 parallelism, the one response slicer), `comm` (autograd collectives), `kernel_autograd` (kernel forward,
 plain backward), `logprobs` (the recipe with `comm.replicated_all_gather`), `forward` (megatron schedules
 over samples), `weights` (HF <-> Megatron), `dist` (process groups, spawn), `cpu_compat` (megatron on
-CPU). The RL objective lives in `tonpolicy.rl`; the trainer-vs-rollout harness in `tonpolicy.parity.harness`.
+CPU). The RL objective lives in `tonpolicy.rl`; the trainer-vs-rollout harness in `tonpolicy.align.harness`.
 """
 
 import sys as _sys

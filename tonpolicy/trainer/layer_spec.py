@@ -29,8 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from tonpolicy.kernels.row_parallel import combine_row_parallel
-from tonpolicy.trainer import cp as cp_layout
-from tonpolicy.trainer import kernel_autograd
+from tonpolicy.trainer import cp_layout, kernel_autograd
 from tonpolicy.trainer.cp_attention import batched_attention, context_parallel_attention
 from tonpolicy.trainer.kernel_autograd import KernelLinear
 

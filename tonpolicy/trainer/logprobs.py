@@ -38,9 +38,9 @@ def token_logprobs(
     stock_gather: bool = False,
 ) -> torch.Tensor:
     """fp32 logprob of `tokens` [...] from this TP rank's vocab shard of the logits [..., V_pad/TP].
-    `kernels`: the kernel set whose `logprobs` is the recipe; None (Megatron's stock spec) -> the `default`
+    `kernels`: the kernel set whose `logprobs` is the recipe; None (Megatron's stock spec) -> the `plain`
     set's, on fp32 logits (the stock output layer may hand over bf16)."""
     full = gather_vocab(local_logits, stock_gather)
     if kernels is None:
-        return get_kernels("default").logprobs(full.float(), tokens, vocab_size, temperature)
+        return get_kernels("plain").logprobs(full.float(), tokens, vocab_size, temperature)
     return kernels.logprobs(full, tokens, vocab_size, temperature)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
-from tonpolicy.trainer import cp as cp_layout
+from tonpolicy.trainer import cp_layout
 from tonpolicy.trainer.comm import shift
 
 

@@ -15,14 +15,14 @@ from megatron.core import parallel_state as ps
 
 from tonpolicy.config.model import check_same_architecture
 from tonpolicy.config.schema import Config
-from tonpolicy.contract.gate import compare as gate_compare
+from tonpolicy.contract.gate import compare_logprobs
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, exact_gemm, get_kernels, logprob_temperature, padded_vocab_size
 from tonpolicy.rl.objective import PPOConfig, metrics, token_loss
-from tonpolicy.trainer import forward as trainer_forward
-from tonpolicy.trainer.dist import Layout, init_distributed
+from tonpolicy.trainer import schedule
 from tonpolicy.trainer.model import build_gpt
+from tonpolicy.trainer.process_groups import Layout, init_distributed
 from tonpolicy.trainer.weights import load_into, megatron_to_hf
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -30,8 +30,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 class TrainerWorker:
     """`spec`: 'kernels' (the kernel layer spec), 'stock' (megatron's local spec) or None: kernel spec
-    for the contract kernels; for `default` kernels the stock spec, or at CP > 1 (megatron's own CP
-    needs TransformerEngine) the kernel spec running the `default` kernels."""
+    for the contract kernels; for `plain` kernels the stock spec, or at CP > 1 (megatron's own CP
+    needs TransformerEngine) the kernel spec running the `plain` kernels."""
 
     def __init__(
         self,
@@ -88,15 +88,15 @@ class TrainerWorker:
         self.lr = cfg.task.lr if cfg.task.lr is not None else cfg.trainer.lr  # a task may set its own
 
     # --- logprobs -----------------------------------------------------------------------------------
-    def _lp_loss(self, mb: trainer_forward.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        lps, _ = trainer_forward.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
+    def _lp_loss(self, mb: schedule.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        lps, _ = schedule.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
         return logits.new_zeros(()), {"lp": lps, "resp": [s.resp for s in mb.slices]}
 
     def _microbatches(
         self, prompts: list[list[int]], responses: list[list[int]], extras: list[dict[str, torch.Tensor]] | None = None
-    ) -> tuple[list[trainer_forward.Microbatch], int]:
+    ) -> tuple[list[schedule.Microbatch], int]:
         t = self.cfg.trainer
-        return trainer_forward.make_microbatches(
+        return schedule.make_microbatches(
             prompts, responses, self.layout.cp_mode, self.tile, extras, t.micro_batch_size, t.pack_sequences
         )
 
@@ -105,8 +105,8 @@ class TrainerWorker:
         """fp32 logprob of every response token (temperature from the experiment config)."""
         self.model.eval()
         mbs, seq_len = self._microbatches(prompts, responses)
-        outs = trainer_forward.run(self.model, mbs, seq_len, self._lp_loss, True, self.kernel_spec)
-        return trainer_forward.assemble(outs, mbs, [len(r) for r in responses])
+        outs = schedule.run(self.model, mbs, seq_len, self._lp_loss, True, self.kernel_spec)
+        return schedule.assemble(outs, mbs, [len(r) for r in responses])
 
     # --- training -----------------------------------------------------------------------------------
     def _setup_optimizer(self) -> None:
@@ -163,10 +163,8 @@ class TrainerWorker:
         n_mb, dp = len(mbs), ps.get_data_parallel_world_size()
         self.last_share = [i for mb in mbs for i in mb.samples]  # the samples this replica trained on
 
-        def loss_fn(mb: trainer_forward.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            lps, exs = trainer_forward.local_logprobs(
-                mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels
-            )
+        def loss_fn(mb: schedule.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            lps, exs = schedule.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
             local = (
                 sum(
                     (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum()
@@ -180,9 +178,9 @@ class TrainerWorker:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outs = trainer_forward.run(self.model, mbs, seq_len, loss_fn, False, self.kernel_spec)
-        new_lp = trainer_forward.assemble(outs, mbs, [len(r) for r in responses])
-        first = gate_compare([e["old"] for e in extras], new_lp)
+        outs = schedule.run(self.model, mbs, seq_len, loss_fn, False, self.kernel_spec)
+        new_lp = schedule.assemble(outs, mbs, [len(r) for r in responses])
+        first = compare_logprobs([e["old"] for e in extras], new_lp)
         if exact_first_forward and not first.exact:
             self.optimizer.zero_grad()
             ok, grad_norm = False, float("nan")
@@ -264,6 +262,6 @@ class TrainerWorker:
         dist.barrier()
 
     def close(self) -> None:
-        from tonpolicy.trainer.dist import reset_model_parallel
+        from tonpolicy.trainer.process_groups import reset_model_parallel
 
         reset_model_parallel()

@@ -1,0 +1,18 @@
+"""tonpolicy's model package for released SGLang: Qwen3 on the contract kernels inside SGLang.
+
+Loaded by SGLang through `SGLANG_EXTERNAL_MODEL_PACKAGE=tonpolicy.inside_sglang.model` (SGLang imports
+every module here and registers each `EntryClass` under its class name, ahead of its own Qwen3), in
+a server started by `python -m tonpolicy.inside_sglang.server` (which registers the contract
+sampler). SGLang keeps its scheduler, continuous batching, chunked prefill, radix cache and HTTP
+server; every numerical op of the model is a call into the contract kernel set:
+
+- `qwen3.py`: the model, TP-sharded over SGLang's TP group (column shards; row-parallel layers as
+  canonical K-shard partials combined across ranks in the fixed tree, `kernels/row_parallel.py`);
+- `attention.py`: split-KV attention reading SGLang's own paged KV pool;
+- `heads.py`: the fp32 LM head over the TP-independent padded vocab, and the sampler that reports
+  fp32 log_softmax(logits / T) of the sampled token;
+- `report.py`: the runtime identity each TP rank computes from the kernel set it built.
+
+The contract to run comes from the environment variable TONPOLICY_CONTRACT (JSON written by the
+launch plan); nothing here is imported outside an SGLang process.
+"""

@@ -1,0 +1,187 @@
+"""Qwen3 dense for released SGLang, every numerical op a contract kernel call.
+
+Tensor parallelism over SGLang's TP group, the contract way (same as the Megatron layer spec):
+- q/k/v and gate/up are column shards: `kernels.linear` on the local rows of the weight gives exactly
+  those columns of the unsharded result;
+- o_proj and down_proj are row-parallel: each rank computes fp32 partials over its canonical K-shards
+  (`linear_partials`), combined across ranks in the contract's fixed tree (`kernels.row_parallel`, the
+  trainer's way), so TP 1, 2 and 4 give the same bits;
+- the LM head is a column shard of the padded vocab (padding depends on the canonical shard count,
+  never on TP); the fp32 logits are gathered in rank order.
+KV heads are replicated when TP exceeds their number (SGLang's rule), so the pool SGLang sizes for
+this rank matches what the layers write.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from sglang.srt.distributed.parallel_state import get_tp_group
+from torch import nn
+
+from tonpolicy.contract.identity import runtime_identity
+from tonpolicy.inside_sglang.model.attention import PooledAttention
+from tonpolicy.inside_sglang.model.heads import ContractLogitsProcessor, contract_sampler_active
+from tonpolicy.inside_sglang.model.report import contract_from_env, write_report
+from tonpolicy.kernels import get_kernels, padded_vocab_size
+from tonpolicy.kernels.row_parallel import combine_row_parallel, gather_in_rank_order
+from tonpolicy.model.checkpoint import config_from_hf
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def _empty(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class _Layer(nn.Module):
+    def __init__(self, hidden: int, q_local: int, kv_local: int, head_dim: int, inter_local: int) -> None:
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = _empty(hidden), _empty(hidden)
+        self.qkv, self.o_proj = _empty(q_local + 2 * kv_local, hidden), _empty(hidden, q_local)
+        self.q_norm, self.k_norm = _empty(head_dim), _empty(head_dim)
+        self.gate_up, self.down_proj = _empty(2 * inter_local, hidden), _empty(hidden, inter_local)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, config, quant_config=None, prefix: str = "", **_: object) -> None:  # noqa: ANN001
+        super().__init__()
+        if quant_config is not None:
+            raise ValueError("the tonpolicy contract model runs unquantized weights only")
+        if not contract_sampler_active():
+            raise RuntimeError(
+                "the contract model needs the contract sampler: start SGLang with "
+                "`python -m tonpolicy.inside_sglang.server` (it registers it)"
+            )
+        self.config = config
+        self.cfg = cfg = config_from_hf(config.to_dict())
+        contract = contract_from_env()
+        self.kernels = get_kernels(contract["kernels"], **contract["kernel_params"])
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size, self.tp_group = tp.rank_in_group, tp.world_size, tp.device_group
+        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_heads = heads // self.tp_size
+        self.kv_heads = max(1, kv_heads // self.tp_size)
+        self.kv_first = (
+            self.tp_rank * kv_heads // self.tp_size if kv_heads < self.tp_size else self.tp_rank * self.kv_heads
+        )
+        self.inter = cfg.intermediate_size // self.tp_size
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, self.kernels.canonical_shards)
+        self.embed_tokens = _empty(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            _Layer(cfg.hidden_size, self.q_heads * d, self.kv_heads * d, d, self.inter) for _ in range(cfg.num_layers)
+        )
+        self.norm = _empty(cfg.hidden_size)
+        self.lm_head = nn.Module()
+        self.lm_head.weight = _empty(self.padded_vocab // self.tp_size, cfg.hidden_size)
+        self.logits_processor = ContractLogitsProcessor(config, self._logits)
+        dtype = self.embed_tokens.dtype
+        device = self.embed_tokens.device.type
+        write_report(contract, runtime_identity(self.kernels, _DTYPE_NAMES[dtype], device), self.tp_rank, self.tp_size)
+
+    # --- parallel pieces ---------------------------------------------------------------------
+    def _gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.tp_size == 1:
+            return x
+        return gather_in_rank_order(x, self.tp_group, dim)
+
+    def _row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        k = self.kernels
+        partials = k.linear_partials(x, weight, k.canonical_shards // self.tp_size)
+        return combine_row_parallel(k, partials, x.dtype, self.tp_group if self.tp_size > 1 else None)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._gather(self.kernels.lm_head(hidden, self.lm_head.weight), -1)
+
+    # --- forward -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch,
+        input_embeds=None,  # noqa: ANN001
+        get_embedding: bool = False,
+        pp_proxy_tensors=None,
+    ):
+        if get_embedding or pp_proxy_tensors is not None:
+            raise ValueError("the tonpolicy contract model serves generation without pipeline parallelism")
+        cfg, kern = self.cfg, self.kernels
+        n, d = input_ids.numel(), cfg.head_dim
+        cos, sin = kern.rope_cos_sin(positions, d, cfg.rope_theta)
+        attend = PooledAttention(forward_batch, kern, d**-0.5)
+        h = self.embed_tokens.index_select(0, input_ids) if input_embeds is None else input_embeds
+        q_size, kv_size = self.q_heads * d, self.kv_heads * d
+        for li, layer in enumerate(self.layers):
+            x = kern.rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
+            q, k, v = kern.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q, k = kern.apply_rope_qk(
+                kern.rms_norm(q.reshape(n, self.q_heads, d), layer.q_norm, cfg.rms_norm_eps),
+                kern.rms_norm(k.reshape(n, self.kv_heads, d), layer.k_norm, cfg.rms_norm_eps),
+                cos,
+                sin,
+            )
+            o = attend(li, q, k, v.reshape(n, self.kv_heads, d))
+            h = h + self._row_linear(o.reshape(n, q_size), layer.o_proj)
+            x = kern.rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)
+            gate, up = kern.linear(x, layer.gate_up).split([self.inter, self.inter], dim=-1)
+            h = h + self._row_linear(kern.swiglu(gate, up), layer.down_proj)
+        h = kern.rms_norm(h, self.norm, cfg.rms_norm_eps)
+        return self.logits_processor(input_ids, h, self.lm_head, forward_batch)
+
+    # --- weights -----------------------------------------------------------------------------
+    def _rows(self, w: torch.Tensor, per_rank: int, first: int | None = None) -> torch.Tensor:
+        start = self.tp_rank * per_rank if first is None else first
+        return w[start : start + per_rank]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF-named full tensors in; each rank keeps its shard (also on /update_weights_from_disk)."""
+        cfg, d = self.cfg, self.cfg.head_dim
+        q_rows, kv_rows = self.q_heads * d, self.kv_heads * d
+        for name, w in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "model.embed_tokens.weight":
+                self.embed_tokens.copy_(w)
+                if cfg.tie_word_embeddings:
+                    self._load_head(w)
+            elif name == "lm_head.weight":
+                if not cfg.tie_word_embeddings:
+                    self._load_head(w)
+            elif name == "model.norm.weight":
+                self.norm.copy_(w)
+            elif (m := _LAYER.fullmatch(name)) and int(m.group(1)) < cfg.num_layers:
+                layer, key = self.layers[int(m.group(1))], m.group(2)
+                if key in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                    getattr(layer, key.split(".")[0]).copy_(w)
+                elif key in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                    getattr(layer, key.split(".")[1]).copy_(w)
+                elif key == "self_attn.q_proj.weight":
+                    layer.qkv[:q_rows].copy_(self._rows(w, q_rows))
+                elif key == "self_attn.k_proj.weight":
+                    layer.qkv[q_rows : q_rows + kv_rows].copy_(self._rows(w, kv_rows, self.kv_first * d))
+                elif key == "self_attn.v_proj.weight":
+                    layer.qkv[q_rows + kv_rows :].copy_(self._rows(w, kv_rows, self.kv_first * d))
+                elif key == "self_attn.o_proj.weight":
+                    layer.o_proj.copy_(self._rows(w.t(), q_rows).t())
+                elif key == "mlp.gate_proj.weight":
+                    layer.gate_up[: self.inter].copy_(self._rows(w, self.inter))
+                elif key == "mlp.up_proj.weight":
+                    layer.gate_up[self.inter :].copy_(self._rows(w, self.inter))
+                elif key == "mlp.down_proj.weight":
+                    layer.down_proj.copy_(self._rows(w.t(), self.inter).t())
+                else:
+                    raise KeyError(f"unexpected Qwen3 weight {name}")
+            else:
+                raise KeyError(f"unexpected Qwen3 weight {name}")
+
+    def _load_head(self, w: torch.Tensor) -> None:
+        padded = torch.nn.functional.pad(w, (0, 0, 0, self.padded_vocab - w.shape[0]))
+        self.lm_head.weight.copy_(self._rows(padded, self.padded_vocab // self.tp_size))
+
+
+EntryClass = [Qwen3ForCausalLM]

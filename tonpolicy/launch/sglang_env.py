@@ -1,0 +1,72 @@
+"""Where released SGLang lives and what its server process needs in its environment.
+
+SGLang pins a CUDA build of torch, so it gets an environment of its own (scripts/setup_sglang.sh
+makes `.venv-sglang`). With rollout=sglang the trainer runs under the same interpreter, so both
+engines compute with one torch build (its version is part of the runtime fingerprint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from tonpolicy.config.schema import Config
+from tonpolicy.config.sglang_rules import sglang_python
+
+# KV pool on CPU when rollout.max_total_tokens is unset (SGLang would size it from RAM: GBs).
+CPU_MAX_TOTAL_TOKENS = 16384
+# The pure-torch stand-in for sgl_kernel's CPU ops, put first on PYTHONPATH on CPU only.
+CPU_STANDIN_DIR = Path(__file__).resolve().parents[1] / "inside_sglang" / "cpu_standin"
+
+
+def trainer_python(cfg: Config) -> str:
+    return sglang_python(cfg) if cfg.rollout.backend == "sglang" else sys.executable
+
+
+def contract_env(cfg: Config, fingerprint: str) -> str:
+    """TONPOLICY_CONTRACT: the contract the model package builds its kernel set from."""
+    from tonpolicy.contract.identity import kernel_params
+
+    c = cfg.contract
+    return json.dumps(
+        {
+            "name": c.name,
+            "version": c.version,
+            "fingerprint": fingerprint,
+            "kernels": c.kernels,
+            "kernel_params": kernel_params(c),
+        },
+        sort_keys=True,
+    )
+
+
+def server_environment(cfg: Config, device: str, fingerprint: str) -> dict[str, str]:
+    """Environment of the SGLang server process only (the trainer does not get it)."""
+    env: dict[str, str] = {}
+    if cfg.contract.sglang.model_package:
+        env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = cfg.contract.sglang.model_package
+        env["TONPOLICY_CONTRACT"] = contract_env(cfg, fingerprint)
+        # Prompt logprobs as log_softmax, the contract's formula; SGLang's default "fast" path
+        # (logit - max - logsumexp) differs in the last bit (measured: tests/test_sglang_differential.py).
+        env["SGLANG_ENABLE_FAST_INPUT_LOGPROBS"] = "0"
+    if device == "cpu":
+        tp = cfg.parallel.rollout_tp
+        cores = max(1, os.cpu_count() or 1)
+        env |= {
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "PYTHONPATH": os.pathsep.join([str(CPU_STANDIN_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            # pynccl would load the CUDA wheel's libnccl and crash on CPU tensors; gloo carries TP.
+            "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so",
+            # One core set per TP rank (ranks share cores when there are fewer cores than ranks).
+            "SGLANG_CPU_OMP_THREADS_BIND": "|".join(_cores(r, tp, cores) for r in range(tp)),
+        }
+    return env
+
+
+def _cores(rank: int, ranks: int, cores: int) -> str:
+    if ranks >= cores:
+        return str(rank % cores)
+    per = cores // ranks
+    return f"{rank * per}-{rank * per + per - 1}" if per > 1 else str(rank * per)

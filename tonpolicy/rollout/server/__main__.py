@@ -1,0 +1,5 @@
+import sys
+
+from tonpolicy.rollout.server.app import main
+
+sys.exit(main())
