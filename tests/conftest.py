@@ -16,6 +16,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
+# Markers given by a test's folder (pyproject.toml lists them all).
+FOLDER_MARKERS = {"e2e": "e2e", "sglang": "sglang"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = Path(item.fspath).resolve().relative_to(ROOT / "tests").parts[0]
+        if folder in FOLDER_MARKERS:
+            item.add_marker(FOLDER_MARKERS[folder])
 
 
 @pytest.fixture(scope="session", autouse=True)

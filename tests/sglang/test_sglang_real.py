@@ -1,0 +1,137 @@
+"""Released SGLang on the contract, on this CPU: the model package gives the contract's bits.
+
+Each server is started with the command and environment tonpolicy's launch plan renders. The check
+drives it like GRPO (concurrent requests, shared prompts served from the radix cache, chunked prefill)
+and compares every returned logprob with tonpolicy's own full-forward scoring, fp32 bit for bit.
+Negative control: stock SGLang (its own Qwen3 and kernels) on the same check and checkpoint differs
+by a small non-zero amount. These tests need the SGLang environment (scripts/setup_sglang.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from support.e2e_common import records, run_job, summary
+from support.sglang_proc import SGLangServer, check_parity, save_checkpoint, sglang_env_python
+
+from tonpolicy.config.compose import compose_config
+from tonpolicy.contract.handshake import handshake
+from tonpolicy.contract.identity import runtime_identity
+from tonpolicy.kernels import get_kernels
+
+
+@pytest.fixture(scope="module")
+def sglang_py() -> str:
+    return sglang_env_python()
+
+
+@pytest.mark.parametrize(("dtype", "rollout_tp", "temperature"), [("float32", 1, 1.0), ("bfloat16", 2, 0.7)])
+def test_model_package_gives_the_contract_bits(
+    tmp_path: Path, sglang_py: str, dtype: str, rollout_tp: int, temperature: float
+) -> None:
+    ckpt = save_checkpoint(tmp_path / "ckpt", dtype)
+    server = SGLangServer(
+        tmp_path,
+        "contract",
+        ckpt,
+        [f"contract.dtype={dtype}", f"parallel.rollout_tp={rollout_tp}", "rollout.chunked_prefill_size=64"],
+    )
+    try:
+        client = server.start_healthy()
+        result = check_parity(sglang_py, server, ckpt, "invariant", temperature)
+        reported = client.contract()
+    finally:
+        server.stop()
+    assert result["tokens"] == 20 * 20 and result["mismatched"] == 0 and result["max_abs_diff"] == 0.0, result
+    assert result["cached_tokens"] > 0, "the radix cache served no prefix: the check lost its point"
+    # The runtime identity is the server's own: its kernel set, its dtype, SGLang's torch build.
+    assert reported["runtime"]["dtype"] == dtype and reported["runtime"]["build"]["device"] == "cpu"
+    assert reported["runtime"]["build"]["torch"].startswith("2.14.1"), reported["runtime"]["build"]
+    assert reported["tp_size"] == rollout_tp
+
+
+def test_stock_sglang_is_close_but_not_exact(tmp_path: Path, sglang_py: str) -> None:
+    """Negative control: the same check against SGLang's own model and kernels."""
+    ckpt = save_checkpoint(tmp_path / "ckpt", "float32")
+    server = SGLangServer(tmp_path, "stock", ckpt, ["contract=off_policy", "contract.dtype=float32"])
+    try:
+        client = server.start_healthy()
+        result = check_parity(sglang_py, server, ckpt, "invariant", 1.0)
+        assert client.contract() is None  # stock SGLang reports no tonpolicy contract
+    finally:
+        server.stop()
+    assert result["mismatched"] > 0 and 0 < result["max_abs_diff"] < 1e-3, result
+
+
+def test_trainer_refuses_a_server_built_differently(tmp_path: Path, sglang_py: str) -> None:
+    """The handshake compares runtime fingerprints: .venv's torch build (the CPU 2.13.0) is not
+    SGLang's (2.14.1), so a trainer there is refused; one with the server's identity is accepted."""
+    ckpt = save_checkpoint(tmp_path / "ckpt", "bfloat16")
+    server = SGLangServer(tmp_path, "contract", ckpt, [])
+    cfg = compose_config(["rollout=sglang", "trainer.device=cpu"])
+    ours = runtime_identity(get_kernels("invariant"), cfg.contract.dtype, "cpu")
+    try:
+        client = server.start_healthy()
+        theirs = client.contract()["runtime"]
+        refusal = handshake(cfg, client, ours)
+        accepted = handshake(cfg, client, theirs)
+    finally:
+        server.stop()
+    assert ours["kernels"] == theirs["kernels"] and ours["build"]["torch"] != theirs["build"]["torch"]
+    assert refusal is not None and "runtime fingerprint mismatch" in refusal and "build.torch" in refusal
+    assert accepted is None
+
+
+def _run(tmp_path: Path, *overrides: str):
+    proc, run_dir = run_job(
+        tmp_path, "rollout=sglang", "trainer.device=cpu", "experiment.steps=3", *overrides, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return records(run_dir), summary(run_dir)
+
+
+def test_run_through_real_sglang_is_exact_with_weight_sync(tmp_path: Path, sglang_py: str) -> None:
+    """`python -m tonpolicy rollout=sglang parallel=tp2`: 3 steps, weights synced after each."""
+    recs, s = _run(tmp_path, "parallel=tp2")
+    assert [r["step"] for r in recs] == [0, 1, 2] and s["status"] == "ok"
+    assert all(
+        r["tokens_scored"] > 0 and r["mismatched_tokens"] == 0 and r["max_abs_logprob_diff"] == 0.0 for r in recs
+    )
+
+
+def test_rollout_tp_differs_from_trainer_layout(tmp_path: Path, sglang_py: str) -> None:
+    """SGLang at TP 2 against the trainer at ring CP 2 (TP 1): the same bits; weights synced over a
+    process group of the trainer's rank 0 and both SGLang TP ranks (SGLang's own endpoints)."""
+    recs, s = _run(tmp_path, "parallel=cp2_ring", "parallel.rollout_tp=2", "rollout.weight_sync=distributed")
+    assert s["mismatched_tokens"] == 0 and all(r["mismatched_tokens"] == 0 for r in recs), recs
+    assert len(recs) == 3 and all(r["grad_norm"] > 0 for r in recs)
+
+
+def test_off_policy_through_real_sglang_shows_the_mismatch(tmp_path: Path, sglang_py: str) -> None:
+    recs, s = _run(tmp_path, "contract=off_policy", "parallel=tp1")
+    assert s["status"] == "ok"
+    assert all(r["mismatched_tokens"] > 0 and 0 < r["max_abs_logprob_diff"] < 0.05 for r in recs), recs
+
+
+def test_out_of_vocab_ids_are_refused_not_fatal(tmp_path: Path, sglang_py: str) -> None:
+    """Released SGLang dies on a token id past the vocabulary (IndexError in its scheduler); with the
+    contract package's server a 400 answers it, like the embedded server, and the server keeps serving."""
+    ckpt = save_checkpoint(tmp_path / "ckpt", "float32")
+    server = SGLangServer(tmp_path, "guarded", ckpt, ["contract.dtype=float32"])
+    try:
+        client = server.start_healthy()
+        bad = urllib.request.Request(
+            f"{server.url}/generate", json.dumps({"input_ids": [[1, 2], [3, 999999]]}).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bad, timeout=60)
+        assert refused.value.code == 400 and b"input_ids must be in [0, 2003)" in refused.value.read()
+        good = client.generate([[1, 2, 3]], {"max_new_tokens": 3})
+        assert len(good[0]["output_ids"]) == 3 and server.proc.poll() is None
+    finally:
+        server.stop()
