@@ -59,7 +59,11 @@ def cells() -> dict[str, dict]:
     out = {}
     for cell in CELLS:
         proc = subprocess.run(
-            [sys.executable, str(TESTS / "support" / "isa_cell.py")], env=_env(cell), capture_output=True, text=True, timeout=300
+            [sys.executable, str(TESTS / "support" / "isa_cell.py")],
+            env=_env(cell),
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         out[_name(cell)] = json.loads(proc.stdout.strip().splitlines()[-1])
