@@ -17,13 +17,16 @@ from tonpolicy.config.ranges import LOOPBACK, check_ranges
 from tonpolicy.config.schema import Config, value_at
 from tonpolicy.config.sglang_rules import check_sglang
 from tonpolicy.config.sizes import microbatches_per_replica, seq_pad_multiple, world_size
+from tonpolicy.families import FAMILIES
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, LOGITS_DTYPES
 
 # Values that were renamed, so an old config is told the new name.
-RENAMED = {("contract.kernels", "contract"): "invariant"}
+RENAMED = {("contract.kernels", "contract"): "invariant", ("contract.kernels", "default"): "plain"}
 KNOWN = {
     "mode": ("plan", "run", "align"),
     "contract.kernels": ("invariant", "triton", "plain"),
+    "model.family": tuple(FAMILIES),
+    "contract.family": tuple(FAMILIES),
     "contract.dtype": ("bfloat16", "float32"),
     "parallel.cp_type": ("none", "ulysses", "ring"),
     "rollout.backend": ("embedded", "sglang"),

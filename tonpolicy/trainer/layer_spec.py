@@ -7,6 +7,10 @@ numerical op routed to a tonpolicy kernel set (the same functions the rollout mo
 - RMSNorm (incl. QK-norm), SwiGLU, RoPE, core attention: the kernels; context parallel (Ulysses and
   zigzag ring) lives inside the core attention module (megatron's own CP needs TransformerEngine);
 - LM head: a contract column-parallel linear over the TP-independent padded vocab.
+
+The layer tree is megatron's local GPT layout filled from a spec provider (megatron-core's
+BackendSpecProvider): `KernelSpecProvider` for the contract, `StockSpecProvider` (megatron's own
+local modules) for the off-policy control.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer import ModuleSpec, TransformerConfig
+from megatron.core.transformer import ModuleSpec, TransformerConfig, transformer_block
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -35,8 +40,7 @@ from tonpolicy.trainer.kernel_autograd import KernelLinear
 
 
 class _TakesKernels:
-    """The one way a kernel set reaches a Megatron module: a constructor argument, given as the
-    ModuleSpec's `params={"kernels": ...}` (Megatron passes spec params to the constructor)."""
+    """The kernel set as a constructor argument (KernelSpecProvider passes it as spec params)."""
 
     def __init__(self, *args: Any, kernels: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -211,13 +215,69 @@ class KernelCoreAttention(MegatronModule):
         return out.transpose(0, 1).reshape(s, b, hq * d)
 
 
-def kernel_layer_spec(kernels: Any, rope_theta: float, cp_mode: str) -> ModuleSpec:
-    norm = ModuleSpec(module=KernelRMSNorm, params={"kernels": kernels})
-    col = ModuleSpec(module=KernelColumnParallelLinear, params={"kernels": kernels})
-    row = ModuleSpec(module=KernelRowParallelLinear, params={"kernels": kernels})
-    core = ModuleSpec(
-        module=KernelCoreAttention, params={"kernels": kernels, "rope_theta": rope_theta, "cp_mode": cp_mode}
-    )
+class StockSpecProvider(LocalSpecProvider):
+    """Megatron's own local modules (the off-policy control), plus the slots megatron's
+    BackendSpecProvider protocol lacks: the dense MLP module, the final norm and the LM head."""
+
+    def dense_mlp(self) -> ModuleSpec:
+        return ModuleSpec(
+            module=MLP,
+            submodules=MLPSubmodules(linear_fc1=self.column_parallel_linear(), linear_fc2=self.row_parallel_linear()),
+        )
+
+    def final_norm(self) -> type:
+        return transformer_block.LayerNormImpl  # what megatron's block picks for a layer spec
+
+    def install_head(self, model: GPTModel) -> None:
+        """Megatron's own head: nothing to do."""
+
+
+class KernelSpecProvider(StockSpecProvider):
+    """Every numerical op on one kernel set, the calls the rollout model makes. A kernel set reaches a
+    module one way only: the ModuleSpec's `params={"kernels": ...}` (Megatron passes spec params to the
+    constructor)."""
+
+    def __init__(self, kernels: Any, rope_theta: float, cp_mode: str) -> None:
+        self.kernels, self.rope_theta, self.cp_mode = kernels, rope_theta, cp_mode
+
+    def _spec(self, module: type, **params: Any) -> ModuleSpec:
+        return ModuleSpec(module=module, params={"kernels": self.kernels, **params})
+
+    def column_parallel_linear(self) -> ModuleSpec:  # type: ignore[override]
+        return self._spec(KernelColumnParallelLinear)
+
+    def row_parallel_linear(self) -> ModuleSpec:  # type: ignore[override]
+        return self._spec(KernelRowParallelLinear)
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> ModuleSpec:  # type: ignore[override]
+        if not rms_norm:
+            raise ValueError("the contract kernels have RMSNorm only")
+        return self._spec(KernelRMSNorm)
+
+    def core_attention(self) -> ModuleSpec:  # type: ignore[override]
+        return self._spec(KernelCoreAttention, rope_theta=self.rope_theta, cp_mode=self.cp_mode)
+
+    def dense_mlp(self) -> ModuleSpec:
+        spec = super().dense_mlp()
+        return ModuleSpec(module=KernelMLP, params={"kernels": self.kernels}, submodules=spec.submodules)
+
+    def final_norm(self) -> ModuleSpec:  # type: ignore[override]
+        return self.layer_norm(rms_norm=True)
+
+    def install_head(self, model: GPTModel) -> None:
+        """GPTModel builds its LM head itself, a ColumnParallelLinear with no spec slot to pass: give that
+        module the kernel head's forward (its parameters, names and tied-weight wiring untouched) and the
+        kernel set, as every other module gets it."""
+        head = getattr(model, "output_layer", None)
+        if head is not None:
+            head.__class__ = KernelLMHead
+            head.kernels = self.kernels
+
+
+def dense_layer_spec(provider: StockSpecProvider) -> ModuleSpec:
+    """A Qwen3 dense layer (pre-norm, QK-norm, SwiGLU MLP) as megatron's local GPT spec lays it out,
+    every module taken from `provider`: the contract spec and the stock spec differ only by it."""
+    norm, qk_norm = provider.layer_norm(rms_norm=True), provider.layer_norm(rms_norm=True, for_qk=True)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -226,36 +286,24 @@ def kernel_layer_spec(kernels: Any, rope_theta: float, cp_mode: str) -> ModuleSp
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=col, core_attention=core, linear_proj=row, q_layernorm=norm, k_layernorm=norm
+                    linear_qkv=provider.column_parallel_linear(),
+                    core_attention=provider.core_attention(),
+                    linear_proj=provider.row_parallel_linear(),
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(
-                module=KernelMLP,
-                params={"kernels": kernels},
-                submodules=MLPSubmodules(linear_fc1=col, linear_fc2=row),
-            ),
+            mlp=provider.dense_mlp(),
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
-def kernel_block_spec(
-    config: TransformerConfig, kernels: Any, rope_theta: float, cp_mode: str
-) -> TransformerBlockSubmodules:
-    """This pipeline stage's layers plus the final norm, all on the contract kernels."""
-    layer = kernel_layer_spec(kernels, rope_theta, cp_mode)
+def dense_block_spec(config: TransformerConfig, provider: StockSpecProvider) -> TransformerBlockSubmodules:
+    """This pipeline stage's layers plus the final norm (tonpolicy.families' `layer_spec` for qwen3)."""
     return TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config),
-        layer_norm=ModuleSpec(module=KernelRMSNorm, params={"kernels": kernels}),
+        layer_specs=[dense_layer_spec(provider)] * get_num_layers_to_build(config),
+        layer_norm=provider.final_norm(),
     )
-
-
-def install_kernel_head(model: GPTModel, kernels: Any) -> None:
-    """GPTModel builds its LM head itself (no spec to pass `kernels` through): swap its class so it runs
-    the kernel set's head (params kept) and hand it the kernel set as every other module gets it."""
-    head = getattr(model, "output_layer", None)
-    if head is not None:
-        head.__class__ = KernelLMHead
-        head.kernels = kernels

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, transformer_kwargs
+from tonpolicy.families import family, resolve
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -36,6 +36,18 @@ def transformer_config(
     return TransformerConfig(**kw, use_cpu_initialization=True, perform_initialization=True)
 
 
+def spec_provider(spec: str, kernels: Any, rope_theta: float, cp_mode: str) -> Any:
+    """'kernels': every op on the kernel set (RoPE applied by the kernel core attention from the
+    microbatch's absolute positions); 'stock': megatron's local modules (the off-policy control)."""
+    from tonpolicy.trainer.layer_spec import KernelSpecProvider, StockSpecProvider
+
+    if spec == "kernels":
+        return KernelSpecProvider(kernels, rope_theta, cp_mode)
+    if spec == "stock":
+        return StockSpecProvider()
+    raise ValueError(f"unknown layer spec {spec!r}")
+
+
 def build_gpt(
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -55,18 +67,11 @@ def build_gpt(
         post_process=parallel_state.is_pipeline_last_stage(),
         **gpt_model_kwargs(cfg, canonical_shards, spec),
     )
-    if spec == "kernels":
-        from tonpolicy.trainer.layer_spec import install_kernel_head, kernel_block_spec
-
-        # RoPE is applied by the kernel core attention from the microbatch's absolute positions.
-        block = kernel_block_spec(config, kernels, cfg.rope_theta, cp_mode)
-        model = GPTModel(transformer_layer_spec=block, **common)
-        install_kernel_head(model, kernels)
-    elif spec == "stock":
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-        model = GPTModel(transformer_layer_spec=layer_spec, **common)
-    else:
-        raise ValueError(f"unknown layer spec {spec!r}")
+    provider = spec_provider(spec, kernels, cfg.rope_theta, cp_mode)
+    # The model family's layer spec (tonpolicy.families), filled from the provider.
+    block = resolve(family(cfg.family).layer_spec)(config, provider)
+    model = GPTModel(transformer_layer_spec=block, **common)
+    provider.install_head(model)
     if dtype == torch.bfloat16:
         model = model.to(dtype)
     if torch.cuda.is_available():  # built on CPU (use_cpu_initialization), then moved once

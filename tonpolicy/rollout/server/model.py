@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from tonpolicy.config.model import ModelConfig, check_same_architecture
+from tonpolicy.families import family, resolve
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model.checkpoint import load_hf, param_shapes
-from tonpolicy.model.qwen3 import Qwen3
 from tonpolicy.rollout.engine import Engine
 from tonpolicy.rollout.engine.requests import GenRequest
 from tonpolicy.rollout.server.args import ServerArgs
@@ -29,7 +29,7 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
         problems = kernel_problems(cfg, args.kernels, args.kernel_params, args.dtype)
         if problems:
             raise RuntimeError("; ".join(problems))
-    model = Qwen3(cfg, kernels, dtype, state_dict).to(args.device)
+    model = resolve(family(cfg.family).engine_model)(cfg, kernels, dtype, state_dict).to(args.device)
     engine = Engine(
         model, max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size
     )

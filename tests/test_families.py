@@ -1,0 +1,50 @@
+"""tonpolicy.families: every entry's four pieces exist where it says, and config validation knows the
+registry (an unknown family is refused naming the key)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from tonpolicy.config.compose import compose_config
+from tonpolicy.config.validate import ConfigError, validate
+from tonpolicy.families import FAMILIES, family, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_piece_resolves(name: str) -> None:
+    f = family(name)
+    model = resolve(f.engine_model)
+    assert list(inspect.signature(model).parameters)[:4] == ["cfg", "kernels", "dtype", "state_dict"]
+    assert list(inspect.signature(resolve(f.layer_spec)).parameters) == ["config", "provider"]
+    adapter = resolve(f.hf_adapter)
+    assert callable(adapter.config_from_hf)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_sglang_entry_is_an_entry_class(name: str) -> None:
+    """The SGLang side cannot be imported here (no SGLang in this environment): read it instead."""
+    module, _, cls = family(name).sglang_entry.partition(":")
+    tree = ast.parse((ROOT / Path(*module.split("."))).with_suffix(".py").read_text())
+    classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    entry = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "EntryClass")
+    assert cls in classes and cls in {e.id for e in entry.value.elts}
+    assert cls in family(name).hf_architectures  # SGLang picks the class by config.json's architectures
+
+
+def test_an_unknown_family_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError) as e:
+        validate(compose_config(["model.family=llama"]), check_hf=False)
+    assert "model.family='llama'" in str(e.value) and "qwen3" in str(e.value)
+    with pytest.raises(ValueError, match="unknown model family 'llama'"):
+        family("llama")
+
+
+def test_the_old_kernel_set_name_is_told_the_new_one() -> None:
+    with pytest.raises(ConfigError, match=r"renamed: use 'plain'"):
+        validate(compose_config(["contract.kernels=default"]), check_hf=False)

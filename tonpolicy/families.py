@@ -1,0 +1,51 @@
+"""The one place to add a model family: what each engine builds for it.
+
+An entry names, by import path, the family's four pieces: the engine model on a kernel set (knows no
+parallelism), the Megatron layer spec (built from a spec provider), the model class SGLang loads from
+tonpolicy's model package, and the HF adapter (config.json both ways, parameter names, TP plan). Paths,
+not imports: this module sits below every room that uses it, and each room imports only its own piece
+(the trainer never loads the engine model, tonpolicy never loads the SGLang side).
+
+`model.family` and `contract.family` name an entry here; `tests/test_families.py` resolves every path.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    hf_architectures: tuple[str, ...]  # config.json "architectures" this family reads
+    engine_model: str  # "module:Class", constructed as Class(cfg, kernels, dtype, state_dict)
+    layer_spec: str  # "module:function", function(config, provider) -> TransformerBlockSubmodules
+    sglang_entry: str  # "module:Class" of the SGLang model package (module defines EntryClass)
+    hf_adapter: str  # module with config_from_hf / config_to_hf
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    "qwen3": ModelFamily(
+        name="qwen3",
+        hf_architectures=("Qwen3ForCausalLM",),
+        engine_model="tonpolicy.model.qwen3:Qwen3",
+        layer_spec="tonpolicy.trainer.layer_spec:dense_block_spec",
+        sglang_entry="tonpolicy.inside_sglang.model.qwen3:Qwen3ForCausalLM",
+        hf_adapter="tonpolicy.model.checkpoint",
+    ),
+}
+
+
+def family(name: str) -> ModelFamily:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}: one of {sorted(FAMILIES)} (tonpolicy/families.py)")
+    return FAMILIES[name]
+
+
+def resolve(path: str) -> Any:
+    """'package.module:attr' -> the object (imported on first use)."""
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, attr) if attr else obj
