@@ -47,7 +47,7 @@ def test_engine_decode_equals_prefill(setup: tuple[dict, dict]) -> None:
 
 def test_trainer_matches_engine_bitwise(setup: tuple[dict, dict]) -> None:
     cks, ros = setup
-    layouts = [Layout(tp=1), Layout(tp=2), Layout(cp=2, cp_mode="ring")]
+    layouts = [Layout(tp=1), Layout(tp=2), Layout(cp=2, cp_type="ring")]
     jobs = harness.layout_jobs(layouts, cks, ros, TEMPERATURE, contracts=("triton", "off_policy"))
     results = spawn(harness.layouts_worker, 2, jobs)
     assert len(results) == 6

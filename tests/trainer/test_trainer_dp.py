@@ -40,7 +40,7 @@ def test_dp2_exact(setup: tuple[dict, dict]) -> None:
 
 def test_dp2_with_tp2_and_cp2_exact(setup: tuple[dict, dict]) -> None:
     cks, ros = setup
-    layouts = [Layout(tp=2, dp=2), Layout(cp=2, cp_mode="ulysses", dp=2), Layout(cp=2, cp_mode="ring", dp=2)]
+    layouts = [Layout(tp=2, dp=2), Layout(cp=2, cp_type="ulysses", dp=2), Layout(cp=2, cp_type="ring", dp=2)]
     results = spawn(harness.layouts_worker, 4, harness.layout_jobs(layouts, {"float32": cks["float32"]}, ros, T))
     assert len(results) == 6
     _check(results)

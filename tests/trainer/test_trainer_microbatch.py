@@ -38,7 +38,7 @@ def _check(results: list[dict]) -> None:
 
 
 def test_padded_microbatches_of_two(setup: tuple[dict, dict]) -> None:
-    layouts = [Layout(tp=2), Layout(pp=2), Layout(cp=2, cp_mode="ulysses"), Layout(cp=2, cp_mode="ring")]
+    layouts = [Layout(tp=2), Layout(pp=2), Layout(cp=2, cp_type="ulysses"), Layout(cp=2, cp_type="ring")]
     _check(_run(setup, layouts, {"micro_batch_size": 2}, ("float32", "bfloat16")))
 
 

@@ -45,7 +45,7 @@ def _check(results: list[dict]) -> None:
 
 def test_parity_two_ranks(rollouts: tuple[dict, dict]) -> None:
     checkpoints, ros = rollouts
-    layouts = [Layout(tp=1), Layout(tp=2), Layout(pp=2), Layout(cp=2, cp_mode="ulysses"), Layout(cp=2, cp_mode="ring")]
+    layouts = [Layout(tp=1), Layout(tp=2), Layout(pp=2), Layout(cp=2, cp_type="ulysses"), Layout(cp=2, cp_type="ring")]
     results = spawn(harness.layouts_worker, 2, harness.layout_jobs(layouts, checkpoints, ros, TEMPERATURE))
     assert len(results) == 20
     _check(results)
@@ -53,7 +53,7 @@ def test_parity_two_ranks(rollouts: tuple[dict, dict]) -> None:
 
 def test_parity_four_ranks(rollouts: tuple[dict, dict]) -> None:
     checkpoints, ros = rollouts
-    layouts = [Layout(tp=4), Layout(tp=2, pp=2), Layout(tp=2, cp=2, cp_mode="ring")]
+    layouts = [Layout(tp=4), Layout(tp=2, pp=2), Layout(tp=2, cp=2, cp_type="ring")]
     results = spawn(harness.layouts_worker, 4, harness.layout_jobs(layouts, checkpoints, ros, TEMPERATURE))
     assert len(results) == 12
     _check(results)

@@ -53,7 +53,7 @@ def _on_policy(r: dict) -> None:
 
 def test_ppo_step_two_ranks(batch: tuple) -> None:
     ck, ro, ro_off, ck16, ro16 = batch
-    layouts = [Layout(tp=1), Layout(tp=2), Layout(pp=2), Layout(cp=2, cp_mode="ulysses"), Layout(cp=2, cp_mode="ring")]
+    layouts = [Layout(tp=1), Layout(tp=2), Layout(pp=2), Layout(cp=2, cp_type="ulysses"), Layout(cp=2, cp_type="ring")]
     res = spawn(
         harness.ppo_worker,
         2,

@@ -27,7 +27,7 @@ from tonpolicy.config.schema import Config
 _POS = "::positions"
 
 
-def cp_mode(cfg: Config) -> str:
+def cp_type(cfg: Config) -> str:
     return cfg.parallel.cp_type if cfg.parallel.cp > 1 else "ulysses"
 
 

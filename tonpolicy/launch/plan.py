@@ -25,7 +25,7 @@ from tonpolicy.launch.sglang_env import (
 )
 
 SGLANG_DEFAULT_PORT = 30000
-# Megatron's cp_comm_type names for our CP modes (we implement both inside the contract attention).
+# Megatron's cp_comm_type names for our CP types (we implement both inside the contract attention).
 
 
 API_KEY_PLACEHOLDER = "${TONPOLICY_API_KEY}"

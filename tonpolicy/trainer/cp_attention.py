@@ -21,18 +21,18 @@ from tonpolicy.trainer.ring_attention import RingAttention
 
 
 def context_parallel_attention(
-    kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, mode: str
+    kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, cp_type: str
 ) -> torch.Tensor:
     """q [s_local, Hq, D], k/v [s_local, Hkv, D] (RoPE applied), positions [s_local] -> [s_local, Hq, D]."""
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1:
         return _attention(kernels, q, k, v, positions, scale)
     group = parallel_state.get_context_parallel_group()
-    if mode == "ulysses":
+    if cp_type == "ulysses":
         return _ulysses(kernels, q, k, v, scale, cp, group)
-    if mode == "ring":
+    if cp_type == "ring":
         return _ring(kernels, q, k, v, positions, scale, cp, group)
-    raise ValueError(f"unknown CP mode {mode!r}")
+    raise ValueError(f"unknown CP type {cp_type!r}")
 
 
 def batched_attention(

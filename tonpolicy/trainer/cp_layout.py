@@ -32,23 +32,23 @@ def segment_starts(positions: torch.Tensor) -> list[int]:
     return starts if starts and starts[0] == 0 else [0]
 
 
-def padded_len(n: int, cp: int, mode: str, tile: int) -> int:
-    mult = 2 * cp * tile if (cp > 1 and mode == "ring") else cp
+def padded_len(n: int, cp: int, cp_type: str, tile: int) -> int:
+    mult = 2 * cp * tile if (cp > 1 and cp_type == "ring") else cp
     return -(-n // mult) * mult
 
 
-def local_positions(seq_len: int, cp: int, rank: int, mode: str) -> torch.Tensor:
+def local_positions(seq_len: int, cp: int, rank: int, cp_type: str) -> torch.Tensor:
     """Absolute positions this CP rank holds, in local order (seq_len already padded)."""
     if cp == 1:
         return torch.arange(seq_len)
-    if mode == "ulysses":
+    if cp_type == "ulysses":
         c = seq_len // cp
         return torch.arange(rank * c, (rank + 1) * c)
-    if mode == "ring":
+    if cp_type == "ring":
         c = seq_len // (2 * cp)
         first, second = rank, 2 * cp - 1 - rank
         return torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
-    raise ValueError(f"unknown CP mode {mode!r}")
+    raise ValueError(f"unknown CP type {cp_type!r}")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def shift(s: ResponseSlice, offset: int) -> ResponseSlice:
 def slice_responses(
     per_row: list[torch.Tensor], per_response: list[dict[str, torch.Tensor]], slices: list[ResponseSlice]
 ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """The one slicer for every CP mode: for each sample, (this rank's rows of a per-row tensor such as
+    """The one slicer for every CP type: for each sample, (this rank's rows of a per-row tensor such as
     the logits, the matching entries of each per-response-token tensor: targets, loss mask, old
     logprobs, advantages)."""
     return [

@@ -151,12 +151,12 @@ class KernelCoreAttention(MegatronModule):
         attention_type: str,
         kernels: Any = None,
         rope_theta: float = 1e6,
-        cp_mode: str = "ulysses",
+        cp_type: str = "ulysses",
         softmax_scale: float | None = None,
         **_: Any,
     ) -> None:
         super().__init__(config=config)
-        self.kernels, self.theta, self.cp_mode = kernels, rope_theta, cp_mode
+        self.kernels, self.theta, self.cp_type = kernels, rope_theta, cp_type
         self.head_dim = config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
 
@@ -189,7 +189,7 @@ class KernelCoreAttention(MegatronModule):
                 torch.cat(
                     [
                         context_parallel_attention(
-                            k_, q[s:e], k[s:e], value[s:e, b], pos[s:e], self.scale, self.cp_mode
+                            k_, q[s:e], k[s:e], value[s:e, b], pos[s:e], self.scale, self.cp_type
                         )
                         for s, e in zip(bounds[:-1], bounds[1:], strict=True)
                     ]
@@ -237,8 +237,8 @@ class KernelSpecProvider(StockSpecProvider):
     module one way only: the ModuleSpec's `params={"kernels": ...}` (Megatron passes spec params to the
     constructor)."""
 
-    def __init__(self, kernels: Any, rope_theta: float, cp_mode: str) -> None:
-        self.kernels, self.rope_theta, self.cp_mode = kernels, rope_theta, cp_mode
+    def __init__(self, kernels: Any, rope_theta: float, cp_type: str) -> None:
+        self.kernels, self.rope_theta, self.cp_type = kernels, rope_theta, cp_type
 
     def _spec(self, module: type, **params: Any) -> ModuleSpec:
         return ModuleSpec(module=module, params={"kernels": self.kernels, **params})
@@ -255,7 +255,7 @@ class KernelSpecProvider(StockSpecProvider):
         return self._spec(KernelRMSNorm)
 
     def core_attention(self) -> ModuleSpec:  # type: ignore[override]
-        return self._spec(KernelCoreAttention, rope_theta=self.rope_theta, cp_mode=self.cp_mode)
+        return self._spec(KernelCoreAttention, rope_theta=self.rope_theta, cp_type=self.cp_type)
 
     def dense_mlp(self) -> ModuleSpec:
         spec = super().dense_mlp()

@@ -36,13 +36,13 @@ def transformer_config(
     return TransformerConfig(**kw, use_cpu_initialization=True, perform_initialization=True)
 
 
-def spec_provider(spec: str, kernels: Any, rope_theta: float, cp_mode: str) -> Any:
+def spec_provider(spec: str, kernels: Any, rope_theta: float, cp_type: str) -> Any:
     """'kernels': every op on the kernel set (RoPE applied by the kernel core attention from the
     microbatch's absolute positions); 'stock': megatron's local modules (the off-policy control)."""
     from tonpolicy.trainer.layer_spec import KernelSpecProvider, StockSpecProvider
 
     if spec == "kernels":
-        return KernelSpecProvider(kernels, rope_theta, cp_mode)
+        return KernelSpecProvider(kernels, rope_theta, cp_type)
     if spec == "stock":
         return StockSpecProvider()
     raise ValueError(f"unknown layer spec {spec!r}")
@@ -52,7 +52,7 @@ def build_gpt(
     cfg: ModelConfig,
     dtype: torch.dtype,
     spec: str,
-    cp_mode: str,
+    cp_type: str,
     kernels: Any,
     canonical_shards: int,
     pp_layers: tuple[int, ...] | None = None,
@@ -67,7 +67,7 @@ def build_gpt(
         post_process=parallel_state.is_pipeline_last_stage(),
         **gpt_model_kwargs(cfg, canonical_shards, spec),
     )
-    provider = spec_provider(spec, kernels, cfg.rope_theta, cp_mode)
+    provider = spec_provider(spec, kernels, cfg.rope_theta, cp_type)
     # The model family's layer spec (tonpolicy.families), filled from the provider.
     block = resolve(family(cfg.family).layer_spec)(config, provider)
     model = GPTModel(transformer_layer_spec=block, **common)

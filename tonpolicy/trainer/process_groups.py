@@ -24,12 +24,12 @@ from tonpolicy.ports import free_port
 
 @dataclass(frozen=True)
 class Layout:
-    """Trainer parallel layout. cp_mode: 'ulysses' (all-to-all over heads) or 'ring' (zigzag)."""
+    """Trainer parallel layout. cp_type: 'ulysses' (all-to-all over heads) or 'ring' (zigzag)."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    cp_mode: str = "ulysses"
+    cp_type: str = "ulysses"
     pp_layers: tuple[int, ...] | None = None  # layers per pipeline stage; None: an even split
     dp: int = 1  # data-parallel replicas (megatron derives DP from the world size)
 
@@ -44,7 +44,7 @@ class Layout:
             tp=p.tp,
             pp=p.pp,
             cp=p.cp,
-            cp_mode=p.cp_type if p.cp_type in ("ulysses", "ring") else "ulysses",
+            cp_type=p.cp_type if p.cp_type in ("ulysses", "ring") else "ulysses",
             pp_layers=tuple(p.pp_layers) if p.pp_layers and p.pp > 1 else None,
             dp=p.dp,
         )
@@ -54,7 +54,7 @@ class Layout:
             tp=self.tp,
             pp=self.pp,
             cp=self.cp,
-            cp_type=self.cp_mode if self.cp > 1 else "none",
+            cp_type=self.cp_type if self.cp > 1 else "none",
             dp=self.dp,
             pp_layers=list(self.pp_layers) if self.pp_layers else None,
         )

@@ -52,7 +52,7 @@ def dp_share(num_samples: int, replica: int | None = None) -> list[int]:
 def make_microbatches(
     prompts: list[list[int]],
     responses: list[list[int]],
-    cp_mode: str,
+    cp_type: str,
     tile: int,
     extras: list[dict[str, torch.Tensor]] | None = None,
     micro_batch_size: int = 1,
@@ -75,8 +75,8 @@ def make_microbatches(
             for k in range(0, len(g), micro_batch_size)
         )
     else:
-        seq_len = cp_layout.padded_len(max(lengths), cp, cp_mode, tile)
-    local = cp_layout.local_positions(seq_len, cp, rank, cp_mode)
+        seq_len = cp_layout.padded_len(max(lengths), cp, cp_type, tile)
+    local = cp_layout.local_positions(seq_len, cp, rank, cp_type)
 
     def ids_of(i: int) -> torch.Tensor:
         return torch.tensor(list(prompts[i]) + list(responses[i])[:-1], dtype=torch.long)

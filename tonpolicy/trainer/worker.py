@@ -71,7 +71,7 @@ class TrainerWorker:
             self.model_cfg,
             self.dtype,
             spec,
-            self.layout.cp_mode,
+            self.layout.cp_type,
             kernels,
             canonical_shards=c.canonical_shards,
             pp_layers=self.layout.pp_layers,
@@ -97,7 +97,7 @@ class TrainerWorker:
     ) -> tuple[list[schedule.Microbatch], int]:
         t = self.cfg.trainer
         return schedule.make_microbatches(
-            prompts, responses, self.layout.cp_mode, self.tile, extras, t.micro_batch_size, t.pack_sequences
+            prompts, responses, self.layout.cp_type, self.tile, extras, t.micro_batch_size, t.pack_sequences
         )
 
     @torch.no_grad()
