@@ -1,5 +1,5 @@
 """Collect the benchmarks' results into one table: results/perf_targets.md, results/perf_targets.png and
-the table in README.md (between its `perf-table` markers).
+the table in docs/PERFORMANCE.md (between its `perf-table` markers).
 
     .venv/bin/python experiments/perf_report.py      # after bench_engine.py, bench_trainer.py, bench_sglang.py
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from perf_targets import RESULTS
 
 BENCHES = ("bench_engine", "bench_trainer", "bench_sglang")
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "PERFORMANCE.md"
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 
 
@@ -72,7 +72,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
 def update_readme(md: str) -> None:
     text = README.read_text()
     if START not in text or END not in text:
-        raise SystemExit(f"README.md has no {START} ... {END} block to fill")
+        raise SystemExit(f"docs/PERFORMANCE.md has no {START} ... {END} block to fill")
     new = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: f"{START}\n{md}{END}", text, flags=re.S)
     README.write_text(new)
 
