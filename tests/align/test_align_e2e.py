@@ -9,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tonpolicy.app import run
 from tonpolicy.config.compose import compose_config
+
+pytestmark = pytest.mark.slow  # whole align runs
 
 SMALL = ["logger=none", "experiment.max_prompt_len=10", "experiment.max_new_tokens=5"]
 

@@ -18,6 +18,8 @@ from support.e2e_common import records
 
 from tonpolicy.cpu_numerics import ISA_VARIABLES, cpu_info
 
+pytestmark = pytest.mark.slow  # a fresh interpreter per instruction-set cell
+
 TESTS = Path(__file__).resolve().parents[1]
 FLAGS = set(cpu_info()["flags"])
 CELLS = [

@@ -11,6 +11,8 @@ from tonpolicy.align import harness
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.trainer.process_groups import Layout, spawn
 
+pytestmark = pytest.mark.slow  # multi-process trainers
+
 T = 0.8
 
 

@@ -14,6 +14,8 @@ from tonpolicy.config.model import ModelConfig
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
 from tonpolicy.trainer.process_groups import Layout, spawn
 
+pytestmark = pytest.mark.slow  # multi-process trainers
+
 T = 0.8
 ADV = [1.0, -0.5, 0.7, -1.2]
 
