@@ -13,6 +13,8 @@ from typing import Any
 from tonpolicy.config.schema import ContractConfig
 from tonpolicy.cpu_numerics import cpu_info, isa_caps
 
+# The environment variable that hands the contract (JSON: contract_env) to SGLang's model processes.
+CONTRACT_ENV = "TONPOLICY_CONTRACT"
 # Contract fields handed to tonpolicy.kernels.get_kernels as keyword arguments.
 KERNEL_PARAM_FIELDS = (
     "attention_tile",

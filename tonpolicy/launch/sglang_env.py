@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tonpolicy.config.schema import Config
 from tonpolicy.config.sglang_rules import sglang_python
+from tonpolicy.contract.identity import CONTRACT_ENV
 
 # KV pool on CPU when rollout.max_total_tokens is unset (SGLang would size it from RAM: GBs).
 CPU_MAX_TOTAL_TOKENS = 16384
@@ -27,6 +28,7 @@ def trainer_python(cfg: Config) -> str:
 
 def contract_env(cfg: Config, fingerprint: str) -> str:
     """TONPOLICY_CONTRACT: the contract the model package builds its kernel set from."""
+
     from tonpolicy.contract.identity import kernel_params
 
     c = cfg.contract
@@ -47,7 +49,7 @@ def server_environment(cfg: Config, device: str, fingerprint: str) -> dict[str, 
     env: dict[str, str] = {}
     if cfg.contract.sglang.model_package:
         env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = cfg.contract.sglang.model_package
-        env["TONPOLICY_CONTRACT"] = contract_env(cfg, fingerprint)
+        env[CONTRACT_ENV] = contract_env(cfg, fingerprint)
         # Prompt logprobs as log_softmax, the contract's formula; SGLang's default "fast" path
         # (logit - max - logsumexp) differs in the last bit (measured: tests/test_sglang_differential.py).
         env["SGLANG_ENABLE_FAST_INPUT_LOGPROBS"] = "0"

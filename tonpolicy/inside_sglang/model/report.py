@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tonpolicy.contract.identity import CONTRACT_ENV
 from tonpolicy.files import write_json_atomic
 
-CONTRACT_ENV = "TONPOLICY_CONTRACT"
 REPORT_DIR_ENV = "TONPOLICY_CONTRACT_REPORT_DIR"
 
 

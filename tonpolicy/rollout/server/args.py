@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from tonpolicy.config.model import ModelConfig
+from tonpolicy.config.ranges import API_KEY_ENV
 from tonpolicy.contract.identity import KERNEL_PARAM_FIELDS
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -165,7 +166,7 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
     if missing:
         flags = ", ".join("--" + k.replace("_", "-") for k in missing)
         parser.error(f"the contract identity is required: give {flags} or a --config with a contract")
-    values.setdefault("api_key", os.environ.get("TONPOLICY_API_KEY") or None)
+    values.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
     version = values["contract_version"]
     if isinstance(version, str) and version.isdigit():  # flags are strings; the schema's version is an int
         values["contract_version"] = int(version)
