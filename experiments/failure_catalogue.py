@@ -4,7 +4,7 @@ server answers, and faults (exit code, seconds to exit, orphans, records kept).
     .venv/bin/python experiments/failure_catalogue.py [--skip-faults]
 
 Reuses the test suite's cases and helpers (tests/): the refused configurations are
-tests/test_config_validate.py's CASES; the faults are run as tests/test_e2e_faults.py runs them.
+tests/config/test_config_validate.py's CASES; the faults are run as tests/test_e2e_faults.py runs them.
 Prints three markdown tables.
 """
 

@@ -99,7 +99,7 @@ def test_contract_requests_joining_mid_decode_are_bitwise(dtype, seed):
 
 
 def test_plain_requests_joining_mid_decode_mismatch():
-    """Negative control, as tests/test_engine_parity.py: plain kernels show the batch in the numbers."""
+    """Negative control, as tests/engine/test_engine_parity.py: plain kernels show the batch in the numbers."""
     bad = [mismatches("plain", dtype, seed) for dtype in DTYPES for seed in range(2)]
     assert all(b[2] > 0 for b in bad)
     assert sum(b[0] for b in bad) > 0

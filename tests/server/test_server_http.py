@@ -39,7 +39,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def server(tmp_path_factory: pytest.TempPathFactory, ckpts: dict[str, Path]) -> Iterator[ServerProc]:
     tmp = tmp_path_factory.mktemp("server")
     args = ["--model-path", str(ckpts["a"]), "--kernels", "invariant", "--dtype", DTYPE, *IDENTITY]
-    # Token ids only, as the run plan starts it (the text API: tests/test_server_text_api.py).
+    # Token ids only, as the run plan starts it (the text API: tests/server/test_server_text_api.py).
     srv = ServerProc(tmp, "main", [*args, "--num-threads", "1", "--max-running-requests", "4", "--skip-tokenizer-init"])
     srv.start_healthy()
     yield srv

@@ -1,4 +1,4 @@
-"""One cell of the instruction-set matrix (tests/test_isa_matrix.py), run in a fresh process under the
+"""One cell of the instruction-set matrix (tests/kernels/test_isa_matrix.py), run in a fresh process under the
 cell's caps: prints a JSON line with the host check's failures, a hash of the contract GEMM's bits, and
 how many rows the pre-exact strategy (library GEMMs in fixed row tiles) got wrong (the negative control)."""
 

@@ -1,4 +1,4 @@
-"""Start the real rollout server as a subprocess on loopback (shared by the tests/test_server_* files)."""
+"""Start the real rollout server as a subprocess on loopback (shared by the tests/server/ files)."""
 
 from __future__ import annotations
 

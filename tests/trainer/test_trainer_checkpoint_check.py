@@ -1,5 +1,5 @@
 """The trainer checks what it loads: a checkpoint whose architecture is not the run's model profile is
-refused with every differing field named (the server does the same, tests/test_server_process.py)."""
+refused with every differing field named (the server does the same, tests/server/test_server_process.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The Megatron configuration a run implies, built once: the launch plan renders it, the trainer
-builds its TransformerConfig and GPTModel from it (tests/test_megatron_args.py compares the built
+builds its TransformerConfig and GPTModel from it (tests/contract/test_megatron_args.py compares the built
 model with the plan). Plain data (JSON-able): the trainer maps names to objects (`silu` -> F.silu,
 dtype names -> torch dtypes) and adds build-only settings that change no numerics."""
 

@@ -9,7 +9,7 @@ The GEMMs: a block of queries (rows ordered (query, head in group) under each KV
 for all the key tiles it may see in one GEMM, [rows, D] x [D, tiles * T], and each tile's p @ v in one
 batched GEMM, [rows, T] x [T, D]. Each score's and each accumulator's bits were measured independent of
 the GEMM's row count (any multiple of 4: the `granule`; 1-3 rows take a gemv-like path with other bits),
-of its column count, of the batch count and of the thread count (tests/test_kernels_attention.py), so
+of its column count, of the batch count and of the thread count (tests/kernels/test_kernels_attention.py), so
 prefill, decode, chunked prefill, any batch and any block size give the same bits. With bf16/fp16 q and
 keys (exact products) the score GEMM's 1-3 row path gives the same bits too, so decode scores only its
 real query rows (`trim_rows`); p @ v still pads to the granule. A tile no query of a
@@ -301,7 +301,7 @@ def _span_partials(
     rows: torch.Tensor, keys: Keys, sp: _Span, scale: float, inplace: bool, granule_rows: int, q_dtype: torch.dtype
 ) -> AttnPartial:
     """Scores of `rows` (every row of the GEMM a real query's: the score GEMM's row bits were measured
-    independent of its row count down to 1 row, tests/test_kernels_attention.py), softmax partials, and
+    independent of its row count down to 1 row, tests/kernels/test_kernels_attention.py), softmax partials, and
     p @ v with p padded to `granule_rows` rows (that GEMM's row bits hold only for multiples of 4)."""
     bh, r, d = rows.shape
     t, n = keys.tile, sp.b - sp.a

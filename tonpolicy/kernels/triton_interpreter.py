@@ -6,7 +6,7 @@ depend on its position in the tile (measured: OpenBLAS 0.3.30 under OPENBLAS_COR
 this workplace sets on AMD EPYC hosts; rows at another offset of a [128, 64] x [64, 128] tile differed in
 the last bit). So fp32/fp16 dots go through torch's GEMM instead (fp16 upcast exactly, fp32 products and
 sums, as the interpreter's own `dtype=float32` does), whose rows do not depend on their position
-(tests/test_kernels_linear.py). Compiled kernels (a GPU) are untouched.
+(tests/kernels/test_kernels_linear.py). Compiled kernels (a GPU) are untouched.
 """
 
 from __future__ import annotations

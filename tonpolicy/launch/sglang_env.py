@@ -51,7 +51,7 @@ def server_environment(cfg: Config, device: str, fingerprint: str) -> dict[str, 
         env["SGLANG_EXTERNAL_MODEL_PACKAGE"] = cfg.contract.sglang.model_package
         env[CONTRACT_ENV] = contract_env(cfg, fingerprint)
         # Prompt logprobs as log_softmax, the contract's formula; SGLang's default "fast" path
-        # (logit - max - logsumexp) differs in the last bit (measured: tests/test_sglang_differential.py).
+        # (logit - max - logsumexp) differs in the last bit (measured: tests/sglang/test_sglang_differential.py).
         env["SGLANG_ENABLE_FAST_INPUT_LOGPROBS"] = "0"
     if device == "cpu":
         tp = cfg.parallel.rollout_tp

@@ -132,7 +132,7 @@ class Qwen3(nn.Module):
 
     def fused(self, name: str, weights: list[torch.Tensor]) -> torch.Tensor:
         """Row-concatenation of weights (QKV, gate/up), cached per weight version. One wide linear
-        equals the separate ones column for column (column invariance, tests/test_kernels_linear.py)."""
+        equals the separate ones column for column (column invariance, tests/kernels/test_kernels_linear.py)."""
         key = tuple((w.data_ptr(), w._version) for w in weights)
         hit = self._fused.get(name)
         if hit is None or hit[0] != key:
