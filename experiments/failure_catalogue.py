@@ -4,7 +4,7 @@ server answers, and faults (exit code, seconds to exit, orphans, records kept).
     .venv/bin/python experiments/failure_catalogue.py [--skip-faults]
 
 Reuses the test suite's cases and helpers (tests/): the refused configurations are
-tests/config/test_config_validate.py's CASES; the faults are run as tests/test_e2e_faults.py runs them.
+tests/config/test_config_validate.py's CASES; the faults are run as tests/e2e/test_e2e_faults.py runs them.
 Prints three markdown tables.
 """
 
@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from e2e_common import pid_alive, records, start_job, wait_for  # noqa: E402
-from server_proc import DTYPE, IDENTITY, ServerProc, save_checkpoint  # noqa: E402
-from test_config_validate import CASES  # noqa: E402
+from config.test_config_validate import CASES  # noqa: E402
+from support.e2e_common import pid_alive, records, start_job, wait_for  # noqa: E402
+from support.server_proc import DTYPE, IDENTITY, ServerProc, save_checkpoint  # noqa: E402
 
 from tonpolicy.config.compose import compose_config  # noqa: E402
 from tonpolicy.config.validate import ConfigError, validate  # noqa: E402
