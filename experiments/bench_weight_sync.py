@@ -26,7 +26,7 @@ import torch
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.launch.weight_push import WeightPusher
+from tonpolicy.loop.weight_sync import WeightPusher
 from tonpolicy.model.checkpoint import init_state_dict, save_hf
 from tonpolicy.rollout.client import RolloutClient
 

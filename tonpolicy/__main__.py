@@ -14,6 +14,7 @@ from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config, register_configs
 from tonpolicy.config.validate import ConfigError, unknown_keys
 from tonpolicy.files import write_json_atomic
+from tonpolicy.loop.exit_codes import EXIT_INVALID_CONFIG
 
 register_configs()
 
@@ -30,7 +31,7 @@ def main(dcfg: DictConfig) -> None:
         code = run(cfg, run_dir, unknown)
     except ConfigError as exc:
         print(f"tonpolicy: {exc}", file=sys.stderr)
-        code = 2
+        code = EXIT_INVALID_CONFIG
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(
             run_dir / "summary.json",

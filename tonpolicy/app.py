@@ -16,6 +16,7 @@ from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import ConfigError, ConfigIssue, validate
 from tonpolicy.files import write_atomic
 from tonpolicy.launch.plan import launch_plan, launch_script, resolve_device
+from tonpolicy.loop.exit_codes import EXIT_OK
 
 
 def write_plan(cfg: Config, run_dir: Path) -> dict:
@@ -46,7 +47,7 @@ def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) ->
     if cfg.mode == "plan":
         print(json.dumps(plan, indent=2))
         print(f"\nlaunch plan written to {run_dir / 'launch_plan.json'} and {run_dir / 'launch.sh'}", file=sys.stderr)
-        return 0
+        return EXIT_OK
     if cfg.mode == "run":
         from tonpolicy.launch.job import run_job
 

@@ -16,7 +16,7 @@ import torch
 from support.server_proc import DTYPE, IDENTITY, ServerProc, local_engine, save_checkpoint
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.launch.weight_push import WeightPusher
+from tonpolicy.loop.weight_sync import WeightPusher
 from tonpolicy.model.checkpoint import init_state_dict, load_hf
 from tonpolicy.rollout.client import RolloutClient, RolloutError
 from tonpolicy.rollout.engine.requests import GenRequest

@@ -9,6 +9,7 @@ the trainer from the same checkpoint and compares its logprobs with the engine's
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.config.schema import Config, ContractConfig, ExperimentConfig, TrainerConfig
+from tonpolicy.contract.gate import compare_logprobs
 from tonpolicy.trainer.process_groups import Layout
 
 CONTRACTS = {
@@ -188,6 +190,21 @@ def built_config_worker(configs: list[Config]) -> list[dict[str, Any]]:
     return out
 
 
+def _first_forward_check(
+    old: list[torch.Tensor], enforce: bool, into: dict[str, Any]
+) -> Callable[[list[torch.Tensor]], bool]:
+    """The gate's second check for `ppo_step`: the first training forward against `old`, bit for bit;
+    its counts go `into` the metrics, and with `enforce` a mismatch refuses the update."""
+
+    def may_update(first_forward: list[torch.Tensor]) -> bool:
+        report = compare_logprobs(old, first_forward)
+        into.update(first_forward_mismatched=report.mismatched_tokens)
+        into.update(first_forward_max_abs_diff=report.max_abs_logprob_diff)
+        return report.exact or not enforce
+
+    return may_update
+
+
 def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each job as in `layouts_worker` plus `advantages`: recompute logprobs, take one PPO step, and
     recompute again. Returns the step metrics, grad_norm, timings and post-step logprobs."""
@@ -204,14 +221,10 @@ def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if job.get("old_from_rollout"):  # control for the first-forward check: "old" that is not the recompute
             old = [torch.as_tensor(x, dtype=torch.float32) for x in ro["logprobs"]]
         t1 = time.perf_counter()
-        m = worker.ppo_step(
-            ro["prompts"],
-            ro["responses"],
-            old,
-            ro["logprobs"],
-            job["advantages"],
-            exact_first_forward=job.get("exact_first_forward", False),
-        )
+        first: dict[str, Any] = {}
+        check = _first_forward_check(old, job.get("exact_first_forward", False), first)
+        m = worker.ppo_step(ro["prompts"], ro["responses"], old, ro["logprobs"], job["advantages"], may_update=check)
+        m.update(first)
         t2 = time.perf_counter()
         new = worker.logprobs(ro["prompts"], ro["responses"])
         shares: list[Any] = [None] * dist.get_world_size()

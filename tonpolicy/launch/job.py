@@ -26,17 +26,17 @@ from tonpolicy.launch.curves import reward_curve
 from tonpolicy.launch.init_checkpoint import write_init_checkpoint
 from tonpolicy.launch.plan import API_KEY_PLACEHOLDER
 from tonpolicy.launch.procs import Child, ProcessGroup, wait_until
-from tonpolicy.launch.records import (
+from tonpolicy.launch.records import read_jsonl, step_table
+from tonpolicy.launch.sglang_env import trainer_python
+from tonpolicy.loop.exit_codes import (
     EXIT_CHILD_FAILED,
     EXIT_GATE_FAILED,
     EXIT_HANDSHAKE,
     EXIT_INTERRUPTED,
+    EXIT_OK,
     EXIT_SERVER_UNHEALTHY,
     STATUS_FILE,
-    read_jsonl,
-    step_table,
 )
-from tonpolicy.launch.sglang_env import trainer_python
 from tonpolicy.ports import free_port, port_is_free
 
 
@@ -213,7 +213,7 @@ def supervise(cfg: Config, run_dir: Path, server: Child, trainer: Child, url: st
     status = json.loads(status_path.read_text())
     if status["code"]:
         raise JobFailed(status["code"], status["message"])
-    return 0
+    return EXIT_OK
 
 
 def trainer_failed(trainer: Child, with_tail: bool) -> JobFailed:
@@ -230,7 +230,7 @@ def supervise_worker_node(trainer: Child) -> int:
         time.sleep(0.2)
     if trainer.proc.returncode:
         raise trainer_failed(trainer, with_tail=False)
-    return 0
+    return EXIT_OK
 
 
 def summarize(cfg: Config, run_dir: Path, status: str, wall_s: float) -> dict[str, Any]:

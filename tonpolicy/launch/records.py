@@ -1,32 +1,11 @@
-"""Run records in the run directory (metrics.jsonl, samples.jsonl, summary.json) and their tables:
-the per-step table printed at the end of a run, the sweep's markdown table.
-
-Each step's record is one line appended and fsynced, so a crash later never loses a completed step;
-summary.json is replaced atomically.
-"""
+"""Reading a run's records (metrics.jsonl, written by `tonpolicy.loop.records`) and their tables:
+the per-step table printed at the end of a run, the sweep's markdown table."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
-
-# Exit codes of a job. torchrun reports any failing rank as 1, so the trainer's verdict (gate,
-# handshake) travels in STATUS_FILE, which the launcher reads.
-EXIT_GATE_FAILED = 3
-EXIT_CHILD_FAILED = 4
-EXIT_SERVER_UNHEALTHY = 5
-EXIT_HANDSHAKE = 6
-EXIT_INTERRUPTED = 130
-STATUS_FILE = "trainer_status.json"
-
-
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

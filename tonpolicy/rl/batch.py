@@ -1,15 +1,12 @@
-"""One step's batch: the prompts of the task, sampling parameters (a seed per sample), the server's
-samples with their logprobs, rewards and GRPO advantages."""
+"""What a step's batch is drawn from: the task's prompts (each repeated for its GRPO group) and the
+sampling parameters, a seed per sample. The batch itself is `tonpolicy.loop.batch.Batch`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from tonpolicy.config.schema import Config
-from tonpolicy.rl.objective import grpo_advantages
-from tonpolicy.rl.task import EOS, make_prompts, reward
+from tonpolicy.rl.task import EOS, make_prompts
 
 
 def step_prompts(cfg: Config, step: int) -> list[list[int]]:
@@ -32,30 +29,14 @@ def sampling_seed(seed: int, step: int, index: int) -> int:
     return seed * 1_000_003 + step * 10_007 + index
 
 
-def collect_batch(cfg: Config, client: Any, step: int) -> dict[str, Any]:
-    """Generate the step's samples through the rollout server's client; rewards and GRPO advantages."""
-    e, t = cfg.experiment, cfg.task
-    batch_prompts = step_prompts(cfg, step)
-    params = [
-        {
-            "temperature": e.temperature,
-            "top_p": e.top_p,
-            "top_k": e.top_k,
-            "max_new_tokens": e.max_new_tokens,
-            "stop_token_ids": [EOS],
-            "sampling_seed": sampling_seed(e.seed, step, i),
-        }
-        for i in range(len(batch_prompts))
-    ]
-    outs = client.generate(batch_prompts, params)
-    responses = [o["output_ids"] for o in outs]
-    rewards = [
-        reward(t.name, p, r, t.graded_tokens, t.target_digit) for p, r in zip(batch_prompts, responses, strict=True)
-    ]
+def sampling_params(cfg: Config, seed: int) -> dict[str, Any]:
+    """One sample's SGLang sampling parameters."""
+    e = cfg.experiment
     return {
-        "prompts": batch_prompts,
-        "responses": responses,
-        "rollout_logprobs": [torch.tensor(o["output_logprobs"], dtype=torch.float32) for o in outs],
-        "rewards": rewards,
-        "advantages": grpo_advantages(rewards, e.samples_per_prompt),
+        "temperature": e.temperature,
+        "top_p": e.top_p,
+        "top_k": e.top_k,
+        "max_new_tokens": e.max_new_tokens,
+        "stop_token_ids": [EOS],
+        "sampling_seed": seed,
     }

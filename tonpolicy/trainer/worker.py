@@ -6,6 +6,7 @@ collective); results are returned on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,6 @@ from megatron.core import parallel_state as ps
 
 from tonpolicy.config.model import check_same_architecture
 from tonpolicy.config.schema import Config
-from tonpolicy.contract.gate import compare_logprobs
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, exact_gemm, get_kernels, logprob_temperature, padded_vocab_size
@@ -141,14 +141,14 @@ class TrainerWorker:
         rollout_logprobs: list[torch.Tensor],
         advantages: list[float],
         loss_masks: list[torch.Tensor] | None = None,
-        exact_first_forward: bool = False,
+        may_update: Callable[[list[torch.Tensor]], bool] | None = None,
     ) -> dict[str, float]:
         """One clipped policy-gradient step over the whole batch (token-mean loss); returns metrics
         including grad_norm (before clipping), computed identically on every rank.
 
-        The training forward's logprobs (with autograd, before the update) are compared bit for bit with
-        `old_logprobs` (the recompute): `first_forward_mismatched`. With `exact_first_forward` a
-        mismatch skips the update (`update_successful` 0): the first PPO ratio must be exactly 1."""
+        `may_update` (the gate's second check) gets the training forward's logprobs (autograd on, before
+        the update, on every rank) and says whether to update; if not, the gradients are dropped
+        (`update_successful` 0, grad_norm NaN)."""
         if self.optimizer is None:
             self._setup_optimizer()
         self.model.train()
@@ -180,8 +180,7 @@ class TrainerWorker:
         self.optimizer.zero_grad()
         outs = schedule.run(self.model, mbs, seq_len, loss_fn, False, self.kernel_spec)
         new_lp = schedule.assemble(outs, mbs, [len(r) for r in responses])
-        first = compare_logprobs([e["old"] for e in extras], new_lp)
-        if exact_first_forward and not first.exact:
+        if may_update is not None and not may_update(new_lp):
             self.optimizer.zero_grad()
             ok, grad_norm = False, float("nan")
         else:
@@ -199,8 +198,6 @@ class TrainerWorker:
             grad_norm=float(grad_norm),
             update_successful=float(ok),
             lr=self.lr,
-            first_forward_mismatched=first.mismatched_tokens,
-            first_forward_max_abs_diff=first.max_abs_logprob_diff,
         )
         return out
 

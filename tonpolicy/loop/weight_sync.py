@@ -1,8 +1,13 @@
-"""The trainer's side of disk-free weight sync (rollout.weight_sync=distributed): rank 0 makes the
-weight-update group with the server's engine ranks once, then each step announces the HF-named
-tensors over HTTP (`/update_weights_from_distributed`, inside SGLang's `/begin_weight_update` ...
-`/end_weight_update` session) while it broadcasts them. Both calls block until
-the other side takes part, so the HTTP call runs in a thread beside the broadcast."""
+"""Weight sync: after a step's update the rollout server loads the new weights, through one interface
+(`WeightSync`: `export` on every trainer rank, a collective; `push` on rank 0) with two ways:
+
+- `DiskWeightSync` (rollout.weight_sync=disk): an HF checkpoint per step, then `/update_weights_from_disk`.
+- `GroupWeightSync` (rollout.weight_sync=distributed, disk-free): rank 0 makes the weight-update group
+  with the server's engine ranks once (`WeightPusher`), then each step announces the HF-named tensors
+  over HTTP (`/update_weights_from_distributed`, inside SGLang's `/begin_weight_update` ...
+  `/end_weight_update` session) while it broadcasts them. Both calls block until the other side takes
+  part, so the HTTP call runs in a thread beside the broadcast.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,12 @@ import contextlib
 import secrets
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from tonpolicy.config.schema import Config
 from tonpolicy.rollout.weight_group import (
     DEFAULT_GROUP,
     FLATTENED_BUCKET,
@@ -53,6 +60,8 @@ def _beside(call: Callable[[], Any], work: Callable[[Callable[[], bool]], Any]) 
 
 
 class WeightPusher:
+    """Rank 0's end of the weight-update group: `push` sends one state dict to the server's engine ranks."""
+
     def __init__(
         self,
         client: Any,
@@ -142,3 +151,79 @@ class WeightPusher:
                 pass
             destroy(self.group)
             self.group = None
+
+
+class WeightSync:
+    """`export` runs on every rank after a passed gate (it gathers the weights), before the step record;
+    `push` runs on rank 0 after it, and the server then serves the new weights; `close` at the end."""
+
+    def export(self, worker: Any, step: int) -> None:
+        raise NotImplementedError
+
+    def push(self, step: int) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def weight_version(step: int) -> str:
+    """The version the server reports after step `step`'s update (the weights of step_<step + 1>)."""
+    return f"step_{step + 1}"
+
+
+class DiskWeightSync(WeightSync):
+    """An HF checkpoint per step under `run_dir/checkpoints/`, which the server loads (`client`: rank 0's)."""
+
+    def __init__(self, client: Any, run_dir: Path) -> None:
+        self.client, self.run_dir = client, run_dir
+
+    def _checkpoint(self, step: int) -> Path:
+        return self.run_dir / "checkpoints" / weight_version(step)
+
+    def export(self, worker: Any, step: int) -> None:
+        worker.save_hf(self._checkpoint(step))
+
+    def push(self, step: int) -> None:
+        self.client.update_weights_from_disk(str(self._checkpoint(step)), weight_version=weight_version(step))
+
+
+class GroupWeightSync(WeightSync):
+    """The weights gathered on rank 0 and broadcast over the weight-update group (`pusher`: rank 0's,
+    None on the other ranks, which only take part in the gather)."""
+
+    def __init__(self, pusher: WeightPusher | None) -> None:
+        self.pusher = pusher
+        self.weights: dict[str, torch.Tensor] | None = None
+
+    def export(self, worker: Any, step: int) -> None:
+        self.weights = worker.hf_state_dict()  # on rank 0; every rank takes part in the gather
+
+    def push(self, step: int) -> None:
+        assert self.pusher is not None and self.weights is not None, "push runs on rank 0 after export"
+        self.pusher.push(self.weights, weight_version=weight_version(step))
+        self.weights = None
+
+    def close(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()
+
+
+def weight_sync_for(cfg: Config, client: Any, run_dir: Path, device: str) -> WeightSync:
+    """The configured weight sync; `client` is rank 0's rollout client, None on the other ranks."""
+    if cfg.rollout.weight_sync == "disk":
+        return DiskWeightSync(client, run_dir)
+    if client is None:
+        return GroupWeightSync(None)
+    engine_ranks = cfg.parallel.rollout_tp if cfg.rollout.backend == "sglang" else 1
+    backend = cfg.rollout.weight_sync_backend or ("nccl" if device == "cuda" else "gloo")
+    # The group meets at rank 0's node (node 0): engine ranks on other nodes must reach it there.
+    pusher = WeightPusher(
+        client,
+        engine_ranks,
+        backend,
+        cfg.trainer.timeout_s,
+        address=cfg.trainer.master_addr,
+        bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
+    )
+    return GroupWeightSync(pusher)

@@ -4,9 +4,11 @@ real run, and a deliberately broken update (the learning test's negative control
 from __future__ import annotations
 
 import os
-from typing import Any
+from dataclasses import replace
 
 import torch.distributed as dist
+
+from tonpolicy.loop.batch import Batch
 
 
 def injected_fault(step: int) -> None:
@@ -22,8 +24,8 @@ def injected_fault(step: int) -> None:
             raise OSError(28, "No space left on device")
 
 
-def with_fault_advantages(batch: dict[str, Any]) -> dict[str, Any]:
+def with_fault_advantages(batch: Batch) -> Batch:
     """TONPOLICY_FAULT=flip_advantages: the advantages' sign flipped, so the update unlearns."""
     if os.environ.get("TONPOLICY_FAULT") == "flip_advantages":
-        batch["advantages"] = [-a for a in batch["advantages"]]
+        return replace(batch, advantages=[-a for a in batch.advantages])
     return batch

@@ -1,0 +1,128 @@
+"""`take_step` in one process (a gloo group of one) with a stand-in worker and server: a passing step
+trains, exports and pushes the weights; a failing check of either kind trains nothing, exports and
+pushes nothing, and its record names the check."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tonpolicy.config.schema import Config, ExperimentConfig
+from tonpolicy.loop.gate import Gate
+from tonpolicy.loop.records import StepRecords, append_jsonl
+from tonpolicy.loop.run import Loop, take_step
+from tonpolicy.loop.weight_sync import DiskWeightSync
+from tonpolicy.ports import free_port
+
+
+def _lps(response: list[int]) -> list[float]:
+    return [-0.25 - 0.01 * t for t in response]
+
+
+class Server:
+    """Answers /generate with fixed samples; records the weight loads it is asked for."""
+
+    def __init__(self, flip: bool = False) -> None:
+        self.flip, self.loaded = flip, []
+
+    def generate(self, prompts: list[list[int]], params: list[dict]) -> list[dict]:
+        outs = [{"output_ids": [3 + i % 2, 4], "output_logprobs": _lps([3 + i % 2, 4])} for i in range(len(prompts))]
+        if self.flip:  # one token's logprob one ulp away
+            outs[0]["output_logprobs"][0] = float(
+                torch.nextafter(torch.tensor(outs[0]["output_logprobs"][0]), torch.tensor(0.0))
+            )
+        return outs
+
+    def update_weights_from_disk(self, path: str, weight_version: str) -> None:
+        self.loaded.append((Path(path).name, weight_version))
+
+
+class Worker:
+    """The trainer's recompute reproduces `_lps`; `first_forward_off` makes the training forward differ."""
+
+    def __init__(self, first_forward_off: bool = False) -> None:
+        self.first_forward_off, self.updates, self.saved = first_forward_off, 0, []
+
+    def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
+        return [torch.tensor(_lps(r), dtype=torch.float32) for r in responses]
+
+    def ppo_step(
+        self, prompts: Any, responses: Any, old_logprobs: list[torch.Tensor], may_update: Any, **_: Any
+    ) -> dict:
+        first = [t.clone() for t in old_logprobs]
+        if self.first_forward_off:
+            first[1].view(torch.int32)[0] ^= 1
+        ok = may_update(first)
+        self.updates += ok
+        return {"clipfrac": 0.0, "grad_norm": 1.5 if ok else float("nan"), "update_successful": float(ok), "lr": 1e-3}
+
+    def save_hf(self, path: Path) -> None:
+        self.saved.append(path.name)
+
+
+class Logger:
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def log(self, record: dict) -> None:
+        self.records.append(record)
+
+    def log_samples(self, samples: dict) -> None:
+        pass
+
+    def finish(self, exit_code: int) -> None:
+        pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group() -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _step(tmp_path: Path, server: Server, worker: Worker) -> tuple[Any, dict]:
+    cfg = Config(experiment=ExperimentConfig(prompts_per_step=2, samples_per_prompt=2))
+    logger = Logger()
+    loop = Loop(
+        cfg, worker, Gate(0, "c"), DiskWeightSync(server, tmp_path), True, server, StepRecords(tmp_path, logger, None)
+    )
+    verdict = take_step(loop, 0)
+    assert len(logger.records) == 1 and (tmp_path / "metrics.jsonl").exists()
+    return verdict, logger.records[0]
+
+
+def test_a_passing_step_trains_and_syncs(tmp_path: Path) -> None:
+    server, worker = Server(), Worker()
+    verdict, record = _step(tmp_path, server, worker)
+    assert verdict.passed and record["gate"] == "passed" and record["gate_check"] is None
+    assert record["mismatched_tokens"] == 0 and record["first_forward_mismatched"] == 0
+    assert worker.updates == 1 and worker.saved == ["step_1"] and server.loaded == [("step_1", "step_1")]
+
+
+def test_a_rollout_mismatch_trains_nothing(tmp_path: Path) -> None:
+    server, worker = Server(flip=True), Worker()
+    verdict, record = _step(tmp_path, server, worker)
+    assert verdict.failed and record["gate"] == "failed" and record["gate_check"] == "rollout_vs_recompute"
+    assert record["mismatched_tokens"] == 1 and "grad_norm" not in record and "first_forward_mismatched" not in record
+    assert worker.updates == 0 and worker.saved == [] and server.loaded == []
+
+
+def test_a_first_forward_mismatch_trains_nothing(tmp_path: Path) -> None:
+    server, worker = Server(), Worker(first_forward_off=True)
+    verdict, record = _step(tmp_path, server, worker)
+    assert verdict.failed and record["gate_check"] == "recompute_vs_first_training_forward"
+    assert record["mismatched_tokens"] == 0 and record["first_forward_mismatched"] == 1
+    assert record["update_successful"] == 0.0
+    assert worker.updates == 0 and worker.saved == [] and server.loaded == []
+
+
+def test_records_append_whole_lines(tmp_path: Path) -> None:
+    append_jsonl(tmp_path / "m.jsonl", {"step": 0})
+    append_jsonl(tmp_path / "m.jsonl", {"step": 1})
+    assert (tmp_path / "m.jsonl").read_text() == '{"step": 0}\n{"step": 1}\n'

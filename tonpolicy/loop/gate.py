@@ -1,0 +1,85 @@
+"""The exact-zero gate as the step loop applies it: two checks, each comparing fp32 bit patterns with
+`contract.gate.compare_logprobs` (the one equality rule), and the threshold that turns a comparison
+into a verdict.
+
+Both checks run before the update, so a step that breaks the contract trains nothing:
+rollout == recompute (the server's logprobs against the trainer's recompute at its layout), then
+recompute == the first training forward (autograd on; the first PPO ratio must be exactly 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tonpolicy.config.schema import Config
+from tonpolicy.contract.gate import ParityReport, compare_logprobs
+
+ROLLOUT_VS_RECOMPUTE = "rollout_vs_recompute"
+RECOMPUTE_VS_FIRST_FORWARD = "recompute_vs_first_training_forward"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One check's outcome: what it compared (`report`) and whether the gate fails the step on it."""
+
+    check: str  # ROLLOUT_VS_RECOMPUTE or RECOMPUTE_VS_FIRST_FORWARD
+    report: ParityReport
+    failed: bool
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed
+
+    @property
+    def failed_check(self) -> str | None:
+        """The record's `gate_check`: the check that failed, None when it passed."""
+        return self.check if self.failed else None
+
+    def what_differs(self) -> str:
+        r = self.report
+        if self.check == ROLLOUT_VS_RECOMPUTE:
+            return (
+                f"{r.mismatched_tokens} of {r.tokens_scored} tokens differ between rollout "
+                f"and trainer recompute (max |Δlogprob| {r.max_abs_logprob_diff:.3e})"
+            )
+        return (
+            f"{r.mismatched_tokens} tokens differ between the trainer's recompute "
+            f"and its first training forward (max |Δlogprob| {r.max_abs_logprob_diff:.3e})"
+        )
+
+
+class Gate:
+    """`max_mismatched`: the tokens a check may find differing and still pass; 0 is exact zero, None
+    records the comparison and never fails (a contract that does not promise exact zero)."""
+
+    def __init__(self, max_mismatched: int | None, contract: str = "") -> None:
+        self.max_mismatched, self.contract = max_mismatched, contract
+
+    @classmethod
+    def of(cls, cfg: Config) -> Gate:
+        fail_on_mismatch = cfg.gate.fail_on_mismatch
+        if fail_on_mismatch is None:  # fail exactly when the contract promises exact zero
+            fail_on_mismatch = cfg.contract.exact_zero
+        return cls(0 if fail_on_mismatch else None, cfg.contract.name)
+
+    @property
+    def fail_on_mismatch(self) -> bool:
+        return self.max_mismatched is not None
+
+    def _verdict(self, check: str, report: ParityReport) -> Verdict:
+        failed = self.max_mismatched is not None and report.mismatched_tokens > self.max_mismatched
+        return Verdict(check, report, failed)
+
+    def rollout_vs_recompute(self, rollout: list[torch.Tensor], recompute: list[torch.Tensor]) -> Verdict:
+        return self._verdict(ROLLOUT_VS_RECOMPUTE, compare_logprobs(rollout, recompute))
+
+    def recompute_vs_first_forward(self, recompute: list[torch.Tensor], first_forward: list[torch.Tensor]) -> Verdict:
+        return self._verdict(RECOMPUTE_VS_FIRST_FORWARD, compare_logprobs(recompute, first_forward))
+
+    def failure_message(self, verdict: Verdict, step: int) -> str:
+        return (
+            f"parity gate failed at step {step}: {verdict.what_differs()}; contract {self.contract}, "
+            f"gate.fail_on_mismatch={self.fail_on_mismatch}; no update was made"
+        )

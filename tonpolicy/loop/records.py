@@ -1,0 +1,61 @@
+"""What rank 0 writes each step and at the end: the step record (metrics.jsonl), the samples
+(samples.jsonl, text when the checkpoint has a tokenizer), both to the metrics logger (W&B), and the
+trainer's verdict (STATUS_FILE) for the launcher.
+
+Each record is one line appended and fsynced, so a crash later never loses a completed step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from tonpolicy.files import write_json_atomic
+from tonpolicy.loop.batch import Batch
+from tonpolicy.loop.exit_codes import STATUS_FILE
+
+
+class MetricsLogger(Protocol):
+    def log(self, record: dict[str, Any]) -> None: ...
+    def log_samples(self, samples: dict[str, Any]) -> None: ...
+    def finish(self, exit_code: int) -> None: ...
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_status(run_dir: Path, code: int, message: str) -> None:
+    write_json_atomic(run_dir / STATUS_FILE, {"code": code, "message": message})
+
+
+class StepRecords:
+    """`tokenizer`: None for a checkpoint without one (the samples hold token ids only)."""
+
+    def __init__(self, run_dir: Path, logger: MetricsLogger, tokenizer: Any) -> None:
+        self.run_dir, self.logger, self.tokenizer = run_dir, logger, tokenizer
+
+    def write(self, record: dict[str, Any], batch: Batch) -> None:
+        append_jsonl(self.run_dir / "metrics.jsonl", record)
+        samples: dict[str, Any] = {
+            "step": record["step"],
+            "prompts": batch.prompts,
+            "responses": batch.responses,
+            "rewards": batch.rewards,
+        }
+        if self.tokenizer is not None:
+            decode = self.tokenizer.decode
+            samples["prompt_texts"] = [decode(p, skip_special_tokens=False) for p in batch.prompts]
+            samples["response_texts"] = [decode(r, skip_special_tokens=False) for r in batch.responses]
+        append_jsonl(self.run_dir / "samples.jsonl", samples)
+        self.logger.log(record)
+        self.logger.log_samples(samples)
+
+    def finish(self, code: int, message: str) -> None:
+        self.logger.finish(code)
+        write_status(self.run_dir, code, message if code else "ok")
