@@ -63,7 +63,7 @@ def test_multirun_sweep_one_dir_per_job(tmp_path: Path) -> None:
 
 def test_rendered_launch_script_runs_the_job(tmp_path: Path) -> None:
     """`launch.sh` from a plan is runnable as it stands: init weights, server, trainer ranks."""
-    from e2e_common import FAST, records
+    from support.e2e_common import FAST, records
 
     from tonpolicy.ports import free_port
 
@@ -89,7 +89,7 @@ def test_rendered_launch_script_runs_the_job(tmp_path: Path) -> None:
 
 
 def test_sweep_goes_on_past_a_failed_job_and_exits_non_zero(tmp_path: Path) -> None:
-    from e2e_common import FAST
+    from support.e2e_common import FAST
 
     sweep = tmp_path / "sweep"
     proc = tonpolicy(
