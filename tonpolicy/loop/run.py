@@ -147,7 +147,7 @@ def run_trainer(
 
         server = RolloutClient(server_url)
         server.wait_healthy(cfg.rollout.health_timeout_s)  # launch.sh starts both at once
-        refusal = handshake(cfg, server, runtime_identity(worker.kernel_set, cfg.contract.dtype, device))
+        refusal = handshake(cfg, server, runtime_identity(worker.kernels, cfg.contract.dtype, device))
         tokenizer = load_tokenizer(checkpoint)  # None for a checkpoint without one: ids only
         records = StepRecords(run_dir, new_logger(), tokenizer)
     refusal = broadcast(refusal)

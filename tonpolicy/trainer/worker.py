@@ -48,16 +48,14 @@ class TrainerWorker:
         if not ps.model_parallel_is_initialized():
             init_distributed(self.layout, seed=cfg.experiment.seed + 1)
         c = cfg.contract
-        kernels = get_kernels(c.kernels, **kernel_params(c))
-        self.kernel_set = kernels  # what the runtime fingerprint is computed from
+        # The kernel set this worker built (the runtime fingerprint is computed from it) and the layer
+        # spec that runs it: the two facts every other choice follows from.
+        self.kernels = kernels = get_kernels(c.kernels, **kernel_params(c))
         if spec is None:
             # Megatron's local spec has neither CP (TransformerEngine's) nor packed rows (THD, TE's too).
             needs_kernel_spec = self.layout.cp > 1 or cfg.trainer.pack_sequences
             spec = "kernels" if (c.kernels in INVARIANT_KERNEL_SETS or needs_kernel_spec) else "stock"
         self.spec = spec
-        # The logprob recipe runs the kernel set's `logprobs` (stock spec: plain torch, same formula).
-        self.kernel_spec = spec == "kernels"
-        self.kernels = kernels if self.kernel_spec else None
         if state_dict is not None:
             self.model_cfg, hf = cfg.model, state_dict
         elif checkpoint is not None:
@@ -87,9 +85,15 @@ class TrainerWorker:
         self.last_share: list[int] = []
         self.lr = cfg.task.lr if cfg.task.lr is not None else cfg.trainer.lr  # a task may set its own
 
+    @property
+    def logprob_kernels(self) -> Any:
+        """The logprob recipe's kernel set: the model's own under the kernel spec; None under megatron's
+        stock spec (plain torch on fp32 logits: its output layer may hand over bf16)."""
+        return self.kernels if self.spec == "kernels" else None
+
     # --- logprobs -----------------------------------------------------------------------------------
     def _lp_loss(self, mb: schedule.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        lps, _ = schedule.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
+        lps, _ = schedule.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.logprob_kernels)
         return logits.new_zeros(()), {"lp": lps, "resp": [s.resp for s in mb.slices]}
 
     def _microbatches(
@@ -105,7 +109,7 @@ class TrainerWorker:
         """fp32 logprob of every response token (temperature from the experiment config)."""
         self.model.eval()
         mbs, seq_len = self._microbatches(prompts, responses)
-        outs = schedule.run(self.model, mbs, seq_len, self._lp_loss, True, self.kernel_spec)
+        outs = schedule.run(self.model, mbs, seq_len, self._lp_loss, True, self.spec == "kernels")
         return schedule.assemble(outs, mbs, [len(r) for r in responses])
 
     # --- training -----------------------------------------------------------------------------------
@@ -164,7 +168,9 @@ class TrainerWorker:
         self.last_share = [i for mb in mbs for i in mb.samples]  # the samples this replica trained on
 
         def loss_fn(mb: schedule.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            lps, exs = schedule.local_logprobs(mb, logits, self.model_cfg.vocab_size, self.temperature, self.kernels)
+            lps, exs = schedule.local_logprobs(
+                mb, logits, self.model_cfg.vocab_size, self.temperature, self.logprob_kernels
+            )
             local = (
                 sum(
                     (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum()
@@ -178,7 +184,7 @@ class TrainerWorker:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outs = schedule.run(self.model, mbs, seq_len, loss_fn, False, self.kernel_spec)
+        outs = schedule.run(self.model, mbs, seq_len, loss_fn, False, self.spec == "kernels")
         new_lp = schedule.assemble(outs, mbs, [len(r) for r in responses])
         if may_update is not None and not may_update(new_lp):
             self.optimizer.zero_grad()
