@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tonpolicy.config.hf_qwen3 import EMBED, FINAL_NORM, LM_HEAD, parse_layer_param
+
 LAYER_OPS: tuple[str, ...] = (
     "input_norm",
     "q",
@@ -94,18 +96,19 @@ def parse_name(name: str, num_layers: int) -> Checkpoint:
 
 
 # --- weight roles: parameter name -> (layer, role) ------------------------------------------------
-_HF_LAYER_ROLES = {
-    "input_layernorm": "input_norm",
-    "self_attn.q_proj": "q",
-    "self_attn.k_proj": "k",
-    "self_attn.v_proj": "v",
-    "self_attn.q_norm": "q_norm",
-    "self_attn.k_norm": "k_norm",
-    "self_attn.o_proj": "o_proj",
-    "post_attention_layernorm": "post_attn_norm",
-    "mlp.gate_proj": "mlp_gate",
-    "mlp.up_proj": "mlp_up",
-    "mlp.down_proj": "mlp_down",
+# HF layer parameter (tonpolicy.config.hf_qwen3.LAYER_PARAMS) -> role.
+HF_LAYER_ROLES = {
+    "input_layernorm.weight": "input_norm",
+    "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "self_attn.o_proj.weight": "o_proj",
+    "post_attention_layernorm.weight": "post_attn_norm",
+    "mlp.gate_proj.weight": "mlp_gate",
+    "mlp.up_proj.weight": "mlp_up",
+    "mlp.down_proj.weight": "mlp_down",
 }
 _MEGATRON_LAYER_ROLES = {
     "input_layernorm": "input_norm",
@@ -117,18 +120,17 @@ _MEGATRON_LAYER_ROLES = {
     "mlp.linear_fc1": "gate_up",
     "mlp.linear_fc2": "mlp_down",
 }
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
 _MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.weight$")
 
 
 def hf_weight_role(name: str, num_layers: int) -> tuple[int, str] | None:
     """(layer, role) of a Hugging Face Qwen3 parameter (the rollout model's names)."""
-    m = _HF_LAYER.match(name)
-    if m and m.group(2) in _HF_LAYER_ROLES:
-        return int(m.group(1)), _HF_LAYER_ROLES[m.group(2)]
-    if name == "model.norm.weight":
+    layer = parse_layer_param(name)
+    if layer is not None:
+        return layer[0], HF_LAYER_ROLES[layer[1]]
+    if name == FINAL_NORM:
         return num_layers, "final_norm"
-    if name in ("lm_head.weight", "model.embed_tokens.weight"):
+    if name in (LM_HEAD, EMBED):
         return num_layers, "logits"  # the LM head reads the (tied) embedding as a weight
     return None
 

@@ -55,6 +55,8 @@ def pipeline_stage_layers(num_layers: int, pp: int, pp_layers: list[int] | tuple
 
 # ModelConfig fields that are labels or provenance, not architecture: a checkpoint may differ in them.
 _NOT_ARCHITECTURE = {"name", "family", "hf_config", "checkpoint", "init_seed", "init_std"}
+# The rest: what a checkpoint's config.json states (tonpolicy.config.hf_qwen3 reads and writes each).
+ARCHITECTURE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ModelConfig) if f.name not in _NOT_ARCHITECTURE)
 
 
 def check_same_architecture(expected: ModelConfig, loaded: ModelConfig, path: str) -> None:
@@ -63,7 +65,7 @@ def check_same_architecture(expected: ModelConfig, loaded: ModelConfig, path: st
     diff = {
         f.name: (getattr(expected, f.name), getattr(loaded, f.name))
         for f in fields(expected)
-        if f.name not in _NOT_ARCHITECTURE and getattr(expected, f.name) != getattr(loaded, f.name)
+        if f.name in ARCHITECTURE_FIELDS and getattr(expected, f.name) != getattr(loaded, f.name)
     }
     if diff:
         raise ValueError(

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tonpolicy.config.device import resolve_device
 from tonpolicy.config.schema import Config
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS
 
@@ -42,12 +43,7 @@ def check_sglang(cfg: Config, bad: Any) -> None:
                 "contract.sglang.rl_on_policy_target",
                 "must be null with the model package: SGLang would round the returned logprobs to bf16",
             )
-    device = cfg.trainer.device
-    if device == "auto":  # as the launch plan resolves it
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
+    if resolve_device(cfg) == "cpu":
         if pol.attention_backend not in (None, "torch_native"):
             bad(
                 "contract.sglang.attention_backend",

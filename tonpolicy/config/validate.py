@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tonpolicy.config.device import resolve_device
 from tonpolicy.config.hf_check import hf_config_mismatches
 from tonpolicy.config.ranges import LOOPBACK, check_ranges
 from tonpolicy.config.schema import Config, value_at
@@ -289,14 +290,8 @@ def _check_triton(cfg: Config, bad: Any) -> None:
             f"contract {c.name} runs Triton kernels on CUDA GPUs: set trainer.device=cuda "
             "(on a CPU only under TRITON_INTERPRET=1, which is for tests)",
         )
-    if cfg.trainer.device == "auto" and not interpreted and not _cuda_available():
+    if cfg.trainer.device == "auto" and not interpreted and resolve_device(cfg) == "cpu":
         bad("trainer.device", f"contract {c.name} runs Triton kernels on CUDA GPUs and this machine has none")
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _check_contract(cfg: Config, bad: Any) -> None:

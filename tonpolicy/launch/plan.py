@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from tonpolicy.config.device import resolve_device  # its callers import it from here too
 from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
 from tonpolicy.config.sizes import microbatches_per_replica, padded_seq_len, seq_pad_multiple, world_size
@@ -30,14 +31,6 @@ SGLANG_DEFAULT_PORT = 30000
 
 API_KEY_PLACEHOLDER = "${TONPOLICY_API_KEY}"
 NODE_RANK_PLACEHOLDER = "${NODE_RANK}"
-
-
-def resolve_device(cfg: Config) -> str:
-    if cfg.trainer.device != "auto":
-        return cfg.trainer.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: int | None = None) -> list[str]:

@@ -10,11 +10,10 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
+from tonpolicy.config.dtypes import dtype_name
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, transformer_kwargs
 from tonpolicy.families import family, resolve
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def transformer_config(
@@ -23,7 +22,7 @@ def transformer_config(
     """The plan's TransformerConfig (tonpolicy.contract.megatron_args) at the current layout."""
     kw = transformer_kwargs(
         cfg,
-        DTYPE_NAMES[dtype],
+        dtype_name(dtype),
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_context_parallel_world_size(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from tonpolicy.config.hf_qwen3 import EMBED, FINAL_NORM, LM_HEAD, SHARD_DIM, layer_param, tp_kind
 from tonpolicy.config.model import ModelConfig, pipeline_stage_layers
 
 Shards = dict[tuple[int, int], dict[str, torch.Tensor]]  # (tp_rank, pp_rank) -> megatron state dict
@@ -38,8 +39,28 @@ def _split_qkv(cfg: ModelConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, torch
     return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
 
 
+# HF layer parameter -> megatron layer parameter, for those that map one to one (the HF names and
+# each one's TP split are the adapter's, tonpolicy.config.hf_qwen3).
+DIRECT = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+# Fused: megatron parameter <- the HF column-parallel weights it concatenates.
+QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+LINEAR_QKV, LINEAR_FC1 = "self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"
+
+
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])]) if rows > w.shape[0] else w
+
+
+def _dim(name: str) -> int | None:
+    return SHARD_DIM[tp_kind(name)]
 
 
 def hf_to_megatron(
@@ -56,40 +77,27 @@ def hf_to_megatron(
     if cfg.num_kv_heads % tp or cfg.intermediate_size % tp or padded_vocab % tp:
         raise ValueError(f"tp={tp} does not divide the query groups / ffn / padded vocab")
 
-    def col(w: torch.Tensor) -> torch.Tensor:  # split output rows
-        return w.chunk(tp, dim=0)[tp_rank].clone()
-
-    def row(w: torch.Tensor) -> torch.Tensor:  # split input columns
-        return w.chunk(tp, dim=1)[tp_rank].clone()
+    def shard(w: torch.Tensor, name: str) -> torch.Tensor:  # this rank's slice, by the adapter's TP plan
+        dim = _dim(name)
+        return w.clone() if dim is None else w.chunk(tp, dim=dim)[tp_rank].clone()
 
     out: dict[str, torch.Tensor] = {}
-    embed = _pad_rows(hf["model.embed_tokens.weight"], padded_vocab)
+    embed = _pad_rows(hf[EMBED], padded_vocab)
     if pp_rank == 0:
-        out["embedding.word_embeddings.weight"] = col(embed)
+        out["embedding.word_embeddings.weight"] = shard(embed, EMBED)
     if pp_rank == pp - 1:
-        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+        out["decoder.final_layernorm.weight"] = shard(hf[FINAL_NORM], FINAL_NORM)
         if not cfg.tie_word_embeddings:
-            out["output_layer.weight"] = col(_pad_rows(hf["lm_head.weight"], padded_vocab))
+            out["output_layer.weight"] = shard(_pad_rows(hf[LM_HEAD], padded_vocab), LM_HEAD)
         elif pp > 1:  # the last stage holds its own copy of the tied embedding
-            out["output_layer.weight"] = col(embed)
-    layers = _layer_range(cfg, pp_rank, pp, pp_layers)
-    for local, i in enumerate(layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
-        a = h + "self_attn."
-        qkv = _fuse_qkv(cfg, hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"])
-        gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
-        out.update(
-            {
-                m + "input_layernorm.weight": hf[h + "input_layernorm.weight"].clone(),
-                m + "self_attention.linear_qkv.weight": col(qkv),  # groups are contiguous: rows split by group
-                m + "self_attention.q_layernorm.weight": hf[a + "q_norm.weight"].clone(),
-                m + "self_attention.k_layernorm.weight": hf[a + "k_norm.weight"].clone(),
-                m + "self_attention.linear_proj.weight": row(hf[a + "o_proj.weight"]),
-                m + "pre_mlp_layernorm.weight": hf[h + "post_attention_layernorm.weight"].clone(),
-                m + "mlp.linear_fc1.weight": torch.cat([col(gate), col(up)]),
-                m + "mlp.linear_fc2.weight": row(hf[h + "mlp.down_proj.weight"]),
-            }
-        )
+            out["output_layer.weight"] = shard(embed, EMBED)
+    for local, i in enumerate(_layer_range(cfg, pp_rank, pp, pp_layers)):
+        m = f"decoder.layers.{local}."
+        names = {h: layer_param(i, h) for h in (*DIRECT, *QKV, *GATE_UP)}
+        out.update({m + meg: shard(hf[names[h]], names[h]) for h, meg in DIRECT.items()})
+        qkv = _fuse_qkv(cfg, *(hf[names[h]] for h in QKV))
+        out[m + LINEAR_QKV] = shard(qkv, names[QKV[0]])  # groups are contiguous: rows split by group
+        out[m + LINEAR_FC1] = torch.cat([shard(hf[names[h]], names[h]) for h in GATE_UP])  # [gate; up] per rank
     return out
 
 
@@ -97,39 +105,28 @@ def megatron_to_hf(
     shards: Shards, cfg: ModelConfig, tp: int, pp: int, pp_layers: tuple[int, ...] | None = None
 ) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_megatron`: merge every rank's state dict into HF names (vocab unpadded)."""
+
+    def merge(meg: str, pp_rank: int, name: str) -> torch.Tensor:  # by the adapter's TP plan
+        dim = _dim(name)
+        if dim is None:
+            return shards[(0, pp_rank)][meg]
+        return torch.cat([shards[(t, pp_rank)][meg] for t in range(tp)], dim=dim)
+
     v = cfg.vocab_size
-
-    def cat0(name: str, pp_rank: int) -> torch.Tensor:
-        return torch.cat([shards[(t, pp_rank)][name] for t in range(tp)], dim=0)
-
-    def cat1(name: str, pp_rank: int) -> torch.Tensor:
-        return torch.cat([shards[(t, pp_rank)][name] for t in range(tp)], dim=1)
-
-    hf: dict[str, torch.Tensor] = {"model.embed_tokens.weight": cat0("embedding.word_embeddings.weight", 0)[:v]}
-    hf["model.norm.weight"] = shards[(0, pp - 1)]["decoder.final_layernorm.weight"]
+    hf: dict[str, torch.Tensor] = {EMBED: merge("embedding.word_embeddings.weight", 0, EMBED)[:v]}
+    hf[FINAL_NORM] = merge("decoder.final_layernorm.weight", pp - 1, FINAL_NORM)
     if not cfg.tie_word_embeddings:
-        hf["lm_head.weight"] = cat0("output_layer.weight", pp - 1)[:v]
+        hf[LM_HEAD] = merge("output_layer.weight", pp - 1, LM_HEAD)[:v]
     for pp_rank in range(pp):
         for local, i in enumerate(_layer_range(cfg, pp_rank, pp, pp_layers)):
-            h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
-            q, k, vv = _split_qkv(cfg, cat0(m + "self_attention.linear_qkv.weight", pp_rank))
-            fc1 = [shards[(t, pp_rank)][m + "mlp.linear_fc1.weight"].chunk(2) for t in range(tp)]
-            first = shards[(0, pp_rank)]
-            hf.update(
-                {
-                    h + "input_layernorm.weight": first[m + "input_layernorm.weight"],
-                    h + "self_attn.q_proj.weight": q,
-                    h + "self_attn.k_proj.weight": k,
-                    h + "self_attn.v_proj.weight": vv,
-                    h + "self_attn.q_norm.weight": first[m + "self_attention.q_layernorm.weight"],
-                    h + "self_attn.k_norm.weight": first[m + "self_attention.k_layernorm.weight"],
-                    h + "self_attn.o_proj.weight": cat1(m + "self_attention.linear_proj.weight", pp_rank),
-                    h + "post_attention_layernorm.weight": first[m + "pre_mlp_layernorm.weight"],
-                    h + "mlp.gate_proj.weight": torch.cat([g for g, _ in fc1]),
-                    h + "mlp.up_proj.weight": torch.cat([u for _, u in fc1]),
-                    h + "mlp.down_proj.weight": cat1(m + "mlp.linear_fc2.weight", pp_rank),
-                }
-            )
+            m = f"decoder.layers.{local}."
+            names = {h: layer_param(i, h) for h in (*DIRECT, *QKV, *GATE_UP)}
+            hf.update({names[h]: merge(m + meg, pp_rank, names[h]) for h, meg in DIRECT.items()})
+            qkv = _split_qkv(cfg, merge(m + LINEAR_QKV, pp_rank, names[QKV[0]]))
+            hf.update({names[h]: w for h, w in zip(QKV, qkv, strict=True)})
+            fc1 = [shards[(t, pp_rank)][m + LINEAR_FC1].chunk(2) for t in range(tp)]  # [gate; up] per rank
+            for h, parts in zip(GATE_UP, zip(*fc1, strict=True), strict=True):
+                hf[names[h]] = torch.cat(parts, dim=_dim(names[h]))
     return hf
 
 

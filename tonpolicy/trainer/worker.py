@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from tonpolicy.config.dtypes import dtype_name, torch_dtype
 from tonpolicy.config.model import check_same_architecture
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import kernel_params
@@ -24,8 +25,6 @@ from tonpolicy.trainer import schedule
 from tonpolicy.trainer.model import build_gpt
 from tonpolicy.trainer.process_groups import Layout, init_distributed
 from tonpolicy.trainer.weights import load_into, megatron_to_hf
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class TrainerWorker:
@@ -44,7 +43,7 @@ class TrainerWorker:
         from tonpolicy.model.checkpoint import init_state_dict, load_hf
 
         self.cfg, self.layout = cfg, Layout.of(cfg.parallel)
-        self.dtype = DTYPES[cfg.contract.dtype]
+        self.dtype = torch_dtype(cfg.contract.dtype)
         if not ps.model_parallel_is_initialized():
             init_distributed(self.layout, seed=cfg.experiment.seed + 1)
         c = cfg.contract
@@ -223,13 +222,11 @@ class TrainerWorker:
     def built_config(self) -> dict[str, Any]:
         """The built model's TransformerConfig and GPTModel settings in the plan's terms (the test that
         the plan describes what runs compares the two)."""
-        from tonpolicy.trainer.model import DTYPE_NAMES
-
         c, m = self.module.config, self.module
         names = {
             "activation_func": c.activation_func.__name__,
-            "params_dtype": DTYPE_NAMES[c.params_dtype],
-            "pipeline_dtype": DTYPE_NAMES[c.pipeline_dtype],
+            "params_dtype": dtype_name(c.params_dtype),
+            "pipeline_dtype": dtype_name(c.pipeline_dtype),
         }
         keys = transformer_kwargs(self.model_cfg, self.cfg.contract.dtype, 1, 1, 1, None, True)
         gpt = {

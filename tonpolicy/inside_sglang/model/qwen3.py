@@ -14,23 +14,29 @@ this rank matches what the layers write.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
 from sglang.srt.distributed.parallel_state import get_tp_group
 from torch import nn
 
+from tonpolicy.config.dtypes import dtype_name
+from tonpolicy.config.hf_qwen3 import (
+    EMBED,
+    FINAL_NORM,
+    LAYER_PARAMS,
+    LM_HEAD,
+    SHARD_DIM,
+    VOCAB,
+    config_from_hf,
+    parse_layer_param,
+)
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.inside_sglang.model.attention import PooledAttention
 from tonpolicy.inside_sglang.model.heads import ContractLogitsProcessor, contract_sampler_active
 from tonpolicy.inside_sglang.model.report import contract_from_env, write_report
 from tonpolicy.kernels import get_kernels, padded_vocab_size
 from tonpolicy.kernels.row_parallel import combine_row_parallel, gather_in_rank_order
-from tonpolicy.model.checkpoint import config_from_hf
-
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -80,7 +86,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.logits_processor = ContractLogitsProcessor(config, self._logits)
         dtype = self.embed_tokens.dtype
         device = self.embed_tokens.device.type
-        write_report(contract, runtime_identity(self.kernels, _DTYPE_NAMES[dtype], device), self.tp_rank, self.tp_size)
+        write_report(contract, runtime_identity(self.kernels, dtype_name(dtype), device), self.tp_rank, self.tp_size)
 
     # --- parallel pieces ---------------------------------------------------------------------
     def _gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -133,55 +139,52 @@ class Qwen3ForCausalLM(nn.Module):
         return self.logits_processor(input_ids, h, self.lm_head, forward_batch)
 
     # --- weights -----------------------------------------------------------------------------
-    def _rows(self, w: torch.Tensor, per_rank: int, first: int | None = None) -> torch.Tensor:
-        start = self.tp_rank * per_rank if first is None else first
-        return w[start : start + per_rank]
+    def _destinations(self, layer: _Layer) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF layer parameter -> (where it goes, rows this rank keeps, first row) along its shard dim
+        (the adapter's TP plan); KV heads start at `kv_first` (replicated when TP exceeds them)."""
+        d, inter = self.cfg.head_dim, self.inter
+        q_rows, kv_rows, kv_first = self.q_heads * d, self.kv_heads * d, self.kv_first * d
+        return {
+            "input_layernorm.weight": (layer.input_layernorm, 0, 0),
+            "post_attention_layernorm.weight": (layer.post_attention_layernorm, 0, 0),
+            "self_attn.q_norm.weight": (layer.q_norm, 0, 0),
+            "self_attn.k_norm.weight": (layer.k_norm, 0, 0),
+            "self_attn.q_proj.weight": (layer.qkv[:q_rows], q_rows, self.tp_rank * q_rows),
+            "self_attn.k_proj.weight": (layer.qkv[q_rows : q_rows + kv_rows], kv_rows, kv_first),
+            "self_attn.v_proj.weight": (layer.qkv[q_rows + kv_rows :], kv_rows, kv_first),
+            "self_attn.o_proj.weight": (layer.o_proj, q_rows, self.tp_rank * q_rows),
+            "mlp.gate_proj.weight": (layer.gate_up[:inter], inter, self.tp_rank * inter),
+            "mlp.up_proj.weight": (layer.gate_up[inter:], inter, self.tp_rank * inter),
+            "mlp.down_proj.weight": (layer.down_proj, inter, self.tp_rank * inter),
+        }
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named full tensors in; each rank keeps its shard (also on /update_weights_from_disk)."""
-        cfg, d = self.cfg, self.cfg.head_dim
-        q_rows, kv_rows = self.q_heads * d, self.kv_heads * d
+        cfg = self.cfg
         for name, w in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            if name == "model.embed_tokens.weight":
-                self.embed_tokens.copy_(w)
+            if name == EMBED:
+                self.embed_tokens.copy_(w)  # replicated here: the lookup needs the whole table
                 if cfg.tie_word_embeddings:
                     self._load_head(w)
-            elif name == "lm_head.weight":
+            elif name == LM_HEAD:
                 if not cfg.tie_word_embeddings:
                     self._load_head(w)
-            elif name == "model.norm.weight":
+            elif name == FINAL_NORM:
                 self.norm.copy_(w)
-            elif (m := _LAYER.fullmatch(name)) and int(m.group(1)) < cfg.num_layers:
-                layer, key = self.layers[int(m.group(1))], m.group(2)
-                if key in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-                    getattr(layer, key.split(".")[0]).copy_(w)
-                elif key in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-                    getattr(layer, key.split(".")[1]).copy_(w)
-                elif key == "self_attn.q_proj.weight":
-                    layer.qkv[:q_rows].copy_(self._rows(w, q_rows))
-                elif key == "self_attn.k_proj.weight":
-                    layer.qkv[q_rows : q_rows + kv_rows].copy_(self._rows(w, kv_rows, self.kv_first * d))
-                elif key == "self_attn.v_proj.weight":
-                    layer.qkv[q_rows + kv_rows :].copy_(self._rows(w, kv_rows, self.kv_first * d))
-                elif key == "self_attn.o_proj.weight":
-                    layer.o_proj.copy_(self._rows(w.t(), q_rows).t())
-                elif key == "mlp.gate_proj.weight":
-                    layer.gate_up[: self.inter].copy_(self._rows(w, self.inter))
-                elif key == "mlp.up_proj.weight":
-                    layer.gate_up[self.inter :].copy_(self._rows(w, self.inter))
-                elif key == "mlp.down_proj.weight":
-                    layer.down_proj.copy_(self._rows(w.t(), self.inter).t())
-                else:
-                    raise KeyError(f"unexpected Qwen3 weight {name}")
+            elif (layer := parse_layer_param(name)) and layer[0] < cfg.num_layers:
+                dest, rows, first = self._destinations(self.layers[layer[0]])[layer[1]]
+                dim = SHARD_DIM[LAYER_PARAMS[layer[1]]]
+                dest.copy_(w if dim is None else w.narrow(dim, first, rows))
             else:
                 raise KeyError(f"unexpected Qwen3 weight {name}")
 
-    def _load_head(self, w: torch.Tensor) -> None:
+    def _load_head(self, w: torch.Tensor) -> None:  # VOCAB: rows of the padded vocab
         padded = torch.nn.functional.pad(w, (0, 0, 0, self.padded_vocab - w.shape[0]))
-        self.lm_head.weight.copy_(self._rows(padded, self.padded_vocab // self.tp_size))
+        rows = self.padded_vocab // self.tp_size
+        self.lm_head.weight.copy_(padded.narrow(SHARD_DIM[VOCAB], self.tp_rank * rows, rows))
 
 
 EntryClass = [Qwen3ForCausalLM]

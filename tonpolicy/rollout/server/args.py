@@ -3,26 +3,28 @@
 `--config` takes the resolved config the launcher writes (YAML or JSON; the `Config` schema of
 tonpolicy.config.schema): `contract` gives the kernel set, dtype, tile sizes and identity, `model`
 the profile and checkpoint, `rollout` the host/port and batching limits. Flags given alongside
-`--config` override it. The contract identity is taken as given (`contract.fingerprint` or
-`--contract-fingerprint`); when a config file carries none it is computed by tonpolicy.contract.
+`--config` override it. The file is read by tonpolicy.config.compose.load_config, as the trainer
+reads it; the contract identity is computed from it by tonpolicy.contract (`--contract-fingerprint`
+overrides it).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from omegaconf.errors import OmegaConfBaseException
 
+from tonpolicy.config.compose import load_config
+from tonpolicy.config.device import resolve_device
+from tonpolicy.config.dtypes import DTYPES
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.config.ranges import API_KEY_ENV
-from tonpolicy.contract.identity import KERNEL_PARAM_FIELDS
-
-DTYPES = ("bfloat16", "float32", "float16")
+from tonpolicy.config.schema import Config
+from tonpolicy.contract.identity import KERNEL_PARAM_FIELDS, identity, kernel_params
 
 
 @dataclass
@@ -55,59 +57,28 @@ class ServerArgs:
     api_key: str | None = None
 
 
-def load_config_file(path: str) -> dict[str, Any]:
-    text = Path(path).read_text()
-    data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")
-    return data
-
-
-def _contract_fingerprint(contract: dict[str, Any]) -> str:
-    # Imported lazily: only a config without an explicit fingerprint needs the contract package.
-    from omegaconf import OmegaConf
-
-    from tonpolicy.config.schema import ContractConfig
-    from tonpolicy.contract.identity import fingerprint
-
-    merged = OmegaConf.merge(OmegaConf.structured(ContractConfig), contract)
-    return fingerprint(OmegaConf.to_object(merged))
-
-
-def args_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Resolved run config -> ServerArgs keyword arguments."""
-    out: dict[str, Any] = {}
-    contract = cfg.get("contract") or {}
-    if contract:
-        out["contract_name"] = contract["name"]
-        out["contract_version"] = contract.get("version", 1)
-        out["contract_fingerprint"] = contract.get("fingerprint") or _contract_fingerprint(contract)
-        for key in ("kernels", "dtype"):
-            if key in contract:
-                out[key] = contract[key]
-        out["kernel_params"] = {k: contract[k] for k in KERNEL_PARAM_FIELDS if k in contract}
-    model = cfg.get("model") or {}
-    if model:
-        known = {f.name for f in fields(ModelConfig)}
-        out["model"] = ModelConfig(**{k: v for k, v in model.items() if k in known})
-        out["model_path"] = model.get("checkpoint")
-    rollout = cfg.get("rollout") or {}
-    for key in (
-        "host", "port", "port_file", "max_running_requests", "chunked_prefill_size", "random_seed",
-        "skip_tokenizer_init",
-    ):  # fmt: skip
-        if rollout.get(key) is not None:
-            out[key] = rollout[key]
-    device = (cfg.get("trainer") or {}).get("device")
-    if device in ("cpu", "cuda"):
-        out["device"] = device
-    elif device == "auto":  # as the launch plan resolves it: the engine follows the trainer
-        import torch
-
-        out["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    experiment = cfg.get("experiment") or {}
-    if "random_seed" not in out and experiment.get("seed") is not None:
-        out["random_seed"] = experiment["seed"]
+def args_from_config(cfg: Config) -> dict[str, Any]:
+    """Resolved run config (the typed schema, read as the trainer reads it) -> ServerArgs keywords."""
+    c, r = cfg.contract, cfg.rollout
+    ident = identity(c)
+    out: dict[str, Any] = {
+        "contract_name": ident.name,
+        "contract_version": ident.version,
+        "contract_fingerprint": ident.fingerprint,
+        "kernels": c.kernels,
+        "dtype": c.dtype,
+        "kernel_params": kernel_params(c),
+        "model": cfg.model,
+        "model_path": cfg.model.checkpoint,
+        "host": r.host,
+        "port": r.port,
+        "max_running_requests": r.max_running_requests,
+        "skip_tokenizer_init": r.skip_tokenizer_init,
+        "random_seed": cfg.experiment.seed,
+        "device": resolve_device(cfg),  # the engine follows the trainer
+    }
+    if r.chunked_prefill_size is not None:
+        out["chunked_prefill_size"] = r.chunked_prefill_size
     return out
 
 
@@ -122,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in KERNEL_PARAM_FIELDS:
         kind = str if name == "logits_dtype" else int
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"kernel set parameter {name}")
-    p.add_argument("--dtype", choices=DTYPES)
+    p.add_argument("--dtype", choices=list(DTYPES))
     p.add_argument("--contract-name")
     p.add_argument("--contract-version")
     p.add_argument("--contract-fingerprint")
@@ -152,8 +123,8 @@ def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
     values: dict[str, Any] = {}
     if ns.config:
         try:
-            values.update(args_from_config(load_config_file(ns.config)))
-        except (OSError, ValueError, KeyError, yaml.YAMLError) as e:
+            values.update(args_from_config(load_config(ns.config)))
+        except (OSError, ValueError, KeyError, yaml.YAMLError, OmegaConfBaseException) as e:
             parser.error(f"cannot read --config {ns.config}: {e}")
     for key, value in vars(ns).items():
         if key == "config" or value is None:
