@@ -23,7 +23,7 @@ class ModelFamily:
     engine_model: str  # "module:Class", constructed as Class(cfg, kernels, dtype, state_dict)
     layer_spec: str  # "module:function", function(config, provider) -> TransformerBlockSubmodules
     sglang_entry: str  # "module:Class" of the SGLang model package (module defines EntryClass)
-    hf_adapter: str  # module with config_from_hf / config_to_hf
+    hf_adapter: str  # module with config_from_hf / config_to_hf, parameter names and the TP plan
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -33,7 +33,7 @@ FAMILIES: dict[str, ModelFamily] = {
         engine_model="tonpolicy.model.qwen3:Qwen3",
         layer_spec="tonpolicy.trainer.layer_spec:dense_block_spec",
         sglang_entry="tonpolicy.inside_sglang.model.qwen3:Qwen3ForCausalLM",
-        hf_adapter="tonpolicy.model.checkpoint",
+        hf_adapter="tonpolicy.config.hf_qwen3",
     ),
 }
 
