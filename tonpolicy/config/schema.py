@@ -112,9 +112,9 @@ class RolloutConfig:
     # The weight-update group's backend; null: gloo on CPU, nccl on CUDA.
     weight_sync_backend: str | None = None
     # Distributed sync sends the weights as flat byte buckets of at most this many MiB, one broadcast
-    # each (SGLang's load_format "flattened_bucket"); 0: one broadcast per tensor. Measured on this CPU
-    # (experiments/bench_weight_sync.py): 32 MiB matches per-tensor on a 0.6B model and is 4x faster
-    # on the tiny one; 512 MiB was 1.8x slower on the 0.6B model (the one large copy and broadcast).
+    # each (SGLang's load_format "flattened_bucket"); 0: one broadcast per tensor. The default is the
+    # fastest size experiments/bench_weight_sync.py measured (results/bench_weight_sync.json): few
+    # broadcasts for many small tensors, no single huge copy for a large model.
     weight_sync_bucket_mb: int = 32
     # Interpreter of the SGLang environment (scripts/setup_sglang.sh). null: $TONPOLICY_SGLANG_PYTHON,
     # else .venv-sglang/bin/python beside the source tree or the working directory, else this Python.

@@ -43,13 +43,13 @@ SCORE_BUDGET = 1 << 23
 # when ops are small; measured slower for prefill-sized blocks, where the concatenation costs more).
 FOLD_TOGETHER = 1 << 14
 # fp32 key elements (per operand) one span of pooled keys is upcast into at a time, and the fewest tiles
-# a span holds (the per-span ops' fixed cost): measured best for 1-16 slots at contexts 512-4096.
+# a span holds (the per-span ops' fixed cost): bench_engine's context sweep picks them.
 SPAN_ELEMENTS = 1 << 19
 SPAN_MIN_TILES = 8
 # Keys per span from which a pooled K span is first copied as bf16, then upcast: spans this long come
 # from contexts whose cache is out of cache (DRAM), where the plain copy of the d-major rows and then an
-# upcast in cache is ~1.6x faster than one upcasting copy (measured, 12 layers of 4096 keys: 8.3 ->
-# 5.2 ms); in cache the one copy is faster (1.1-1.2x). Same values either way (the upcast is exact).
+# upcast in cache beats one upcasting copy; in cache the one copy is faster. Same values either way
+# (the upcast is exact).
 STAGE_KEYS = 1024
 # Work per query block (sequences x query heads x head dim) at which one key tile of queries is best.
 BLOCK_WORK = 4096
@@ -148,7 +148,7 @@ class PooledKeyTiles:
     one upcasting copy with contiguous rows on both sides (no transpose; a gather only when the slots
     are not a run). A single query block
     (decode) reads spans of about SPAN_ELEMENTS, so each fp32 copy is used while in cache (the whole
-    copy at once measured 2.5x slower for 4 slots of 4096 keys)."""
+    copy at once is slower: it streams through memory)."""
 
     requires_grad = False
 
@@ -318,7 +318,7 @@ def _span_partials(
         m = s.mul_(scale).amax(dim=-1)
         p = s.sub_(_safe(m).unsqueeze(-1)).exp_()
     else:
-        # The same values as masking with -inf and exp (exp(-inf) = 0), ~2x faster: adding a 0/-inf bias
+        # The same values as masking with -inf and exp (exp(-inf) = 0), and faster: adding a 0/-inf bias
         # is cheaper than a broadcast masked_fill, and exp is slow on -inf, so hidden scores are exp'd as
         # exp(0) and multiplied by 0 (NaN and +inf still propagate).
         s.mul_(scale)[:, :, :, j:].add_(sp.bias)

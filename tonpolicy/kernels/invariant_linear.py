@@ -22,8 +22,8 @@ def tiled_partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> to
 
 
 # Elements per row block of a large untracked tree sum: the block's fp32 temporaries stay in cache, where
-# whole-tensor temporaries of a long prefill stream through memory (measured on [4, 2048, 1024] bf16
-# partials, 1 thread: 14.2 ms whole, 3.5 ms in blocks of 64 rows). Elementwise adds: the same bits.
+# whole-tensor temporaries of a long prefill stream through memory (experiments/bench_engine.py
+# measures the prefill). Elementwise adds: the same bits.
 SUM_BLOCK = 1 << 16
 
 
@@ -48,7 +48,7 @@ def _tree(partials: torch.Tensor, tracked: bool) -> torch.Tensor:
     if len(parts) == 1:
         return parts[0].float()
     # The first level makes fresh fp32 sums (a bf16 operand is upcast exactly); later levels add into
-    # them in place: the same bits, and ~6x faster than page-faulting fresh buffers for every sum.
+    # them in place: the same bits, without page-faulting fresh buffers for every sum.
     level = [parts[i].float() + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
     if len(parts) % 2:
         level.append(parts[-1].float())  # an odd one out is only ever added, never added into

@@ -25,7 +25,7 @@ from tonpolicy.kernels.triton_interpreter import use_torch_dot
 use_torch_dot()  # in Triton's interpreter (tests on a CPU): tl.dot as a fixed-order tile GEMM
 
 BLOCK_M = 64
-# 3 pipeline stages: on an H200 1.3x (prefill) and 1.7x (decode) faster than 2, with the same bits
+# 3 pipeline stages: faster than 2 on an H200 at prefill and decode, with the same bits
 # (experiments/results/gpu_triton_h200.json, "tune").
 NUM_WARPS, NUM_STAGES = 4, 3
 QUERY_PAD_POS = tl.constexpr(-1)
