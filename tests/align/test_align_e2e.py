@@ -63,7 +63,7 @@ def test_tp2_trainer_side_perturbation_is_found_at_its_row_parallel_op(tmp_path:
             "parallel=tp2",
             "contract.dtype=float32",
             *SMALL,
-            "align.perturb=trainer:layers.2.o_proj:default",
+            "align.perturb=trainer:layers.2.o_proj:plain",
         ]
     )
     assert run(cfg, tmp_path) == 1
@@ -76,7 +76,7 @@ def test_tp2_trainer_side_perturbation_is_found_at_its_row_parallel_op(tmp_path:
 
 def test_cp2_ring_rollout_side_perturbation_with_bounded_layers(tmp_path: Path) -> None:
     cfg = compose_config(
-        ["mode=align", "parallel=cp2_ring", *SMALL, "align.layers=[0,1]", "align.perturb=layers.1.mlp_act:default"]
+        ["mode=align", "parallel=cp2_ring", *SMALL, "align.layers=[0,1]", "align.perturb=layers.1.mlp_act:plain"]
     )
     assert run(cfg, tmp_path) == 1
     report = _report(tmp_path)
@@ -97,7 +97,7 @@ def test_full_forward_reference_and_align_config_errors(tmp_path: Path) -> None:
             *SMALL,
             "align.reference=full_forward",
             "align.prompt=[3,12,13,4]",
-            "align.perturb=layers.3.q_norm:default",
+            "align.perturb=layers.3.q_norm:plain",
             "align.ops=[q,q_norm,k_norm,logprobs]",
         ]
     )
@@ -114,7 +114,7 @@ def test_full_forward_reference_and_align_config_errors(tmp_path: Path) -> None:
             *SMALL,
             "align.layers=[7]",
             "align.reference=megatron",
-            "align.perturb=layers.0.residual:default",
+            "align.perturb=layers.0.residual:plain",
         ]
     )
     try:

@@ -206,7 +206,7 @@ class AlignConfig:
     # "full_forward" (one full-sequence forward of the rollout model, no KV cache).
     reference: str = "trainer"
     # Test hook: "[rollout:|trainer:]layers.<L>.<op>:<kernel set>" runs that checkpoint's kernel calls
-    # on another kernel set (e.g. "layers.1.mlp_act:default"), so the report must point at it.
+    # on another kernel set (e.g. "layers.1.mlp_act:plain"), so the report must point at it.
     perturb: str | None = None
 
 
