@@ -28,6 +28,8 @@ CONTRACTS = {
     "triton": dict(name="qwen3_dense_triton_v1", kernels="triton", exact_zero=True, attention_tile=64),
 }
 CPU_CONTRACTS = ("exact", "off_policy")
+# The exact contract of each model family (the same kernel set and parameters; the name says whose).
+FAMILY_CONTRACTS = {"qwen3": "qwen3_dense_v1", "qwen3_moe": "qwen3_moe_v1"}
 
 
 def make_config(
@@ -37,9 +39,13 @@ def make_config(
     checkpoint whose architecture is not the profile's)."""
     from tonpolicy.model.checkpoint import read_config
 
+    model = read_config(checkpoint) if checkpoint is not None else ModelConfig()
+    params = dict(CONTRACTS[contract])
+    if contract == "exact":
+        params.update(name=FAMILY_CONTRACTS[model.family], family=model.family)
     return Config(
-        model=read_config(checkpoint) if checkpoint is not None else ModelConfig(),
-        contract=ContractConfig(dtype=dtype, **CONTRACTS[contract]),
+        model=model,
+        contract=ContractConfig(dtype=dtype, **params),
         parallel=layout.to_parallel(),
         experiment=ExperimentConfig(temperature=temperature),
         trainer=TrainerConfig(**trainer),
@@ -56,16 +62,18 @@ def rollout(
     seed: int = 0,
     device: str = "cpu",
 ) -> dict[str, Any]:
-    """Sample `n` responses (varied prompt lengths) with the embedded engine; decode logprobs."""
+    """Sample `n` responses (varied prompt lengths) with the embedded engine (the checkpoint family's
+    engine model); decode logprobs."""
+    from tonpolicy.families import family, resolve
     from tonpolicy.kernels import get_kernels
     from tonpolicy.model.checkpoint import load_hf
-    from tonpolicy.model.qwen3 import Qwen3
     from tonpolicy.rollout.engine import Engine, GenRequest
 
     cfg, sd = load_hf(checkpoint)
     dtype = next(iter(sd.values())).dtype
     params = {"attention_tile": CONTRACTS["triton"]["attention_tile"]} if kernels == "triton" else {}
-    model = Qwen3(cfg, get_kernels(kernels, **params), dtype, sd).to(device)
+    engine_model = resolve(family(cfg.family).engine_model)
+    model = engine_model(cfg, get_kernels(kernels, **params), dtype, sd).to(device)
     engine = Engine(model, max_running_requests=max(2, n // 2))
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, cfg.vocab_size, (prompt_len - 3 * i,), generator=g).tolist() for i in range(n)]

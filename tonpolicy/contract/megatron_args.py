@@ -19,11 +19,14 @@ def transformer_kwargs(
     cp: int,
     pp_layers: list[int] | tuple[int, ...] | None,
     exact_zero: bool,
+    ep: int = 1,
+    moe_capacity_factor: float | None = None,
 ) -> dict[str, Any]:
     """TransformerConfig arguments (numerics and layout)."""
     stages = pipeline_stage_layers(model.num_layers, pp, pp_layers)
     uneven = pp > 1 and len(set(stages)) > 1
     return {
+        **_moe_kwargs(model, ep, moe_capacity_factor),
         "num_layers": model.num_layers,
         "hidden_size": model.hidden_size,
         "num_attention_heads": model.num_attention_heads,
@@ -60,6 +63,33 @@ def transformer_kwargs(
         # Uneven stages the Megatron way: first and last stage sizes, the rest split evenly.
         "num_layers_in_first_pipeline_stage": stages[0] if uneven else None,
         "num_layers_in_last_pipeline_stage": stages[-1] if uneven else None,
+    }
+
+
+def _moe_kwargs(model: ModelConfig, ep: int, capacity_factor: float | None) -> dict[str, Any]:
+    """Megatron's MoE settings for a Qwen3-MoE profile (none for a dense one). The contract layer spec
+    routes with the kernel set and exchanges tokens itself; the stock spec runs Megatron's router and
+    the all-gather dispatcher (the all-to-all one passes its split sizes as tensors, which gloo refuses)."""
+    if not model.is_moe:
+        return {"expert_model_parallel_size": ep}
+    coef = model.router_aux_loss_coef
+    return {
+        "num_moe_experts": model.num_experts,
+        "moe_router_topk": model.num_experts_per_tok,
+        "moe_ffn_hidden_size": model.moe_intermediate_size,
+        "moe_layer_freq": [int(model.is_moe_layer(i)) for i in range(model.num_layers)],
+        # Qwen3-MoE's norm_topk_prob: softmax over the k chosen logits; else softmax over all, then top-k.
+        "moe_router_pre_softmax": not model.norm_topk_prob,
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "aux_loss" if coef > 0 else "none",
+        "moe_aux_loss_coeff": coef,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+        "moe_router_fusion": False,
+        "moe_expert_capacity_factor": capacity_factor,
+        "expert_model_parallel_size": ep,
     }
 
 

@@ -101,7 +101,9 @@ def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: i
 def megatron_config(cfg: Config) -> dict[str, Any]:
     """What the trainer builds (tonpolicy.contract.megatron_args, the one source both use)."""
     m, p, c = cfg.model, cfg.parallel, cfg.contract
-    transformer = transformer_kwargs(m, c.dtype, p.tp, p.pp, p.cp, p.pp_layers, c.exact_zero)
+    transformer = transformer_kwargs(
+        m, c.dtype, p.tp, p.pp, p.cp, p.pp_layers, c.exact_zero, p.ep, cfg.trainer.moe_capacity_factor
+    )
     spec = layer_spec(c.kernels)
     return {
         "transformer_config": transformer,

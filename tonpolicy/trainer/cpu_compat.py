@@ -44,6 +44,11 @@ PATCHED_MODULES = (
     "megatron.core.transformer.dot_product_attention",
     "megatron.core.transformer.transformer_layer",
     "megatron.core.transformer.utils",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_layer",
     "megatron.core.utils",
 )
 
@@ -161,6 +166,15 @@ def _tensor_type_reads_cuda(fn: Any) -> Any:
     return wrapped
 
 
+def _define_missing_te_gemm() -> None:
+    """Without TransformerEngine, megatron-core 0.16's moe_utils never defines `te_general_gemm` (its
+    import fallback forgets it), and the stock router's gating linear dies on the NameError: define it
+    as absent, which sends the router down its torch.mm path. Needed on a GPU without TE as well."""
+    mod = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(mod, "te_general_gemm"):
+        mod.te_general_gemm = None
+
+
 def needed() -> bool:
     return not torch.cuda.is_available()
 
@@ -168,6 +182,7 @@ def needed() -> bool:
 def apply() -> bool:
     """Install the redirections if there is no GPU. Idempotent; returns whether they are active."""
     global _applied
+    _define_missing_te_gemm()
     if _applied or not needed():
         return _applied
     proxy = _TorchProxy()

@@ -225,6 +225,12 @@ class StockSpecProvider(LocalSpecProvider):
             submodules=MLPSubmodules(linear_fc1=self.column_parallel_linear(), linear_fc2=self.row_parallel_linear()),
         )
 
+    def moe_mlp(self) -> ModuleSpec:
+        """megatron's MoELayer: TopKRouter, the all-gather dispatcher, SequentialMLP (trainer.moe_layer)."""
+        from tonpolicy.trainer.moe_layer import stock_moe_spec
+
+        return stock_moe_spec(self)
+
     def final_norm(self) -> type:
         return transformer_block.LayerNormImpl  # what megatron's block picks for a layer spec
 
@@ -261,6 +267,12 @@ class KernelSpecProvider(StockSpecProvider):
         spec = super().dense_mlp()
         return ModuleSpec(module=KernelMLP, params={"kernels": self.kernels}, submodules=spec.submodules)
 
+    def moe_mlp(self) -> ModuleSpec:
+        """The contract's MoE layer on the kernel set, EP by tonpolicy's own exchange (trainer.moe_layer)."""
+        from tonpolicy.trainer.moe_layer import kernel_moe_spec
+
+        return kernel_moe_spec(self.kernels)
+
     def final_norm(self) -> ModuleSpec:  # type: ignore[override]
         return self.layer_norm(rms_norm=True)
 
@@ -277,6 +289,11 @@ class KernelSpecProvider(StockSpecProvider):
 def dense_layer_spec(provider: StockSpecProvider) -> ModuleSpec:
     """A Qwen3 dense layer (pre-norm, QK-norm, SwiGLU MLP) as megatron's local GPT spec lays it out,
     every module taken from `provider`: the contract spec and the stock spec differ only by it."""
+    return layer_spec(provider, provider.dense_mlp())
+
+
+def layer_spec(provider: StockSpecProvider, mlp: ModuleSpec) -> ModuleSpec:
+    """A Qwen3 layer with the MLP `mlp` (the dense MLP, or a MoE layer), the rest from `provider`."""
     norm, qk_norm = provider.layer_norm(rms_norm=True), provider.layer_norm(rms_norm=True, for_qk=True)
     return ModuleSpec(
         module=TransformerLayer,
@@ -295,7 +312,7 @@ def dense_layer_spec(provider: StockSpecProvider) -> ModuleSpec:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=provider.dense_mlp(),
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
     )
@@ -307,3 +324,10 @@ def dense_block_spec(config: TransformerConfig, provider: StockSpecProvider) -> 
         layer_specs=[dense_layer_spec(provider)] * get_num_layers_to_build(config),
         layer_norm=provider.final_norm(),
     )
+
+
+def moe_block_spec(config: TransformerConfig, provider: StockSpecProvider) -> TransformerBlockSubmodules:
+    """Qwen3-MoE's stage of layers (tonpolicy.families' `layer_spec` for qwen3_moe): trainer.moe_layer."""
+    from tonpolicy.trainer.moe_layer import moe_block_spec as build
+
+    return build(config, provider)

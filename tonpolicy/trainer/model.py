@@ -1,4 +1,4 @@
-"""Build megatron-core's GPTModel for a tonpolicy ModelConfig (Qwen3 dense) at the current layout."""
+"""Build megatron-core's GPTModel for a tonpolicy ModelConfig (Qwen3 dense or MoE) at the current layout."""
 
 from __future__ import annotations
 
@@ -17,7 +17,11 @@ from tonpolicy.families import family, resolve
 
 
 def transformer_config(
-    cfg: ModelConfig, dtype: torch.dtype, pp_layers: tuple[int, ...] | None = None, exact_zero: bool = True
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    pp_layers: tuple[int, ...] | None = None,
+    exact_zero: bool = True,
+    moe_capacity_factor: float | None = None,
 ) -> TransformerConfig:
     """The plan's TransformerConfig (tonpolicy.contract.megatron_args) at the current layout."""
     kw = transformer_kwargs(
@@ -28,6 +32,8 @@ def transformer_config(
         parallel_state.get_context_parallel_world_size(),
         pp_layers,
         exact_zero,
+        parallel_state.get_expert_model_parallel_world_size(),
+        moe_capacity_factor,
     )
     kw.update(activation_func=F.silu, params_dtype=dtype, pipeline_dtype=dtype)
     # Build-only settings (no numerics): initialise on the CPU (then move once); mark TP-sharded
@@ -56,10 +62,11 @@ def build_gpt(
     canonical_shards: int,
     pp_layers: tuple[int, ...] | None = None,
     exact_zero: bool = True,
+    moe_capacity_factor: float | None = None,
 ) -> GPTModel:
     """`spec`: 'kernels' (layer spec on the kernel set `kernels`) or 'stock' (megatron's local spec:
     the off-policy negative control). `canonical_shards` is the contract's: it fixes the padded vocab."""
-    config = transformer_config(cfg, dtype, pp_layers, exact_zero)
+    config = transformer_config(cfg, dtype, pp_layers, exact_zero, moe_capacity_factor)
     common = dict(
         config=config,
         pre_process=parallel_state.is_pipeline_first_stage(),

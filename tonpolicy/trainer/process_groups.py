@@ -1,6 +1,7 @@
 """Process-group setup for the trainer and a spawn helper for multi-process runs.
 
-One process per (tp, pp, cp) rank; data parallel size is world / (tp*pp*cp). CPU uses gloo (with the
+One process per (tp, pp, cp) rank; data parallel size is world / (tp*pp*cp). Expert parallelism adds no
+ranks: Megatron carves its `ep` groups out of the data- (and context-) parallel ranks. CPU uses gloo (with the
 megatron CUDA redirections of `cpu_compat`), GPU uses NCCL.
 """
 
@@ -32,6 +33,7 @@ class Layout:
     cp_type: str = "ulysses"
     pp_layers: tuple[int, ...] | None = None  # layers per pipeline stage; None: an even split
     dp: int = 1  # data-parallel replicas (megatron derives DP from the world size)
+    ep: int = 1  # expert parallelism: MoE experts split over ep of the cp*dp ranks (no ranks of its own)
 
     @property
     def world_size(self) -> int:
@@ -47,6 +49,7 @@ class Layout:
             cp_type=p.cp_type if p.cp_type in ("ulysses", "ring") else "ulysses",
             pp_layers=tuple(p.pp_layers) if p.pp_layers and p.pp > 1 else None,
             dp=p.dp,
+            ep=p.ep,
         )
 
     def to_parallel(self) -> ParallelConfig:
@@ -56,6 +59,7 @@ class Layout:
             cp=self.cp,
             cp_type=self.cp_type if self.cp > 1 else "none",
             dp=self.dp,
+            ep=self.ep,
             pp_layers=list(self.pp_layers) if self.pp_layers else None,
         )
         p.name = layout_label(p)
@@ -90,6 +94,7 @@ def init_distributed(layout: Layout, seed: int = 1234) -> None:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
     )
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 

@@ -3,6 +3,7 @@
 Megatron's layout: QKV fused per query group ([q heads of the group; k; v] for each group, groups
 split across TP), gate/up fused per TP rank ([gate shard; up shard]), embedding/LM head padded to the
 TP-independent padded vocab and split by rows, row-parallel weights split by columns, norms replicated.
+A Qwen3-MoE routed layer's router and experts (expert parallelism) are `moe_weights`'.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from tonpolicy.config.hf_qwen3 import EMBED, FINAL_NORM, LM_HEAD, SHARD_DIM, layer_param, tp_kind
 from tonpolicy.config.model import ModelConfig, pipeline_stage_layers
+from tonpolicy.trainer import moe_weights
 
 Shards = dict[tuple[int, int], dict[str, torch.Tensor]]  # (tp_rank, pp_rank) -> megatron state dict
 
@@ -49,6 +51,7 @@ DIRECT = {
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
 }
+DENSE_MLP = ("mlp.down_proj.weight",)  # of DIRECT: a routed layer has none
 # Fused: megatron parameter <- the HF column-parallel weights it concatenates.
 QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
@@ -72,8 +75,14 @@ def hf_to_megatron(
     pp: int,
     padded_vocab: int,
     pp_layers: tuple[int, ...] | None = None,
+    ep_rank: int = 0,
+    ep: int = 1,
+    etp_rank: int | None = None,
+    etp: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The GPTModel state dict (megatron names, local layer numbering) of one (tp_rank, pp_rank)."""
+    """The GPTModel state dict (megatron names, local layer numbering) of one (tp_rank, pp_rank), and for
+    a MoE model of its (expert-TP, EP) rank (expert TP defaults to TP)."""
+    etp_rank, etp = (tp_rank if etp_rank is None else etp_rank), (tp if etp is None else etp)
     if cfg.num_kv_heads % tp or cfg.intermediate_size % tp or padded_vocab % tp:
         raise ValueError(f"tp={tp} does not divide the query groups / ffn / padded vocab")
 
@@ -93,18 +102,33 @@ def hf_to_megatron(
             out["output_layer.weight"] = shard(embed, EMBED)
     for local, i in enumerate(_layer_range(cfg, pp_rank, pp, pp_layers)):
         m = f"decoder.layers.{local}."
+        routed = cfg.is_moe_layer(i)
+        direct = {h: meg for h, meg in DIRECT.items() if not (routed and h in DENSE_MLP)}
         names = {h: layer_param(i, h) for h in (*DIRECT, *QKV, *GATE_UP)}
-        out.update({m + meg: shard(hf[names[h]], names[h]) for h, meg in DIRECT.items()})
+        out.update({m + meg: shard(hf[names[h]], names[h]) for h, meg in direct.items()})
         qkv = _fuse_qkv(cfg, *(hf[names[h]] for h in QKV))
         out[m + LINEAR_QKV] = shard(qkv, names[QKV[0]])  # groups are contiguous: rows split by group
-        out[m + LINEAR_FC1] = torch.cat([shard(hf[names[h]], names[h]) for h in GATE_UP])  # [gate; up] per rank
+        if routed:
+            moe = moe_weights.to_megatron(hf, cfg, i, etp_rank, etp, ep_rank, ep)
+            out.update({m + k: v for k, v in moe.items()})
+        else:
+            out[m + LINEAR_FC1] = torch.cat([shard(hf[names[h]], names[h]) for h in GATE_UP])  # [gate; up] per rank
     return out
 
 
 def megatron_to_hf(
-    shards: Shards, cfg: ModelConfig, tp: int, pp: int, pp_layers: tuple[int, ...] | None = None
+    shards: Shards,
+    cfg: ModelConfig,
+    tp: int,
+    pp: int,
+    pp_layers: tuple[int, ...] | None = None,
+    experts: moe_weights.ExpertShards | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Inverse of `hf_to_megatron`: merge every rank's state dict into HF names (vocab unpadded)."""
+    """Inverse of `hf_to_megatron`: merge every rank's state dict into HF names (vocab unpadded).
+    `experts[(etp_rank, ep_rank, pp_rank)]`: a MoE model's expert parameters (default: in `shards`,
+    at EP 1 with expert TP = TP)."""
+    if experts is None:
+        experts = {(t, 0, p): sd for (t, p), sd in shards.items()}
 
     def merge(meg: str, pp_rank: int, name: str) -> torch.Tensor:  # by the adapter's TP plan
         dim = _dim(name)
@@ -120,10 +144,17 @@ def megatron_to_hf(
     for pp_rank in range(pp):
         for local, i in enumerate(_layer_range(cfg, pp_rank, pp, pp_layers)):
             m = f"decoder.layers.{local}."
+            routed = cfg.is_moe_layer(i)
+            direct = {h: meg for h, meg in DIRECT.items() if not (routed and h in DENSE_MLP)}
             names = {h: layer_param(i, h) for h in (*DIRECT, *QKV, *GATE_UP)}
-            hf.update({names[h]: merge(m + meg, pp_rank, names[h]) for h, meg in DIRECT.items()})
+            hf.update({names[h]: merge(m + meg, pp_rank, names[h]) for h, meg in direct.items()})
             qkv = _split_qkv(cfg, merge(m + LINEAR_QKV, pp_rank, names[QKV[0]]))
             hf.update({names[h]: w for h, w in zip(QKV, qkv, strict=True)})
+            if routed:
+                stage = {(t, r): sd for (t, r, p), sd in experts.items() if p == pp_rank}
+                router = shards[(0, pp_rank)][m + moe_weights.ROUTER_MEG]
+                hf.update(moe_weights.to_hf(router, stage, cfg, i, m))
+                continue
             fc1 = [shards[(t, pp_rank)][m + LINEAR_FC1].chunk(2) for t in range(tp)]  # [gate; up] per rank
             for h, parts in zip(GATE_UP, zip(*fc1, strict=True), strict=True):
                 hf[names[h]] = torch.cat(parts, dim=_dim(names[h]))
@@ -149,6 +180,10 @@ def load_into(
         ps.get_pipeline_model_parallel_world_size(),
         padded_vocab,
         pp_layers,
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_tensor_parallel_world_size(),
     )
     own = model.state_dict()
     sd = {k: t.to(own[k].dtype) for k, t in sd.items()}

@@ -23,6 +23,7 @@ from tonpolicy.kernels import INVARIANT_KERNEL_SETS, exact_gemm, get_kernels, lo
 from tonpolicy.rl.objective import PPOConfig, metrics, token_loss
 from tonpolicy.trainer import schedule
 from tonpolicy.trainer.model import build_gpt
+from tonpolicy.trainer.moe_weights import is_expert_param
 from tonpolicy.trainer.process_groups import Layout, init_distributed
 from tonpolicy.trainer.weights import load_into, megatron_to_hf
 
@@ -73,6 +74,7 @@ class TrainerWorker:
             canonical_shards=c.canonical_shards,
             pp_layers=self.layout.pp_layers,
             exact_zero=c.exact_zero,
+            moe_capacity_factor=cfg.trainer.moe_capacity_factor,
         )
         load_into(self.module, hf, self.model_cfg, self.vocab_padded, self.layout.pp_layers)
         self.tile = kernels.attention_tile
@@ -208,16 +210,26 @@ class TrainerWorker:
 
     # --- weights ------------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Merged HF-named weights on global rank 0 (None elsewhere)."""
+        """Merged HF-named weights on global rank 0 (None elsewhere). A MoE model's experts come from the
+        first expert-data-parallel replica of every (expert-TP, EP, pp) rank, the rest from the first DP/CP one."""
         sd = {k: v.detach().cpu() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
-        key = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+        own = {k: v for k, v in sd.items() if not is_expert_param(k)}
+        experts = {k: v for k, v in sd.items() if is_expert_param(k)}
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        key = (ps.get_tensor_model_parallel_rank(), pp_rank)
+        ekey = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank(), pp_rank)
         keep = ps.get_context_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        keep_experts = bool(experts) and ps.get_expert_data_parallel_rank() == 0
+        mine = ((key, own) if keep else None, (ekey, experts) if keep_experts else None)
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-        dist.gather_object((key, sd) if keep else None, gathered if dist.get_rank() == 0 else None, dst=0)
+        dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() != 0:
             return None
-        shards = dict(x for x in gathered if x is not None)
-        return megatron_to_hf(shards, self.model_cfg, self.layout.tp, self.layout.pp, self.layout.pp_layers)
+        shards = dict(d for d, _ in gathered if d is not None)
+        expert_shards = dict(e for _, e in gathered if e is not None) or None
+        return megatron_to_hf(
+            shards, self.model_cfg, self.layout.tp, self.layout.pp, self.layout.pp_layers, expert_shards
+        )
 
     def built_config(self) -> dict[str, Any]:
         """The built model's TransformerConfig and GPTModel settings in the plan's terms (the test that

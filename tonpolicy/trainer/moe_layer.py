@@ -1,0 +1,182 @@
+"""Qwen3-MoE layers for megatron-core: its `MoELayer` / `TopKRouter` / `SequentialMLP` skeleton, filled
+from a spec provider (tonpolicy.trainer.layer_spec), as the dense layers are.
+
+The contract (`KernelMoELayer`) computes what the rollout model's `Qwen3Moe._mlp` computes, the same
+kernel calls (tonpolicy/kernels/moe.py): router logits in fp32 by `kernels.router_logits`, routes by
+`kernels.route`, each expert a kernel column-parallel fc1 ([gate; up], K whole) -> kernel SwiGLU ->
+kernel row-parallel fc2 whose canonical K-shard partials are combined over the expert-TP group and left
+in fp32, and `kernels.moe_combine` of the k outputs on the token's own rank. Megatron's dispatchers and
+its unpermute/scatter-add combine are not used (they round per expert and sum in another order); the
+tokens travel over the EP group by `ep_exchange` (exact by construction).
+
+The control (`StockMoELayer`) is megatron's own router, all-gather dispatcher and SequentialMLP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer import ModuleSpec, TransformerConfig
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from tonpolicy.kernels.moe import Routing
+from tonpolicy.kernels.row_parallel import combine_row_parallel
+from tonpolicy.trainer import ep_exchange
+from tonpolicy.trainer.kernel_autograd import KernelLinear
+from tonpolicy.trainer.layer_spec import (
+    KernelColumnParallelLinear,
+    KernelMLP,
+    KernelRowParallelLinear,
+    StockSpecProvider,
+    _TakesKernels,
+    layer_spec,
+)
+
+
+def _own_group(module: Any) -> Any:
+    """The linear's own TP group (an expert's is the expert-TP group), None when it has one rank."""
+    group = module.tp_group
+    return group if group is not None and group.size() > 1 else None
+
+
+class KernelExpertColumnParallelLinear(KernelColumnParallelLinear):
+    """An expert's fc1: its input gradient is summed over the expert-TP group."""
+
+    def forward(
+        self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+    ) -> tuple[torch.Tensor, None]:
+        w = self.weight if weight is None else weight
+        return KernelLinear.apply(input_, w, self.kernels.linear, _own_group(self)), None
+
+
+class KernelExpertRowParallelLinear(KernelRowParallelLinear):
+    """An expert's fc2: canonical K-shard partials combined over the expert-TP group, left in fp32 (the
+    combine of the k outputs rounds once)."""
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
+        group = _own_group(self)
+        tp = group.size() if group is not None else 1
+        shards = self.kernels.canonical_shards
+        if shards % tp:
+            raise ValueError(f"expert TP={tp} must divide the contract's {shards} canonical shards")
+
+        def canonical(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            partials = self.kernels.linear_partials(x, w, shards // tp)
+            return combine_row_parallel(self.kernels, partials, torch.float32, group)
+
+        return KernelLinear.apply(input_, self.weight, canonical), None
+
+
+class KernelRouter(_TakesKernels, TopKRouter):
+    """Megatron's TopKRouter (its weight, its aux losses) routing with the kernel set."""
+
+    def route_tokens(self, x: torch.Tensor, seq_length: int, bsz: int) -> Routing:
+        logits = KernelLinear.apply(x, self.weight, self.kernels.router_logits)  # fp32 [N, E]
+        # megatron's pre-softmax (softmax over all, then top-k) is Qwen3-MoE's norm_topk_prob=False
+        r = self.kernels.route(logits, self.topk, not self.config.moe_router_pre_softmax)
+        weights = r.weights
+        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+            # megatron's load-balancing losses, attached to the weights (their forward values untouched)
+            rmap, scores = compute_routing_scores_for_aux_loss(logits, self.topk, self.score_function, fused=False)
+            weights = self._apply_aux_loss(weights, scores, rmap)
+            weights = self._apply_seq_aux_loss(weights, scores, rmap, seq_length, bsz)
+            weights = self._apply_global_aux_loss(weights, scores, rmap)
+        return Routing(r.experts, weights, logits)
+
+
+class KernelExperts(_TakesKernels, SequentialMLP):
+    """This EP rank's experts (megatron's SequentialMLP), each a `KernelMLP` on the expert linears."""
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules: Any, **kw: Any) -> None:
+        super().__init__(num_local_experts, config, submodules, **kw)
+        first = self.ep_group.rank() * num_local_experts
+        self.local_expert_ids = list(range(first, first + num_local_experts))
+        for expert in self.local_experts:  # megatron's SequentialMLP builds plain MLPs: give them the kernels
+            expert.__class__ = KernelMLP
+            expert.kernels = self.kernels
+
+    def compute(self, tokens: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """[T, k, H] fp32: each (token, slot) routed to a local expert, -0.0 in the others."""
+        out = ep_exchange.empty_outputs(experts, tokens.shape[-1], tokens.device)
+        for local, e in enumerate(self.local_expert_ids):
+            rows, slots = torch.nonzero(experts == e, as_tuple=True)
+            if rows.numel():
+                y, _ = self.local_experts[local](tokens.index_select(0, rows))
+                out.index_put_((rows, slots), y)
+        return out
+
+
+class KernelMoELayer(_TakesKernels, MoELayer):
+    """route (kernel router) -> EP exchange + local experts -> `kernels.moe_combine` on the own rank."""
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None, padding_mask: Any = None) -> Any:
+        s, b, h = hidden_states.shape
+        x = hidden_states.reshape(s * b, h)
+        r = self.router.route_tokens(x, s, b)
+        group = self.ep_group if self.ep_group.size() > 1 else None
+        outputs = ep_exchange.routed_outputs(self.experts.compute, x, r.experts, group)
+        return self.kernels.moe_combine(outputs, r.weights, x.dtype).view(s, b, h), None
+
+
+class StockMoELayer(MoELayer):
+    """megatron's MoELayer, route -> all-gather dispatch -> SequentialMLP -> combine, minus one refusal:
+    its forward raises when training at TP > 1 without sequence parallelism (a performance warning; the
+    local spec's LayerNorm has no sequence parallelism). The all-gather dispatcher is correct without it
+    (the TP copies of a token are gathered, and their expert-TP partials summed by the reduce-scatter)."""
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors: Any = None, padding_mask: Any = None) -> Any:
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        shared = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
+        dispatched, probs = self.dispatch(hidden_states, probs)
+        output, bias = self.routed_experts_compute(dispatched, probs)
+        return self.postprocess(self.combine(output), shared), bias
+
+
+def stock_moe_spec(provider: StockSpecProvider) -> ModuleSpec:
+    experts = MLPSubmodules(linear_fc1=provider.column_parallel_linear(), linear_fc2=provider.row_parallel_linear())
+    return ModuleSpec(
+        module=StockMoELayer,
+        submodules=MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=experts), router=TopKRouter),
+    )
+
+
+def kernel_moe_spec(kernels: Any) -> ModuleSpec:
+    params = {"kernels": kernels}
+    experts = MLPSubmodules(
+        linear_fc1=ModuleSpec(module=KernelExpertColumnParallelLinear, params=params),
+        linear_fc2=ModuleSpec(module=KernelExpertRowParallelLinear, params=params),
+    )
+
+    def router(config: TransformerConfig, pg_collection: Any = None) -> KernelRouter:
+        return KernelRouter(config=config, pg_collection=pg_collection, kernels=kernels)
+
+    return ModuleSpec(
+        module=KernelMoELayer,
+        params=params,
+        submodules=MoESubmodules(
+            experts=ModuleSpec(module=KernelExperts, params=params, submodules=experts), router=router
+        ),
+    )
+
+
+def moe_block_spec(config: TransformerConfig, provider: StockSpecProvider) -> TransformerBlockSubmodules:
+    """This pipeline stage's Qwen3-MoE layers (tonpolicy.families' `layer_spec` for qwen3_moe): the MoE
+    MLP where `config.moe_layer_freq` routes (megatron_args: mlp_only_layers, decoder_sparse_step), the
+    dense MLP elsewhere, plus the final norm."""
+    first = get_transformer_layer_offset(config)
+    routed = config.moe_layer_freq
+    specs = [
+        layer_spec(provider, provider.moe_mlp() if routed[first + i] else provider.dense_mlp())
+        for i in range(get_num_layers_to_build(config))
+    ]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=provider.final_norm())
