@@ -254,3 +254,9 @@ def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         worker.close()
         reset_model_parallel()
     return out
+
+
+def jobs_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`layouts_worker`'s jobs and `ppo_worker`'s (those with `advantages`) in one process group, in order
+    (one spawn instead of two)."""
+    return [(ppo_worker if "advantages" in job else layouts_worker)([job])[0] for job in jobs]

@@ -77,6 +77,13 @@ class KernelExpertRowParallelLinear(KernelRowParallelLinear):
 class KernelRouter(_TakesKernels, TopKRouter):
     """Megatron's TopKRouter (its weight, its aux losses) routing with the kernel set."""
 
+    def __init__(self, config: TransformerConfig, pg_collection: Any = None, **kw: Any) -> None:
+        super().__init__(config=config, pg_collection=pg_collection, **kw)
+        # The aux losses count tokens over TP x CP, right under sequence parallelism; here every TP rank
+        # holds the same tokens, so counting them over TP would shrink each rank's loss TP-fold (its
+        # gradient too: the router is replicated, its TP gradients are not summed). Count over CP alone.
+        self.tp_cp_group = self.cp_group
+
     def route_tokens(self, x: torch.Tensor, seq_length: int, bsz: int) -> Routing:
         logits = KernelLinear.apply(x, self.weight, self.kernels.router_logits)  # fp32 [N, E]
         # megatron's pre-softmax (softmax over all, then top-k) is Qwen3-MoE's norm_topk_prob=False

@@ -41,6 +41,7 @@ class Microbatch:
     slices: list[cp_layout.ResponseSlice]  # per sample: its row's local positions predicting its response
     targets: list[torch.Tensor]  # per sample: [R] response token ids
     extras: list[dict[str, torch.Tensor]]  # per sample: per-response-token training inputs, full length R
+    weight: float = 1.0  # 0: a filler that only keeps the EP exchanges in step (its loss counts nothing)
 
 
 def dp_share(num_samples: int, replica: int | None = None) -> list[int]:
@@ -67,6 +68,15 @@ def make_microbatches(
     lengths = [len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)]  # the last token predicts nothing
     share = dp_share(len(prompts))
     groups = [share[k : k + micro_batch_size] for k in range(0, len(share), micro_batch_size)]
+    real = len(groups)
+    if ps.get_expert_model_parallel_world_size() > 1:
+        # Every MoE layer's forward and backward exchange tokens over the EP group, which spans DP
+        # replicas: each replica runs as many microbatches as the largest share (fillers repeat a group
+        # with loss weight 0, whose results are not read).
+        dp = ps.get_data_parallel_world_size()
+        most = max(-(-len(dp_share(len(prompts), r)) // micro_batch_size) for r in range(dp))
+        filler = groups[0] if groups else dp_share(len(prompts), 0)[:micro_batch_size]
+        groups += [filler] * (most - real)
     if pack:  # every replica's rows as long as the longest packed group of the whole batch
         everyone = [dp_share(len(prompts), r) for r in range(ps.get_data_parallel_world_size())]
         seq_len = max(
@@ -82,7 +92,7 @@ def make_microbatches(
         return torch.tensor(list(prompts[i]) + list(responses[i])[:-1], dtype=torch.long)
 
     mbs = []
-    for g in groups:
+    for n, g in enumerate(groups):
         if pack:
             tokens = torch.cat([ids_of(i) for i in g])
             pos = torch.cat([torch.arange(lengths[i]) for i in g])
@@ -105,6 +115,7 @@ def make_microbatches(
                     slices,
                     [torch.tensor(responses[i], dtype=torch.long) for i in g],
                     [extras[i] for i in g],
+                    1.0 if n < real else 0.0,
                 )
             )
         else:
@@ -118,6 +129,7 @@ def make_microbatches(
                     [cp_layout.response_slice(local, len(prompts[i]), len(responses[i])) for i in g],
                     [torch.tensor(responses[i], dtype=torch.long) for i in g],
                     [extras[i] for i in g],
+                    1.0 if n < real else 0.0,
                 )
             )
     return mbs, seq_len
@@ -190,6 +202,8 @@ def assemble(outputs: list[dict], mbs: list[Microbatch], lengths: list[int], key
     offsets = torch.tensor([0, *lengths[:-1]]).cumsum(0)
     if ps.is_pipeline_last_stage():
         for out, mb in zip(outputs, mbs, strict=True):
+            if not mb.weight:  # a filler: its samples are written by their own microbatch
+                continue
             for i, resp, val in zip(mb.samples, out["resp"], out[key], strict=True):
                 flat[offsets[i] + resp] = val.detach().float()
         if ps.get_context_parallel_world_size() > 1:

@@ -166,7 +166,7 @@ class TrainerWorker:
         mbs, seq_len = self._microbatches(prompts, responses, extras)
         total = max(float(sum(m.sum() for m in masks)), 1.0)  # the whole batch's tokens, on every replica
         n_mb, dp = len(mbs), ps.get_data_parallel_world_size()
-        self.last_share = [i for mb in mbs for i in mb.samples]  # the samples this replica trained on
+        self.last_share = [i for mb in mbs if mb.weight for i in mb.samples]  # the samples this replica trained on
 
         def loss_fn(mb: schedule.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
             lps, exs = schedule.local_logprobs(
@@ -181,7 +181,10 @@ class TrainerWorker:
             )
             # megatron's schedule multiplies this by CP and divides it by the microbatch count, and DDP
             # averages gradients over DP x CP: the update is the gradient of the whole batch's token mean.
-            return local * n_mb * dp, {"lp": [lp.detach() for lp in lps], "resp": [s.resp for s in mb.slices]}
+            return local * n_mb * dp * mb.weight, {
+                "lp": [lp.detach() for lp in lps],
+                "resp": [s.resp for s in mb.slices],
+            }
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
