@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tonpolicy.config.compose import compose_config
+from tonpolicy.config.compose import compose_config, group_options
 from tonpolicy.config.validate import ConfigError, validate
 from tonpolicy.families import FAMILIES, family, resolve
 
@@ -28,8 +28,16 @@ def test_every_piece_resolves(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_sglang_entry_is_an_entry_class(name: str) -> None:
-    """The SGLang side cannot be imported here (no SGLang in this environment): read it instead."""
-    module, _, cls = family(name).sglang_entry.partition(":")
+    """The SGLang side cannot be imported here (no SGLang in this environment): read it instead. A
+    family the package does not serve yet has no entry, and rollout=sglang is refused for it."""
+    entry_path = family(name).sglang_entry
+    if entry_path is None:
+        model = next(o for o in group_options("model") if compose_config([f"model={o}"]).model.family == name)
+        cfg = compose_config([f"model={model}", "rollout=sglang", "trainer.device=cuda"])
+        with pytest.raises(ConfigError, match="does not serve family"):
+            validate(cfg, check_hf=False)
+        return
+    module, _, cls = entry_path.partition(":")
     tree = ast.parse((ROOT / Path(*module.split("."))).with_suffix(".py").read_text())
     classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
     entry = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "EntryClass")

@@ -22,8 +22,11 @@ class ModelFamily:
     hf_architectures: tuple[str, ...]  # config.json "architectures" this family reads
     engine_model: str  # "module:Class", constructed as Class(cfg, kernels, dtype, state_dict)
     layer_spec: str  # "module:function", function(config, provider) -> TransformerBlockSubmodules
-    sglang_entry: str  # "module:Class" of the SGLang model package (module defines EntryClass)
+    # "module:Class" of the SGLang model package (module defines EntryClass); None: the package does not
+    # serve this family yet, and validation refuses rollout=sglang for it.
+    sglang_entry: str | None
     hf_adapter: str  # module with config_from_hf / config_to_hf, parameter names and the TP plan
+    routed_experts: bool = False  # a mixture of experts (its contract fingerprints the MoE ops)
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -35,13 +38,42 @@ FAMILIES: dict[str, ModelFamily] = {
         sglang_entry="tonpolicy.inside_sglang.model.qwen3:Qwen3ForCausalLM",
         hf_adapter="tonpolicy.config.hf_qwen3",
     ),
+    "qwen3_moe": ModelFamily(
+        name="qwen3_moe",
+        hf_architectures=("Qwen3MoeForCausalLM",),
+        engine_model="tonpolicy.model.qwen3_moe:Qwen3Moe",
+        layer_spec="tonpolicy.trainer.layer_spec:moe_block_spec",
+        sglang_entry=None,
+        hf_adapter="tonpolicy.config.hf_qwen3_moe",
+        routed_experts=True,
+    ),
 }
+
+
+# contract.family of a contract that makes no numerics promise (the off-policy control): any model.
+ANY_FAMILY = "any"
 
 
 def family(name: str) -> ModelFamily:
     if name not in FAMILIES:
         raise ValueError(f"unknown model family {name!r}: one of {sorted(FAMILIES)} (tonpolicy/families.py)")
     return FAMILIES[name]
+
+
+def adapter(name: str) -> Any:
+    """The HF adapter module of family `name`."""
+    return resolve(family(name).hf_adapter)
+
+
+def family_of_hf(hf: dict[str, Any]) -> ModelFamily:
+    """The family that reads an HF config.json: by its first architecture, else its model_type; dense
+    Qwen3 when neither names a family (its adapter then says what does not fit)."""
+    archs = hf.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    for fam in FAMILIES.values():
+        if arch in fam.hf_architectures or (arch is None and hf.get("model_type") == fam.name):
+            return fam
+    return FAMILIES["qwen3"]
 
 
 def resolve(path: str) -> Any:

@@ -8,7 +8,9 @@ import pytest
 
 from tonpolicy.config.compose import compose_config, group_options
 from tonpolicy.config.schema import GROUPS, Config
-from tonpolicy.config.validate import validate
+from tonpolicy.config.validate import ConfigError, validate
+
+MOE_CONTRACTS = ("qwen3_moe_v1",)
 
 
 def test_every_group_has_options() -> None:
@@ -24,6 +26,8 @@ def test_every_option_composes(group: str) -> None:
             overrides.append("trainer.device=cuda")  # SGLang is refused on CPU by validation
         if group == "task" and option == "digit_copy":
             overrides.append("experiment.max_new_tokens=4")  # the default run's answers are one token
+        if group == "contract" and option in MOE_CONTRACTS:
+            overrides.append("model=qwen3_moe_tiny")  # a MoE contract is for MoE models
         cfg = compose_config(overrides)
         assert isinstance(cfg, Config)
         validate(cfg, check_hf=False)
@@ -32,7 +36,26 @@ def test_every_option_composes(group: str) -> None:
 @pytest.mark.parametrize("layout", group_options("parallel"))
 def test_every_layout_with_every_model(layout: str) -> None:
     for model in group_options("model"):
-        validate(compose_config([f"parallel={layout}", f"model={model}"]))
+        cfg = compose_config([f"parallel={layout}", f"model={model}"])
+        if cfg.parallel.ep > 1 and not cfg.model.is_moe:  # expert parallelism needs experts
+            with pytest.raises(ConfigError, match="parallel.ep"):
+                validate(cfg)
+            continue
+        if cfg.parallel.cp > 1 and cfg.model.is_moe:  # the MoE contract has no CP type yet
+            with pytest.raises(ConfigError, match="parallel.cp_type"):
+                validate(cfg)
+            continue
+        validate(cfg)
+
+
+def test_a_moe_profile_brings_its_contract() -> None:
+    cfg = compose_config(["model=qwen3_moe_tiny"])
+    assert (cfg.contract.name, cfg.model.family) == ("qwen3_moe_v1", "qwen3_moe")
+    assert compose_config(["model=qwen3_moe_tiny", "contract=off_policy"]).contract.name == "off_policy"
+    with pytest.raises(ConfigError, match="contract.family"):
+        validate(compose_config(["model=qwen3_moe_tiny", "contract=qwen3_dense_v1"]))
+    with pytest.raises(ConfigError, match="contract.family"):
+        validate(compose_config(["contract=qwen3_moe_v1"]))
 
 
 def test_defaults() -> None:

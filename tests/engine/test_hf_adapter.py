@@ -28,7 +28,8 @@ from tonpolicy.config.hf_qwen3 import (
     hf_params,
     tp_kind,
 )
-from tonpolicy.config.model import ARCHITECTURE_FIELDS, ModelConfig
+from tonpolicy.config.model import ARCHITECTURE_FIELDS, MOE_FIELDS, ModelConfig
+from tonpolicy.families import adapter
 from tonpolicy.model.checkpoint import init_state_dict, load_hf, param_shapes, save_hf
 from tonpolicy.trainer.weights import DIRECT, GATE_UP, QKV
 
@@ -51,24 +52,33 @@ def _without(d: dict, *keys: str) -> dict:
 
 # --- config.json both ways ------------------------------------------------------------------------
 def test_the_adapter_covers_every_architecture_field() -> None:
-    assert set(HF_KEYS) == set(ARCHITECTURE_FIELDS)
+    assert set(HF_KEYS) == set(ARCHITECTURE_FIELDS) - set(MOE_FIELDS)
     assert set(HF_DEFAULTS) == set(HF_KEYS.values())
+    moe = adapter("qwen3_moe")
+    assert set(moe.HF_KEYS) == set(ARCHITECTURE_FIELDS)  # the MoE adapter: dense Qwen3's and the experts'
+    assert set(moe.HF_DEFAULTS) == set(moe.HF_KEYS.values())
+
+
+def _transformers_config(cfg: ModelConfig):  # the family's transformers config class
+    return transformers.Qwen3MoeConfig if cfg.is_moe else transformers.Qwen3Config
 
 
 @pytest.mark.parametrize("name", PROFILES)
 def test_round_trip_of_every_profile(name: str) -> None:
     cfg = _profile(name)
-    assert config_from_hf(config_to_hf(cfg), base=cfg) == cfg
+    ad = adapter(cfg.family)
+    assert ad.config_from_hf(ad.config_to_hf(cfg), base=cfg) == cfg
     # Nothing architectural comes from `base`: read onto another profile, the file alone decides.
     other = ModelConfig(**{**_architecture(ModelConfig()), "num_layers": cfg.num_layers + 1, "rope_theta": 3.0})
-    assert _architecture(config_from_hf(config_to_hf(cfg), base=other)) == _architecture(cfg)
+    assert _architecture(ad.config_from_hf(ad.config_to_hf(cfg), base=other)) == _architecture(cfg)
 
 
 @pytest.mark.parametrize("name", PROFILES)
 def test_transformers_reads_what_we_write(name: str) -> None:
     cfg = _profile(name)
-    theirs = transformers.Qwen3Config.from_dict(config_to_hf(cfg)).to_dict()
-    assert _architecture(config_from_hf(theirs)) == _architecture(cfg)
+    ad = adapter(cfg.family)
+    theirs = _transformers_config(cfg).from_dict(ad.config_to_hf(cfg)).to_dict()
+    assert _architecture(ad.config_from_hf(theirs)) == _architecture(cfg)
 
 
 @pytest.mark.parametrize("field", sorted(HF_KEYS))

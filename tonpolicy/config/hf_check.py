@@ -1,6 +1,6 @@
 """Cross-check a model profile against a Hugging Face config.json (`model.hf_config=...`).
 
-The file is read as the loader reads it (tonpolicy.config.hf_qwen3, HF's defaults for absent keys),
+The file is read as the loader reads it (the profile family's HF adapter, HF's defaults for absent keys),
 so a config.json the check accepts is the model the engines load."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tonpolicy.config.hf_qwen3 import HF_KEYS, convert, hf_is_default, hf_value, unsupported
 from tonpolicy.config.model import ModelConfig
+from tonpolicy.families import FAMILIES, adapter
 
 MOE_MARKERS = ("Moe", "MoE")
 
@@ -38,24 +38,36 @@ def hf_config_mismatches(
         return [hf]
 
     out: list[tuple[str, Any, str]] = []
+    fam = FAMILIES.get(model.family)
+    if fam is None:  # validation names the unknown family
+        return out
+    hf_ad = adapter(fam.name)
     archs = hf.get("architectures") or []
-    if hf_value(hf, "architecture") != model.architecture:
+    if hf_ad.hf_value(hf, "architecture") != model.architecture:
         moe = any(m in str(a) for a in archs for m in MOE_MARKERS)
-        kind = " (a MoE architecture: use a MoE profile)" if moe else ""
+        if moe and not model.is_moe:
+            kind = " (a MoE architecture: use a MoE profile)"
+        elif archs and not moe and model.is_moe:
+            kind = " (a dense architecture: use a dense profile)"
+        else:
+            kind = ""
         out.append(("model.architecture", model.architecture, f"{key} declares {archs}{kind}"))
     else:
         out += [
-            ("model.architecture", model.architecture, f"{key} has {k}={v!r}: {why}") for k, v, why in unsupported(hf)
+            ("model.architecture", model.architecture, f"{key} has {k}={v!r}: {why}")
+            for k, v, why in hf_ad.unsupported(hf)
         ]
-    for field, hf_key in HF_KEYS.items():
+    for field, hf_key in hf_ad.HF_KEYS.items():
         if field == "architecture":
             continue
-        theirs, ours = hf_value(hf, field), getattr(model, field)
+        theirs, ours = hf_ad.hf_value(hf, field), getattr(model, field)
         try:
-            same = convert(field, theirs) == ours
+            same = hf_ad.convert(field, theirs) == ours
         except TypeError:
             same = False
         if not same:
-            default = " (absent: HF's default)" if hf_is_default(hf, field) else ""
+            default = " (absent: HF's default)" if hf_ad.hf_is_default(hf, field) else ""
+            if field == "num_experts" and hf_key not in hf and "num_local_experts" in hf:
+                hf_key = "num_local_experts"
             out.append((f"model.{field}", ours, f"{key} has {hf_key}={theirs!r}{default}"))
     return out

@@ -61,17 +61,19 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     return rope if isinstance(rope, dict) else {}
 
 
-def hf_value(hf: dict[str, Any], field: str) -> Any:
-    """The raw value HF reads from config.json `hf` for ModelConfig `field` (its default when absent)."""
+def hf_value(hf: dict[str, Any], field: str, defaults: dict[str, Any] | None = None) -> Any:
+    """The raw value HF reads from config.json `hf` for ModelConfig `field` (its default when absent;
+    `defaults`: another family's table of HF defaults)."""
+    defaults = HF_DEFAULTS if defaults is None else defaults
     key = HF_KEYS[field]
     if field == "architecture":  # the class SGLang and transformers pick: the first one listed
         archs = hf.get(key)
         return archs[0] if isinstance(archs, list) and archs else None
     if field == "rope_theta":  # transformers >= 5 moves it under rope_parameters, which wins
-        return _rope(hf).get("rope_theta", hf.get(key, HF_DEFAULTS[key]))
-    value = hf.get(key, HF_DEFAULTS[key])
+        return _rope(hf).get("rope_theta", hf.get(key, defaults[key]))
+    value = hf.get(key, defaults[key])
     if field == "num_kv_heads" and value is None:
-        return hf_value(hf, "num_attention_heads")
+        return hf_value(hf, "num_attention_heads", defaults)
     return value
 
 
@@ -85,6 +87,10 @@ def hf_is_default(hf: dict[str, Any], field: str) -> bool:
 def convert(field: str, value: Any) -> Any:
     """`value` as ModelConfig's type for `field`; TypeError when HF would refuse it too."""
     kind = type(getattr(ModelConfig(), field))
+    if kind is list:  # a list of layer indices (mlp_only_layers)
+        if not (isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+            raise TypeError(f"config.json {field}={value!r} is not a list of integers")
+        return list(value)
     if kind is bool:
         ok = isinstance(value, bool)
     elif kind is float:
@@ -92,7 +98,7 @@ def convert(field: str, value: Any) -> Any:
     else:
         ok = isinstance(value, kind) and not isinstance(value, bool)
     if not ok:
-        raise TypeError(f"config.json {HF_KEYS[field]}={value!r} is not a {kind.__name__}")
+        raise TypeError(f"config.json {HF_KEYS.get(field, field)}={value!r} is not a {kind.__name__}")
     return kind(value)
 
 
@@ -119,7 +125,7 @@ def config_from_hf(hf: dict[str, Any], base: ModelConfig | None = None) -> Model
     values = {f: hf_value(hf, f) for f in HF_KEYS}
     if values["architecture"] is None:  # no class named: nothing to check it against ("" never matches)
         values["architecture"] = ""
-    return replace(base or ModelConfig(), **{f: convert(f, v) for f, v in values.items()})
+    return replace(base or ModelConfig(), family=MODEL_TYPE, **{f: convert(f, v) for f, v in values.items()})
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:

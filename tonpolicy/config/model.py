@@ -1,8 +1,8 @@
-"""Model profile schema: the architecture numbers of one Qwen3 dense model."""
+"""Model profile schema: the architecture numbers of one Qwen3 model, dense or mixture of experts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -21,6 +21,15 @@ class ModelConfig:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
+    # Mixture of experts (Qwen3-MoE, config.json's names); num_experts=0 is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # True: routing weights are the softmax over the k selected logits (the renormalised top-k).
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)  # layers that keep the dense MLP
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss; off the forward path
     # Path to a Hugging Face config.json to cross-check against this profile (optional).
     hf_config: str | None = None
     # Path to an HF checkpoint directory (config.json + safetensors); None means random init from seed.
@@ -35,6 +44,19 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` routes to experts (transformers' Qwen3-MoE rule)."""
+        return (
+            self.is_moe
+            and layer not in self.mlp_only_layers
+            and self.decoder_sparse_step > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
 
 def pipeline_stage_layers(num_layers: int, pp: int, pp_layers: list[int] | tuple[int, ...] | None = None) -> list[int]:
@@ -57,6 +79,16 @@ def pipeline_stage_layers(num_layers: int, pp: int, pp_layers: list[int] | tuple
 _NOT_ARCHITECTURE = {"name", "family", "hf_config", "checkpoint", "init_seed", "init_std"}
 # The rest: what a checkpoint's config.json states (tonpolicy.config.hf_qwen3 reads and writes each).
 ARCHITECTURE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ModelConfig) if f.name not in _NOT_ARCHITECTURE)
+# Those only a mixture of experts states (the MoE adapter, tonpolicy.config.hf_qwen3_moe, adds them).
+MOE_FIELDS: tuple[str, ...] = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_aux_loss_coef",
+)
 
 
 def check_same_architecture(expected: ModelConfig, loaded: ModelConfig, path: str) -> None:

@@ -67,6 +67,9 @@ class ParallelConfig:
     dp: int = 1
     rollout_tp: int = 1
     rollout_dp: int = 1
+    # Expert parallelism (Megatron's expert_model_parallel_size): the experts of a MoE layer split over
+    # ep ranks carved out of tp*cp*dp as Megatron lays them out, so it adds no ranks of its own.
+    ep: int = 1
     # Declared uneven pipeline split: layers per stage (len == pp, sum == num_layers).
     pp_layers: list[int] | None = None
     # Microbatches per replica per step; null: derived, batch / (dp * trainer.micro_batch_size).
@@ -148,6 +151,9 @@ class TrainerConfig:
     kl_coef: float = 0.0
     # Pad training sequences to a multiple of this (None: the layout's minimum, 2*CP*tile for ring).
     seq_pad_multiple: int | None = None
+    # Megatron's moe_expert_capacity_factor: tokens past an expert's capacity are dropped, so a token's
+    # output would depend on the others routed with it; only null (dropless) keeps exact zero.
+    moe_capacity_factor: float | None = None
     timeout_s: float = 900.0
 
 

@@ -14,11 +14,12 @@ from typing import Any
 
 from tonpolicy.config.device import resolve_device
 from tonpolicy.config.hf_check import hf_config_mismatches
+from tonpolicy.config.moe_rules import check_moe
 from tonpolicy.config.ranges import LOOPBACK, check_ranges
 from tonpolicy.config.schema import Config, value_at
 from tonpolicy.config.sglang_rules import check_sglang
 from tonpolicy.config.sizes import microbatches_per_replica, seq_pad_multiple, world_size
-from tonpolicy.families import FAMILIES
+from tonpolicy.families import ANY_FAMILY, FAMILIES
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, LOGITS_DTYPES
 
 # Values that were renamed, so an old config is told the new name.
@@ -27,7 +28,7 @@ KNOWN = {
     "mode": ("plan", "run", "align"),
     "contract.kernels": ("invariant", "triton", "plain"),
     "model.family": tuple(FAMILIES),
-    "contract.family": tuple(FAMILIES),
+    "contract.family": (*FAMILIES, ANY_FAMILY),
     "contract.dtype": ("bfloat16", "float32"),
     "parallel.cp_type": ("none", "ulysses", "ring"),
     "rollout.backend": ("embedded", "sglang"),
@@ -112,6 +113,7 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
         "parallel.dp",
         "parallel.rollout_tp",
         "parallel.rollout_dp",
+        "parallel.ep",
         "contract.attention_tile",
         "contract.row_tile",
         "contract.prefill_row_tile",
@@ -135,6 +137,7 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
     if min(m.num_attention_heads, m.num_kv_heads, p.tp, p.pp, p.cp, p.rollout_tp, cfg.trainer.nnodes) >= 1:
         _check_layout(cfg, bad)
     _check_contract(cfg, bad)
+    check_moe(cfg, bad)
     if cfg.rollout.backend == "sglang":
         check_sglang(cfg, bad)
     if cfg.mode in ("run", "align"):
@@ -297,7 +300,7 @@ def _check_triton(cfg: Config, bad: Any) -> None:
 def _check_contract(cfg: Config, bad: Any) -> None:
     m, p, c = cfg.model, cfg.parallel, cfg.contract
     # Contract against model, layout and backends.
-    if c.family != m.family:
+    if c.family not in (m.family, ANY_FAMILY):
         bad("contract.family", f"contract {c.name} is for family {c.family!r} but model {m.name} is {m.family!r}")
     if p.cp > 1 and p.cp_type not in c.supported_cp_types:
         bad("parallel.cp_type", f"contract {c.name} supports CP types {c.supported_cp_types}")

@@ -12,6 +12,7 @@ from typing import Any
 
 from tonpolicy.config.schema import ContractConfig
 from tonpolicy.cpu_numerics import cpu_info, isa_caps
+from tonpolicy.families import FAMILIES
 
 # The environment variable that hands the contract (JSON: contract_env) to SGLang's model processes.
 CONTRACT_ENV = "TONPOLICY_CONTRACT"
@@ -55,7 +56,10 @@ def numerics(contract: ContractConfig) -> dict[str, Any]:
     body["sglang"]["contract_model_package"] = contract.sglang.model_package is not None
     # The kernel set's own account of its dtype steps and reduction orders: a kernel change that
     # updates its description changes the fingerprint even when no config field moved.
-    body["kernel_description"] = get_kernels(contract.kernels, **kernel_params(contract)).describe()
+    kernels = get_kernels(contract.kernels, **kernel_params(contract))
+    body["kernel_description"] = kernels.describe()
+    if contract.family in FAMILIES and FAMILIES[contract.family].routed_experts:
+        body["moe_description"] = kernels.describe_moe()
     return body
 
 

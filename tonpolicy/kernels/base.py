@@ -136,6 +136,19 @@ class KernelSet(Protocol):
 
     def finalize(self, p: AttnPartial, dtype: torch.dtype) -> torch.Tensor: ...
 
+    # --- mixture of experts (tonpolicy/kernels/moe.py) ---------------------------------------------
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 router logits x @ weight.T [N, E]."""
+
+    def route(self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Any:
+        """`moe.Routing`: each token's k experts in ascending id and their fp32 weights."""
+
+    def moe_combine(self, outputs: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """[N, k, H] expert outputs (slots as `route` ordered them) and [N, k] weights -> [N, H] out_dtype."""
+
+    def describe_moe(self) -> dict[str, Any]:
+        """The MoE ops' numerics, for the fingerprint of a MoE contract."""
+
     # --- logprobs -------------------------------------------------------------------------------
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
         """fp32 log_softmax(logits[..., :vocab_size] / temperature) gathered at `tokens`.

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tonpolicy.kernels import invariant_attention, pointwise
+from tonpolicy.kernels import invariant_attention, moe, pointwise
 from tonpolicy.kernels.base import AttnPartial
 from tonpolicy.kernels.invariant_linear import tiled_partials, tree_sum
 
@@ -198,6 +198,19 @@ class InvariantKernels:
 
     def finalize(self, p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
         return invariant_attention.finalize(p, dtype)
+
+    # --- mixture of experts ---------------------------------------------------------------------
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return tiled_partials(x, weight, 1)[0]
+
+    def route(self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> moe.Routing:
+        return moe.contract_route(logits, top_k, norm_topk_prob)
+
+    def moe_combine(self, outputs: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return moe.contract_combine(outputs, weights, out_dtype)
+
+    def describe_moe(self) -> dict[str, Any]:
+        return dict(moe.DESCRIPTION)
 
     # --- logprobs -------------------------------------------------------------------------------
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tonpolicy.kernels import moe
 from tonpolicy.kernels.base import AttnPartial
 from tonpolicy.kernels.invariant_attention import KEY_PAD_POS, finalize, merge
 
@@ -141,6 +142,22 @@ class PlainKernels:
 
     def finalize(self, p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
         return finalize(p, dtype)
+
+    # --- mixture of experts ---------------------------------------------------------------------
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight).float()  # in the activation dtype, as transformers' router
+
+    def route(self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> moe.Routing:
+        return moe.plain_route(logits, top_k, norm_topk_prob)
+
+    def moe_combine(self, outputs: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return moe.plain_combine(outputs, weights, out_dtype)
+
+    def describe_moe(self) -> dict[str, Any]:
+        return {
+            "router": "F.linear in the activation dtype, softmax over all, torch.topk, renormalised by a sum",
+            "combine": "w*y in the activation dtype, summed in that dtype",
+        }
 
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
         x = logits[..., :vocab_size]

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import triton
 
+from tonpolicy.kernels import moe
 from tonpolicy.kernels import pointwise as ref
 from tonpolicy.kernels import triton_attention as ta
 from tonpolicy.kernels import triton_linear as tlin
@@ -210,6 +211,19 @@ class TritonKernels:
 
     def finalize(self, p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
         return ta.finalize(p.l, p.acc, dtype)
+
+    # --- mixture of experts ---------------------------------------------------------------------
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return tlin.linear(x, weight.detach(), self.canonical_shards, torch.float32)
+
+    def route(self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> moe.Routing:
+        return moe.contract_route(logits, top_k, norm_topk_prob)
+
+    def moe_combine(self, outputs: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return moe.contract_combine(outputs, weights, out_dtype)
+
+    def describe_moe(self) -> dict[str, Any]:
+        return dict(moe.DESCRIPTION)
 
     # --- logprobs -------------------------------------------------------------------------------
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:

@@ -10,13 +10,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tonpolicy.config.dtypes import dtype_name
-from tonpolicy.config.hf_qwen3 import LM_HEAD, config_from_hf, config_to_hf, hf_params
+from tonpolicy.config.hf_qwen3 import LM_HEAD
 from tonpolicy.config.model import ModelConfig
+from tonpolicy.families import adapter, family_of_hf
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes of a Qwen3 dense model, in a fixed order (the adapter's)."""
-    return {name: p.shape for name, p in hf_params(cfg).items()}
+    """HF parameter names and shapes of the model, in a fixed order (its family adapter's)."""
+    return {name: p.shape for name, p in adapter(cfg.family).hf_params(cfg).items()}
 
 
 def init_state_dict(cfg: ModelConfig, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
@@ -44,7 +45,7 @@ def save_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, path: str | P
     if cfg.tie_word_embeddings:
         tensors.pop(LM_HEAD, None)
     dtype = next(iter(tensors.values())).dtype
-    (path / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype_name(dtype)), indent=2))
+    (path / "config.json").write_text(json.dumps(adapter(cfg.family).config_to_hf(cfg, dtype_name(dtype)), indent=2))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     if cfg.vocab_size <= TOKENIZER_MAX_VOCAB:  # the tiny models' word-level tokenizer, for readable samples
         from tonpolicy.model.tokenizer import save_tokenizer
@@ -54,7 +55,8 @@ def save_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, path: str | P
 
 def read_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of an HF checkpoint directory (its config.json only)."""
-    cfg = config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+    hf = json.loads((Path(path) / "config.json").read_text())
+    cfg = adapter(family_of_hf(hf).name).config_from_hf(hf)
     return replace(cfg, checkpoint=str(path))
 
 

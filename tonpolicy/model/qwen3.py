@@ -61,7 +61,7 @@ class _DecodeTokens:
         return _DecodeTokens(r, slots, torch.tensor(starts), pos.index_select(0, r)[:, None], max(starts) + 1)
 
 
-class _Weight(nn.Module):
+class Weight(nn.Module):
     """Holds one `weight` parameter so the state dict carries HF names."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -80,33 +80,46 @@ class Qwen3(nn.Module):
         super().__init__()
         self.cfg, self.kernels, self.dtype = cfg, kernels, dtype
         self.model = nn.Module()
-        self.model.embed_tokens = _Weight((cfg.vocab_size, cfg.hidden_size), dtype)
+        self.model.embed_tokens = Weight((cfg.vocab_size, cfg.hidden_size), dtype)
         self.model.layers = nn.ModuleList()
-        for _ in range(cfg.num_layers):
-            layer = nn.Module()
-            layer.input_layernorm = _Weight((cfg.hidden_size,), dtype)
-            layer.post_attention_layernorm = _Weight((cfg.hidden_size,), dtype)
-            attn = nn.Module()
-            attn.q_proj = _Weight((cfg.q_size, cfg.hidden_size), dtype)
-            attn.k_proj = _Weight((cfg.kv_size, cfg.hidden_size), dtype)
-            attn.v_proj = _Weight((cfg.kv_size, cfg.hidden_size), dtype)
-            attn.o_proj = _Weight((cfg.hidden_size, cfg.q_size), dtype)
-            attn.q_norm = _Weight((cfg.head_dim,), dtype)
-            attn.k_norm = _Weight((cfg.head_dim,), dtype)
-            mlp = nn.Module()
-            mlp.gate_proj = _Weight((cfg.intermediate_size, cfg.hidden_size), dtype)
-            mlp.up_proj = _Weight((cfg.intermediate_size, cfg.hidden_size), dtype)
-            mlp.down_proj = _Weight((cfg.hidden_size, cfg.intermediate_size), dtype)
-            layer.self_attn, layer.mlp = attn, mlp
-            self.model.layers.append(layer)
-        self.model.norm = _Weight((cfg.hidden_size,), dtype)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = _Weight((cfg.vocab_size, cfg.hidden_size), dtype)
-        assert set(dict(self.named_parameters())) == set(param_shapes(cfg))
         self._lm_cache: tuple[tuple[int, int], torch.Tensor] | None = None
         self._fused: dict[str, tuple[tuple[tuple[int, int], ...], torch.Tensor]] = {}
+        for _ in range(cfg.num_layers):
+            layer = nn.Module()
+            layer.input_layernorm = Weight((cfg.hidden_size,), dtype)
+            layer.post_attention_layernorm = Weight((cfg.hidden_size,), dtype)
+            attn = nn.Module()
+            attn.q_proj = Weight((cfg.q_size, cfg.hidden_size), dtype)
+            attn.k_proj = Weight((cfg.kv_size, cfg.hidden_size), dtype)
+            attn.v_proj = Weight((cfg.kv_size, cfg.hidden_size), dtype)
+            attn.o_proj = Weight((cfg.hidden_size, cfg.q_size), dtype)
+            attn.q_norm = Weight((cfg.head_dim,), dtype)
+            attn.k_norm = Weight((cfg.head_dim,), dtype)
+            layer.self_attn, layer.mlp = attn, self._build_mlp(len(self.model.layers))
+            self.model.layers.append(layer)
+        self.model.norm = Weight((cfg.hidden_size,), dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Weight((cfg.vocab_size, cfg.hidden_size), dtype)
+        assert set(dict(self.named_parameters())) == set(param_shapes(cfg))
         self.load_weights(state_dict if state_dict is not None else init_state_dict(cfg, dtype, cfg.init_seed))
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, getattr(kernels, "canonical_shards", 1))
+
+    def _build_mlp(self, layer: int) -> nn.Module:
+        """Layer `layer`'s feed-forward block (a family with another block overrides this and `_mlp`)."""
+        cfg, dtype = self.cfg, self.dtype
+        mlp = nn.Module()
+        mlp.gate_proj = Weight((cfg.intermediate_size, cfg.hidden_size), dtype)
+        mlp.up_proj = Weight((cfg.intermediate_size, cfg.hidden_size), dtype)
+        mlp.down_proj = Weight((cfg.hidden_size, cfg.intermediate_size), dtype)
+        return mlp
+
+    def _mlp(self, li: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The dense SwiGLU block: fused gate/up (column), down over the canonical K-shards (row)."""
+        f = self.cfg.intermediate_size
+        gate, up = self.kernels.linear(
+            x, self.fused(f"{li}.gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
+        ).split([f, f], dim=-1)
+        return self.kernels.linear_k_sharded(self.kernels.swiglu(gate, up), mlp.down_proj.weight)
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor], partial: bool = False) -> None:
@@ -187,12 +200,7 @@ class Qwen3(nn.Module):
             o = self._attend(li, q, k, v, pos, segments, kv, scale, decode)
             h = h + kern.linear_k_sharded(o.reshape(n, cfg.q_size), a.o_proj.weight)
             x = kern.rms_norm(h, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-            m = layer.mlp
-            gate, up = kern.linear(x, self.fused(f"{li}.gate_up", [m.gate_proj.weight, m.up_proj.weight])).split(
-                [cfg.intermediate_size, cfg.intermediate_size], dim=-1
-            )
-            act = kern.swiglu(gate, up)
-            h = h + kern.linear_k_sharded(act, m.down_proj.weight)
+            h = h + self._mlp(li, layer.mlp, x)
         if logit_rows is not None:
             h = h.index_select(0, logit_rows.to(dev))
         h = kern.rms_norm(h, self.model.norm.weight, cfg.rms_norm_eps)
