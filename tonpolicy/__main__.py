@@ -1,4 +1,7 @@
-"""`python -m tonpolicy [group=option ...]`: thin Hydra glue around tonpolicy.app.run."""
+"""`python -m tonpolicy [group=option ...]`: thin Hydra glue around tonpolicy.app.run.
+
+The command line is checked first (tonpolicy.config.command_line), so a bad one ends with exit 2
+in tonpolicy's words before Hydra writes or starts anything."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from tonpolicy.config.command_line import check_command_line
+from tonpolicy.config.compose import CONF_DIR
 from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config, register_configs
 from tonpolicy.config.validate import ConfigError, unknown_keys
@@ -19,8 +24,10 @@ from tonpolicy.loop.exit_codes import EXIT_INVALID_CONFIG
 register_configs()
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(dcfg: DictConfig) -> None:
+# An absolute path: the console script (module tonpolicy.__main__) would otherwise look for a
+# `tonpolicy.conf` Python package, which the config folder is not.
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def job(dcfg: DictConfig) -> None:
     from tonpolicy.app import run
 
     hc = HydraConfig.get()
@@ -48,6 +55,15 @@ def main(dcfg: DictConfig) -> None:
         return
     if code:
         sys.exit(code)
+
+
+def main() -> None:
+    try:
+        check_command_line(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"tonpolicy: {exc}", file=sys.stderr)
+        sys.exit(EXIT_INVALID_CONFIG)
+    job()
 
 
 if __name__ == "__main__":

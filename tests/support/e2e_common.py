@@ -24,7 +24,10 @@ FAST = [
 
 
 def tonpolicy_argv(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "tonpolicy", "mode=run", *FAST, *overrides, f"hydra.run.dir={run_dir}"]
+    # A test's own value for a key of FAST replaces FAST's: tonpolicy refuses a key given twice.
+    given = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    fast = [o for o in FAST if o.partition("=")[0] not in given]
+    return [sys.executable, "-m", "tonpolicy", "mode=run", *fast, *overrides, f"hydra.run.dir={run_dir}"]
 
 
 def run_job(tmp_path: Path, *overrides: str, timeout: float = 400, env: dict[str, str] | None = None):
