@@ -158,3 +158,51 @@ def test_routing_weights_rule():
     assert torch.allclose(r.weights, torch.softmax(torch.tensor([[2.0, 1.0]]), -1))
     r = contract_route(logits, 2, False)
     assert torch.allclose(r.weights, torch.softmax(logits, -1)[:, [1, 3]])
+
+
+def test_engine_reports_each_fed_positions_routes():
+    """return_routed_experts: positions [0, prompt + output - 1), per layer the token's experts (-1 in
+    the dense layer), equal to a full forward of the whole sequence, whatever the concurrency; through
+    the wire in SGLang's encoding (base64 int32 [positions, layers, top_k])."""
+    from tonpolicy.rollout.wire.request import parse_generate_request
+    from tonpolicy.rollout.wire.response import build_generate_output, decode_routed_experts, parse_generate_output
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (20, 7, 33)]
+    m = _model("invariant", torch.float32)
+    tables = []
+    for running in (1, 3):
+        engine = Engine(m, max_running_requests=running, chunked_prefill_size=9)
+        reqs = [GenRequest(p, 6, temperature=0.9, seed=i, return_routed_experts=True) for i, p in enumerate(prompts)]
+        tables.append([(r.output_ids, r.routed_experts) for r in engine.generate(reqs)])
+    for (ids, table), (ids2, table2), prompt in zip(tables[0], tables[1], prompts, strict=True):
+        assert ids == ids2 and torch.equal(table, table2)
+        assert table.shape == (len(prompt) + len(ids) - 1, CFG.num_layers, CFG.num_experts_per_tok)
+        m.routes = {}
+        m(torch.tensor(prompt + ids[:-1]))
+        for li in range(CFG.num_layers):
+            want = m.routes[li].experts.to(torch.int32) if li in m.routes else torch.full_like(table[:, li], -1)
+            assert torch.equal(table[:, li], want), li
+        m.routes = None
+    item = parse_generate_request(
+        {"input_ids": prompts[0], "return_routed_experts": True, "routed_experts_start_len": 5}
+    ).items[0]
+    ids, table = tables[0][0]
+    from tonpolicy.rollout.engine.requests import GenResult
+
+    out = build_generate_output("r", item, GenResult(ids, torch.zeros(len(ids)), "length", routed_experts=table), "1")
+    got = decode_routed_experts(
+        parse_generate_output(
+            {**out, "meta_info": {**out["meta_info"], "output_token_logprobs": [[0.0, t, None] for t in ids]}}
+        )["routed_experts"],
+        CFG.num_layers,
+        CFG.num_experts_per_tok,
+    )
+    assert got == table[5:].tolist()
+    with pytest.raises(ValueError, match="dense"):
+        from tonpolicy.config.model import ModelConfig
+        from tonpolicy.model import Qwen3
+
+        Engine(Qwen3(ModelConfig(), get_kernels("invariant"), torch.float32), max_running_requests=1).check(
+            GenRequest([1, 2], 2, return_routed_experts=True)
+        )

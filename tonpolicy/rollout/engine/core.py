@@ -47,6 +47,7 @@ class _Running:
     in_lps: dict[int, float] = field(default_factory=dict)  # prompt position -> logprob
     in_top: dict[int, TopLogprobs] = field(default_factory=dict)
     error: str | None = None  # set when this request alone failed; it finishes with reason "error"
+    routes: list[torch.Tensor] = field(default_factory=list)  # [fed positions, layers, k] per step, if asked
 
 
 @dataclass(order=True)
@@ -94,6 +95,8 @@ class Engine:
             raise ValueError("prompt token id out of vocab range")
         if not 0 <= req.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {req.seed}")
+        if req.return_routed_experts and not cfg.is_moe:
+            raise ValueError(f"return_routed_experts needs a mixture-of-experts model; {cfg.name} is dense")
 
     def add(self, req: GenRequest) -> int:
         """Queue a request (visible `req.arrival_step` steps from now); returns its handle."""
@@ -235,6 +238,7 @@ class Engine:
         samplers: list[_Running] = []
         rows: list[int] = []
         scored: list[tuple[_Running, int, int]] = []  # (request, flat row, prompt position it predicts)
+        fed: list[tuple[_Running, int, int]] = []  # (request, first flat row, rows) of each segment
         for r in running:
             prompt = r.req.prompt_ids
             if r.prefilled < len(prompt):
@@ -243,6 +247,7 @@ class Engine:
                     continue
                 budget -= take
                 segments.append(Segment(take, start=r.prefilled, slot=r.slot))
+                fed.append((r, len(tokens), take))
                 first = r.req.prompt_logprobs_from
                 if first is not None:  # the row at position p predicts prompt token p + 1
                     base = len(tokens) - r.prefilled
@@ -255,17 +260,27 @@ class Engine:
                     continue  # prompt not complete yet: nothing to sample
             else:
                 segments.append(Segment(1, start=len(prompt) + len(r.out_ids) - 1, slot=r.slot))
+                fed.append((r, len(tokens), 1))
                 tokens.append(r.out_ids[-1])
             rows.append(len(tokens) - 1)
             samplers.append(r)
         if not segments:
             return []
-        logits = self.model.forward_segments(
-            torch.tensor(tokens, dtype=torch.long),
-            segments,
-            pool,
-            torch.tensor(rows + [row for _, row, _ in scored], dtype=torch.long),
-        )
+        want_routes = any(r.req.return_routed_experts for r, _, _ in fed)
+        if want_routes:
+            self.model.routes = {}  # the MoE model leaves each layer's routing of every row there
+        try:
+            logits = self.model.forward_segments(
+                torch.tensor(tokens, dtype=torch.long),
+                segments,
+                pool,
+                torch.tensor(rows + [row for _, row, _ in scored], dtype=torch.long),
+            )
+            if want_routes:
+                self._keep_routes(fed, self.model.routes)
+        finally:
+            if want_routes:
+                self.model.routes = None
         self._score_prompts(logits[len(rows) :], scored)
         finished = []
         vocab = self.model.cfg.vocab_size
@@ -297,6 +312,17 @@ class Engine:
                 finished.append(r)
         return finished
 
+    def _keep_routes(self, fed: list[tuple[_Running, int, int]], routes: dict) -> None:
+        """Each asking request's rows of this step's routing: [rows, layers, k], -1 in dense layers."""
+        cfg = self.model.cfg
+        n = sum(take for _, _, take in fed)
+        table = torch.full((n, cfg.num_layers, cfg.num_experts_per_tok), -1, dtype=torch.int32)
+        for layer, r in routes.items():
+            table[:, layer] = r.experts.to(torch.int32).cpu()
+        for r, start, take in fed:
+            if r.req.return_routed_experts:
+                r.routes.append(table[start : start + take])
+
     def _score_prompts(self, logits: torch.Tensor, scored: list[tuple[_Running, int, int]]) -> None:
         """Logprobs of prompt tokens (requests that asked), from their own prefill rows."""
         vocab = self.model.cfg.vocab_size
@@ -317,6 +343,7 @@ class Engine:
         """The request's result; finish_reason is "" while it is still running."""
         lps = torch.cat(r.out_lps).float() if r.out_lps else torch.empty(0, dtype=torch.float32)
         extras = {
+            "routed_experts": torch.cat(r.routes) if r.req.return_routed_experts and r.routes else None,
             "output_top_logprobs": list(r.out_top),
             "prompt_logprobs": dict(r.in_lps),
             "prompt_top_logprobs": dict(r.in_top),

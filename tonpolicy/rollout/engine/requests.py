@@ -25,6 +25,9 @@ class GenRequest:
     # Also report the logprob of each prompt token after this position (SGLang's logprob_start_len:
     # the start position's own logprob is null there, as position 0's must be); None: none.
     prompt_logprobs_from: int | None = None
+    # Also report the experts each MoE layer routed every fed position to (SGLang's
+    # return_routed_experts): positions [0, prompt + output - 1), the last output token is never fed.
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -37,3 +40,5 @@ class GenResult:
     # Prompt position -> logprob of that prompt token (positions > prompt_logprobs_from).
     prompt_logprobs: dict[int, float] = field(default_factory=dict)
     prompt_top_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)
+    # int32 [positions, num_layers, top_k] expert ids in ascending order, -1 in dense layers; if asked.
+    routed_experts: torch.Tensor | None = None

@@ -79,4 +79,5 @@ def to_gen_request(item: GenerateItem, seed: int) -> GenRequest:
         ignore_eos=s.ignore_eos,
         top_logprobs_num=item.top_logprobs_num if item.return_logprob else 0,
         prompt_logprobs_from=item.logprob_start_len if item.return_logprob and item.logprob_start_len >= 0 else None,
+        return_routed_experts=item.return_routed_experts,
     )

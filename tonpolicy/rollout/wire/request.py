@@ -64,6 +64,8 @@ class GenerateItem:
     return_logprob: bool
     logprob_start_len: int = -1  # >= 0: also the prompt's logprobs from this position
     top_logprobs_num: int = 0
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0  # the first position whose routing is reported
 
 
 @dataclass(frozen=True)
@@ -125,13 +127,13 @@ _REQUEST_NEUTRAL: dict[str, Any] = {
     "audio_data": None,
     "token_ids_logprob": None,
     "return_hidden_states": False,
-    "return_routed_experts": False,
     "lora_path": None,
     "session_params": None,
     "custom_logit_processor": None,
 }
 _REQUEST_USED = {
     "input_ids", "text", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+    "return_routed_experts", "routed_experts_start_len",
     "stream",
 }  # fmt: skip
 
@@ -263,6 +265,12 @@ def parse_generate_request(body: Any, tokenize: Tokenize | None = None) -> Gener
     starts = [_logprob_start(s) for s in per_item("logprob_start_len", start, isinstance(start, list))]
     top = body.get("top_logprobs_num")
     tops = [_top_logprobs_num(t) for t in per_item("top_logprobs_num", top, isinstance(top, list))]
+    routed = body.get("return_routed_experts") or False
+    if not isinstance(routed, bool):
+        raise ProtocolError(f"return_routed_experts must be a boolean, got {routed!r}")
+    routed_start = _int(body.get("routed_experts_start_len") or 0, "routed_experts_start_len")
+    if routed_start < 0 or any(routed_start > len(p) for p in prompts):
+        raise ProtocolError(f"routed_experts_start_len must be in [0, prompt tokens], got {routed_start}")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise ProtocolError(f"stream must be a boolean, got {stream!r}")
@@ -274,7 +282,7 @@ def parse_generate_request(body: Any, tokenize: Tokenize | None = None) -> Gener
     else:
         rids = per_item("rid", rid, isinstance(rid, list))
     items = [
-        GenerateItem(r, tuple(p), _nth_sample(s, j, n), bool(lg), st, tp)
+        GenerateItem(r, tuple(p), _nth_sample(s, j, n), bool(lg), st, tp, routed, routed_start)
         for r, p, s, lg, st, tp in zip(rids, prompts, sampling, lps, starts, tops, strict=True)
         for j in range(n)
     ]

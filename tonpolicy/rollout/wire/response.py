@@ -16,6 +16,7 @@ Logprobs are Python floats of fp32 values: JSON keeps them exact.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,10 @@ def build_generate_output(
                 [result.prompt_top_logprobs.get(p) for p in positions], decode, return_text_in_logprobs
             )
             meta["output_top_logprobs"] = _tops(result.output_top_logprobs, decode, return_text_in_logprobs)
+    if item.return_routed_experts and result.routed_experts is not None:
+        # SGLang's encoding: base64 of the int32 [positions, layers, top_k] array from the start position.
+        table = result.routed_experts[item.routed_experts_start_len :].contiguous()
+        meta["routed_experts"] = base64.b64encode(table.numpy().tobytes()).decode("ascii")
     out: dict[str, Any] = {"output_ids": ids, "meta_info": meta}
     if decode is not None:
         out = {"text": output_text(decode, item.input_ids, ids), **out}
@@ -123,4 +128,18 @@ def parse_generate_output(out: dict[str, Any]) -> dict[str, Any]:
         "output_logprobs": [float("nan") if t[0] is None else float(t[0]) for t in triples],
         "finish_reason": finish.get("type") if isinstance(finish, dict) else finish,
         "weight_version": meta.get("weight_version"),
+        "routed_experts": meta.get("routed_experts"),  # base64 int32 [positions, layers, top_k], if asked
     }
+
+
+def decode_routed_experts(b64: str, num_layers: int, top_k: int) -> list[list[list[int]]]:
+    """meta_info.routed_experts (SGLang's base64 of int32 [positions, layers, top_k]) -> nested lists."""
+    import array
+
+    flat = array.array("i")
+    flat.frombytes(base64.b64decode(b64))
+    per = num_layers * top_k
+    if per == 0 or len(flat) % per:
+        raise ProtocolError(f"routed_experts has {len(flat)} ids, not a multiple of layers*top_k={per}")
+    rows = [flat[i : i + per].tolist() for i in range(0, len(flat), per)]
+    return [[row[j : j + top_k] for j in range(0, per, top_k)] for row in rows]
