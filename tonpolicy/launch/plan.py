@@ -18,6 +18,7 @@ from tonpolicy.config.sizes import microbatches_per_replica, padded_seq_len, seq
 from tonpolicy.contract.identity import identity, kernel_params
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, layer_spec, transformer_kwargs
 from tonpolicy.cpu_memory import CPU_ALLOCATOR_ENV
+from tonpolicy.launch.memory import memory_per_rank
 from tonpolicy.launch.sglang_env import (
     CPU_MAX_TOTAL_TOKENS,
     server_environment,
@@ -209,6 +210,7 @@ def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "rollout": {"backend": cfg.rollout.backend},
         "nodes": {"trainer": cfg.trainer.nnodes, "rollout": cfg.rollout.nnodes},
         "megatron": megatron_config(cfg),
+        "memory_per_rank": memory_per_rank(cfg),
         "trainer_command": torchrun_argv(cfg, run_dir, model_path),
     }
     if cfg.rollout.backend == "sglang":
