@@ -10,7 +10,8 @@ own experts for every gathered (token, slot) routed to them into an fp32 [T_all,
 in any summation order: each rank gets back its own tokens' expert outputs bit for bit, as if every
 expert were local. The combine (`kernels.moe_combine`) then runs on the token's own rank.
 
-Backward: the sum's is a sum of the gradients over the group (every rank's buffer reaches every rank);
+Backward (every rank takes part in both collectives, whether or not its experts got tokens): the sum's
+is a sum of the gradients over the group (every rank's buffer reaches every rank);
 the gather's sums each rank's gradients of the gathered rows over the group and keeps its own rows.
 Gradients are summed in fp32 (not bitwise across EP sizes: the state tolerance, not equality).
 """
@@ -68,6 +69,21 @@ class _SumOverGroup(torch.autograd.Function):
         return total, None
 
 
+class _KeepInGraph(torch.autograd.Function):
+    """outputs, unchanged; its backward hands `gathered` a zero gradient. A rank whose experts got none
+    of the gathered tokens computes an outputs buffer with no autograd history: without this, its
+    backward would skip the sum's and the gather's collectives that the other EP ranks wait in."""
+
+    @staticmethod
+    def forward(ctx: Any, outputs: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+        ctx.shape, ctx.dtype = gathered.shape, gathered.dtype
+        return outputs.view_as(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.new_zeros(ctx.shape, dtype=ctx.dtype)
+
+
 def gather_ints(x: torch.Tensor, m: int, group: dist.ProcessGroup, fill: int) -> torch.Tensor:
     """Integer rows [n, ...] -> [world * m, ...], each rank's padded with `fill` (no autograd)."""
     padded = torch.cat([x, x.new_full((m - x.shape[0], *x.shape[1:]), fill)]) if m > x.shape[0] else x
@@ -88,6 +104,6 @@ def routed_outputs(
     m = int(max(c.item() for c in counts))
     gathered = _GatherRows.apply(tokens, m, group)
     routes = gather_ints(experts, m, group, fill=-1)  # padding rows go to no expert
-    outputs = _SumOverGroup.apply(compute(gathered, routes), group)
+    outputs = _SumOverGroup.apply(_KeepInGraph.apply(compute(gathered, routes), gathered), group)
     start = dist.get_rank(group) * m
     return outputs[start : start + tokens.shape[0]]
