@@ -154,6 +154,11 @@ class TrainerConfig:
     # Megatron's moe_expert_capacity_factor: tokens past an expert's capacity are dropped, so a token's
     # output would depend on the others routed with it; only null (dropless) keeps exact zero.
     moe_capacity_factor: float | None = None
+    # Router replay, for the off-policy control of an MoE model: megatron's stock router routes each token
+    # by the experts the rollout chose (meta_info.routed_experts) instead of its own top-k, in the
+    # recompute and the training forward. Not with an exact contract (its routes agree by construction,
+    # and replay would hide a disagreement the gate must see).
+    router_replay: bool = False
     timeout_s: float = 900.0
 
 

@@ -138,6 +138,7 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
         _check_layout(cfg, bad)
     _check_contract(cfg, bad)
     check_moe(cfg, bad)
+    _check_router_replay(cfg, bad)
     if cfg.rollout.backend == "sglang":
         check_sglang(cfg, bad)
     if cfg.mode in ("run", "align"):
@@ -325,6 +326,29 @@ def _check_contract(cfg: Config, bad: Any) -> None:
             bad("contract.row_tile", "must be a multiple of 4 (GEMMs of 1-3 rows take another path, other bits)")
         if c.prefill_row_tile >= 1 and c.prefill_row_tile % c.row_tile:
             bad("contract.prefill_row_tile", f"must be a multiple of contract.row_tile={c.row_tile}")
+
+
+def _check_router_replay(cfg: Config, bad: Any) -> None:
+    """trainer.router_replay is the off-policy control's tool: it makes megatron's stock router take the
+    rollout's routes, leaving the rest of the stock numerics to measure."""
+    if not cfg.trainer.router_replay:
+        return
+    c = cfg.contract
+    if c.exact_zero:
+        bad(
+            "trainer.router_replay",
+            f"contract {c.name} promises exact zero: its trainer routes as the rollout does by construction, "
+            "and replaying the rollout's routes would hide a routing disagreement the gate must see "
+            "(use it with a non-exact contract, e.g. contract=off_policy)",
+        )
+    if not cfg.model.is_moe:
+        bad("trainer.router_replay", f"model {cfg.model.name} is dense: there are no routes to replay")
+    if c.kernels in INVARIANT_KERNEL_SETS or cfg.trainer.pack_sequences or cfg.parallel.cp > 1:
+        bad(
+            "trainer.router_replay",
+            "replays through megatron's stock router, which runs only under the stock layer spec "
+            "(plain kernels, no packed sequences, no CP)",
+        )
 
 
 def _check_checkpoint(cfg: Config, issues: list[ConfigIssue]) -> None:

@@ -178,7 +178,8 @@ def _progress(record: dict[str, Any], steps: int) -> str:
     return (
         f"[step {record['step'] + 1}/{steps}] tokens={record['tokens_scored']} "
         f"mismatched={record['mismatched_tokens']} max|Δlogp|={record['max_abs_logprob_diff']:.3e} "
-        f"reward={record.get('reward_mean', 0.0):.3f} grad_norm={record.get('grad_norm', float('nan')):.5g} "
+        + (f"routing_agreement={record['routing_agreement']} " if "routing_agreement" in record else "")
+        + f"reward={record.get('reward_mean', 0.0):.3f} grad_norm={record.get('grad_norm', float('nan')):.5g} "
         f"(rollout {record.get('rollout_s', 0.0):.1f}s, step {record.get('step_s', 0.0):.1f}s)"
     )
 
@@ -253,6 +254,9 @@ def summarize(cfg: Config, run_dir: Path, status: str, wall_s: float) -> dict[st
         "rewards": [r["reward_mean"] for r in records],
         "wall_s": round(wall_s, 2),
     }
+    agreements = [r["routing_agreement"] for r in records if r.get("routing_agreement") is not None]
+    if agreements:  # an MoE run's worst step (dense runs' summaries keep their keys)
+        summary["min_routing_agreement"] = min(agreements)
     write_json_atomic(run_dir / "summary.json", summary)
     if records:
         reward_curve(

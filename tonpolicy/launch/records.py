@@ -49,7 +49,20 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), sep, *(line(r) for r in rows)])
 
 
+# An MoE run's column, after `mismatched`: the fraction of (token, MoE layer) pairs the trainer routed
+# as the rollout did. Dense runs' records lack the field, and their table the column.
+ROUTING_COLUMN = ("routing_agree", "routing_agreement", "{:.4f}")
+
+
+def step_columns(records: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    if not any("routing_agreement" in r for r in records):
+        return STEP_COLUMNS
+    at = [key for _, key, _ in STEP_COLUMNS].index("mismatched_tokens") + 1
+    return [*STEP_COLUMNS[:at], ROUTING_COLUMN, *STEP_COLUMNS[at:]]
+
+
 def step_table(records: list[dict[str, Any]]) -> str:
-    headers = [h for h, _, _ in STEP_COLUMNS]
-    rows = [[_cell(fmt, r.get(key)) for _, key, fmt in STEP_COLUMNS] for r in records]
+    columns = step_columns(records)
+    headers = [h for h, _, _ in columns]
+    rows = [[_cell(fmt, r.get(key)) for _, key, fmt in columns] for r in records]
     return markdown_table(headers, rows)

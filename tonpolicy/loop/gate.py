@@ -5,6 +5,9 @@ into a verdict.
 Both checks run before the update, so a step that breaks the contract trains nothing:
 rollout == recompute (the server's logprobs against the trainer's recompute at its layout), then
 recompute == the first training forward (autograd on; the first PPO ratio must be exactly 1).
+
+For an MoE model it also measures (never fails on) `routing_agreement`: how often the trainer's
+recompute routed a token to the same experts as the rollout did.
 """
 
 from __future__ import annotations
@@ -48,6 +51,26 @@ class Verdict:
             f"{r.mismatched_tokens} tokens differ between the trainer's recompute "
             f"and its first training forward (max |Δlogprob| {r.max_abs_logprob_diff:.3e})"
         )
+
+
+def routing_agreement(
+    rollout: list[torch.Tensor], trainer: list[torch.Tensor], prompt_lens: list[int], moe_layers: list[int]
+) -> float | None:
+    """Fraction of (token, MoE layer) pairs whose expert sets agree, over the positions that produced
+    response tokens (prompt_len-1 .. prompt_len+R-2). `rollout[i]`: int32 [fed positions, layers, k] (the
+    server's, from position 0); `trainer[i]`: [R, layers, k] (the recompute's, at those positions only).
+    None when there is nothing to compare."""
+    agree = total = 0
+    for r, t, p in zip(rollout, trainer, prompt_lens, strict=True):
+        n = t.shape[0]
+        if r.shape[0] != p + n - 1 or r.shape[1:] != t.shape[1:]:
+            raise ValueError(f"rollout routes {tuple(r.shape)} do not fit prompt {p} + response {n} ({tuple(t.shape)})")
+        # sorted, so equal rows are equal sets whatever order each side listed its experts in
+        a = r[p - 1 :, moe_layers].sort(dim=-1).values
+        b = t[:, moe_layers].to(r.dtype).sort(dim=-1).values
+        agree += int((a == b).all(dim=-1).sum())
+        total += n * len(moe_layers)
+    return agree / total if total else None
 
 
 class Gate:

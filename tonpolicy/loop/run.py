@@ -3,8 +3,9 @@
 Rank 0 pairs with the rollout server (the contract handshake), then every step, on every rank:
   1. rollouts: rank 0 has the server sample the step's prompts (logprobs from the decode step that
      sampled each token), scores rewards and GRPO advantages, and broadcasts the batch;
-  2. recompute: the trainer recomputes the logprobs at the configured layout;
-  3. gate, first check: rollout == recompute;
+  2. recompute: the trainer recomputes the logprobs at the configured layout (an MoE model's routes
+     recorded too; with trainer.router_replay its stock router takes the rollout's routes);
+  3. gate, first check: rollout == recompute (and, for an MoE model, routing_agreement);
   4. PPO/GRPO step, whose update waits on the gate's second check: recompute == first training forward;
   5. export the new weights (an HF checkpoint, or gathered for the process group);
   6. rank 0 appends the step record and samples (and logs them to W&B);
@@ -27,10 +28,10 @@ import torch.distributed as dist
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.handshake import handshake
 from tonpolicy.contract.identity import runtime_identity
-from tonpolicy.loop.batch import collect_batch
+from tonpolicy.loop.batch import Batch, collect_batch
 from tonpolicy.loop.exit_codes import EXIT_GATE_FAILED, EXIT_HANDSHAKE, EXIT_INVALID_CONFIG, EXIT_OK
 from tonpolicy.loop.faults import injected_fault, with_fault_advantages
-from tonpolicy.loop.gate import Gate, Verdict
+from tonpolicy.loop.gate import Gate, Verdict, routing_agreement
 from tonpolicy.loop.records import MetricsLogger, StepRecords, write_status
 from tonpolicy.loop.weight_sync import WeightSync, weight_sync_for
 from tonpolicy.model.tokenizer import load_tokenizer
@@ -67,6 +68,8 @@ def take_step(loop: Loop, step: int) -> Verdict:
     batch = broadcast(with_fault_advantages(collect_batch(cfg, loop.server, step)) if loop.rank0 else None)
     t_rollout = time.monotonic() - t0
     # 2. recompute
+    if cfg.trainer.router_replay:  # the recompute and the training forward route as the rollout did
+        worker.replay_routes(batch.routed_experts)
     recompute = worker.logprobs(batch.prompts, batch.responses)
     # 3. gate, first check (rank 0's verdict, for every rank)
     verdict = first = broadcast(gate.rollout_vs_recompute(batch.rollout_logprobs, recompute) if loop.rank0 else None)
@@ -98,9 +101,13 @@ def take_step(loop: Loop, step: int) -> Verdict:
     if loop.rank0:
         # 6. the step record and samples
         parity = first.report
+        routing: dict[str, float | None] = {}
+        if cfg.model.is_moe:  # null when the server gave no routes; absent for a dense model
+            routing["routing_agreement"] = _routing_agreement(cfg, batch, worker.last_routes)
         record = {
             "step": step,
             **parity.to_dict(),
+            **routing,
             **metrics,
             "gate": "failed" if verdict.failed else "passed",
             "gate_check": verdict.failed_check,
@@ -111,13 +118,22 @@ def take_step(loop: Loop, step: int) -> Verdict:
         loop.records.write(record, batch)
         print(
             f"step {step}: tokens={parity.tokens_scored} mismatched={parity.mismatched_tokens} "
-            f"max|Δ|={parity.max_abs_logprob_diff:.3e} grad_norm={metrics.get('grad_norm')}",
+            f"max|Δ|={parity.max_abs_logprob_diff:.3e} grad_norm={metrics.get('grad_norm')}"
+            + (f" routing_agreement={routing['routing_agreement']}" if routing else ""),
             flush=True,
         )
         # 7. the server loads the new weights
         if verdict.passed:
             loop.weights.push(step)
     return verdict
+
+
+def _routing_agreement(cfg: Config, batch: Batch, trainer_routes: list[torch.Tensor] | None) -> float | None:
+    if batch.routed_experts is None or trainer_routes is None:
+        return None
+    m = cfg.model
+    moe_layers = [n for n in range(m.num_layers) if m.is_moe_layer(n)]
+    return routing_agreement(batch.routed_experts, trainer_routes, [len(p) for p in batch.prompts], moe_layers)
 
 
 def run_trainer(

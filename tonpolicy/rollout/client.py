@@ -80,17 +80,23 @@ class RolloutClient:
         self,
         input_ids_batch: Sequence[Sequence[int]],
         sampling_params: dict[str, Any] | Sequence[dict[str, Any]],
+        return_routed_experts: bool = False,
     ) -> list[dict[str, Any]]:
         """One /generate call for a batch of prompts; `sampling_params` is shared or per prompt.
 
         Returns, in prompt order: {output_ids, output_logprobs (floats; fp32 values exactly),
-        finish_reason ("length" | "stop" | ...), weight_version}.
+        finish_reason ("length" | "stop" | ...), weight_version, routed_experts}; `routed_experts` (an
+        MoE model's, asked for by `return_routed_experts`): base64 int32 [prompt+output-1 fed positions,
+        layers, top_k] (`decode_routed_experts`), None when not asked for or not given.
         """
         batch = [[int(t) for t in p] for p in input_ids_batch]
         if not batch:
             return []
         sp = dict(sampling_params) if isinstance(sampling_params, dict) else [dict(s) for s in sampling_params]
-        outs = self._json("POST", "/generate", {"input_ids": batch, "sampling_params": sp, "return_logprob": True})
+        body: dict[str, Any] = {"input_ids": batch, "sampling_params": sp, "return_logprob": True}
+        if return_routed_experts:  # only then: SGLang and the embedded server refuse it for a dense model
+            body["return_routed_experts"] = True
+        outs = self._json("POST", "/generate", body)
         if not isinstance(outs, list) or len(outs) != len(batch):
             raise RolloutError(f"/generate answered {type(outs).__name__} for a batch of {len(batch)}")
         return [parse_generate_output(o) for o in outs]

@@ -23,6 +23,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -74,8 +75,17 @@ class KernelExpertRowParallelLinear(KernelRowParallelLinear):
         return KernelLinear.apply(input_, self.weight, canonical), None
 
 
+def _report(router: Any, experts: torch.Tensor) -> None:
+    """Hand this forward's routes [N, k] (experts ascending) to the recorder, if one listens
+    (tonpolicy.trainer.routes.RouteRecorder: the gate's routing_agreement)."""
+    if router.route_sink is not None:
+        router.route_sink(experts.detach().sort(dim=1).values)
+
+
 class KernelRouter(_TakesKernels, TopKRouter):
     """Megatron's TopKRouter (its weight, its aux losses) routing with the kernel set."""
+
+    route_sink: Any = None  # set by RouteRecorder while it records
 
     def __init__(self, config: TransformerConfig, pg_collection: Any = None, **kw: Any) -> None:
         super().__init__(config=config, pg_collection=pg_collection, **kw)
@@ -95,7 +105,42 @@ class KernelRouter(_TakesKernels, TopKRouter):
             weights = self._apply_aux_loss(weights, scores, rmap)
             weights = self._apply_seq_aux_loss(weights, scores, rmap, seq_length, bsz)
             weights = self._apply_global_aux_loss(weights, scores, rmap)
+        _report(self, r.experts)
         return Routing(r.experts, weights, logits)
+
+
+class StockRouter(TopKRouter):
+    """megatron's TopKRouter, plus two things the control needs: it reports its routes (the gate's
+    routing_agreement), and it can route by given experts instead of its own top-k (router replay:
+    `trainer.router_replay`), through megatron's own `RouterReplay` hook in its top-k (the weights are
+    the softmax of the router's logits at the given experts, with their gradient)."""
+
+    route_sink: Any = None  # set by RouteRecorder while it records
+
+    def replay(self, experts: torch.Tensor | None) -> None:
+        """Route the next forwards by `experts` [N, k] (int64, megatron's flat token order), or by the
+        router's own top-k again (None)."""
+        if experts is None:
+            self.router_replay = None
+            return
+        if self.router_replay is None:
+            self.router_replay = RouterReplay()
+            # megatron keeps every instance in one class-level list for its global setters; each router
+            # here is driven on its own, and a list spanning every model built in the process would leak
+            RouterReplay.global_router_replay_instances.remove(self.router_replay)
+        self.router_replay.clear_indices()
+        self.router_replay.set_target_indices(experts)
+        self.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None) -> Any:
+        probs, routing_map = super().routing(logits, padding_mask)
+        if self.route_sink is not None:
+            # routing_map [N, E] -> the routed experts ascending; -1 fills a row short of k (a dropped slot)
+            e = routing_map.shape[-1]
+            ids = torch.arange(e, device=routing_map.device).expand_as(routing_map)
+            experts = torch.where(routing_map, ids, e).sort(dim=1).values[:, : self.topk]
+            _report(self, torch.where(experts == e, -1, experts))
+        return probs, routing_map
 
 
 class KernelExperts(_TakesKernels, SequentialMLP):
@@ -153,7 +198,7 @@ def stock_moe_spec(provider: StockSpecProvider) -> ModuleSpec:
     experts = MLPSubmodules(linear_fc1=provider.column_parallel_linear(), linear_fc2=provider.row_parallel_linear())
     return ModuleSpec(
         module=StockMoELayer,
-        submodules=MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=experts), router=TopKRouter),
+        submodules=MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=experts), router=StockRouter),
     )
 
 

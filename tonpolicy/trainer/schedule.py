@@ -159,15 +159,24 @@ def read_rows(mb: Microbatch) -> torch.Tensor:
 
 
 def run(
-    model: Any, mbs: list[Microbatch], seq_len: int, loss_fn: LossFn, forward_only: bool, kernel_spec: bool
+    model: Any,
+    mbs: list[Microbatch],
+    seq_len: int,
+    loss_fn: LossFn,
+    forward_only: bool,
+    kernel_spec: bool,
+    before_forward: Callable[[Microbatch], None] | None = None,
 ) -> list[dict]:
     """Megatron schedule over the microbatches; returns loss_fn's dicts (last pipeline stage only).
     `kernel_spec`: the model's attention takes the microbatch's positions (Megatron's stock spec
-    applies its own RoPE and would read them as THD packing parameters)."""
+    applies its own RoPE and would read them as THD packing parameters). `before_forward`: called with
+    each microbatch just before this stage's forward of it (router replay sets its routes there)."""
     it = iter(mbs)
 
     def forward_step(data_iterator: Any, module: Any) -> tuple[torch.Tensor, Callable]:
         mb = next(data_iterator)
+        if before_forward is not None:
+            before_forward(mb)
         dev = device()
         positions = mb.positions.to(dev)
         if not kernel_spec:

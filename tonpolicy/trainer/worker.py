@@ -21,7 +21,7 @@ from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, exact_gemm, get_kernels, logprob_temperature, padded_vocab_size
 from tonpolicy.rl.objective import PPOConfig, metrics, token_loss
-from tonpolicy.trainer import schedule
+from tonpolicy.trainer import routes, schedule
 from tonpolicy.trainer.model import build_gpt
 from tonpolicy.trainer.moe_weights import is_expert_param
 from tonpolicy.trainer.process_groups import Layout, init_distributed
@@ -84,6 +84,10 @@ class TrainerWorker:
         self.model: Any = self.module
         self.optimizer: Any = None
         self.last_share: list[int] = []
+        # An MoE model's: the last recompute's routes per sample (global rank 0; `routes.gather_routes`),
+        # and the rollout's routes the stock router replays (`replay_routes`, trainer.router_replay).
+        self.last_routes: list[torch.Tensor] | None = None
+        self.replayed: list[torch.Tensor] | None = None
         self.lr = cfg.task.lr if cfg.task.lr is not None else cfg.trainer.lr  # a task may set its own
 
     @property
@@ -105,13 +109,40 @@ class TrainerWorker:
             prompts, responses, self.layout.cp_type, self.tile, extras, t.micro_batch_size, t.pack_sequences
         )
 
+    def replay_routes(self, rollout_routes: list[torch.Tensor] | None) -> None:
+        """Router replay (the off-policy control): the next `logprobs` and `ppo_step` route every token
+        by `routes` (per sample int32 [fed positions, layers, k], the rollout's) instead of the router's
+        own top-k. Only megatron's stock router replays; validation allows it only there."""
+        if rollout_routes is None:
+            raise ValueError("trainer.router_replay: the rollout server returned no routed_experts to replay")
+        self.replayed = rollout_routes
+
+    def _before_forward(self) -> Callable[[schedule.Microbatch], None] | None:
+        if self.replayed is None:
+            return None
+        return routes.replayer(self.module, self.replayed, self.model_cfg.num_experts_per_tok)
+
     @torch.no_grad()
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
-        """fp32 logprob of every response token (temperature from the experiment config)."""
+        """fp32 logprob of every response token (temperature from the experiment config). An MoE
+        model's routes at the positions that predicted them land in `last_routes` (global rank 0)."""
         self.model.eval()
         mbs, seq_len = self._microbatches(prompts, responses)
-        outs = schedule.run(self.model, mbs, seq_len, self._lp_loss, True, self.spec == "kernels")
-        return schedule.assemble(outs, mbs, [len(r) for r in responses])
+        lengths = [len(r) for r in responses]
+        if not self.model_cfg.is_moe:
+            outs = schedule.run(self.model, mbs, seq_len, self._lp_loss, True, self.spec == "kernels")
+            return schedule.assemble(outs, mbs, lengths)
+        with routes.RouteRecorder(self.module) as recorder:
+            try:
+                outs = schedule.run(
+                    self.model, mbs, seq_len, self._lp_loss, True, self.spec == "kernels", self._before_forward()
+                )
+            finally:
+                routes.end_replay(self.module)
+        lps = schedule.assemble(outs, mbs, lengths)
+        m = self.model_cfg
+        self.last_routes = routes.gather_routes(recorder, mbs, lengths, m.num_layers, m.num_experts_per_tok)
+        return lps
 
     # --- training -----------------------------------------------------------------------------------
     def _setup_optimizer(self) -> None:
@@ -188,7 +219,12 @@ class TrainerWorker:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outs = schedule.run(self.model, mbs, seq_len, loss_fn, False, self.spec == "kernels")
+        try:
+            replay = self._before_forward()
+            outs = schedule.run(self.model, mbs, seq_len, loss_fn, False, self.spec == "kernels", replay)
+        finally:
+            routes.end_replay(self.module)
+            self.replayed = None  # one batch's routes: the next step brings its own
         new_lp = schedule.assemble(outs, mbs, [len(r) for r in responses])
         if may_update is not None and not may_update(new_lp):
             self.optimizer.zero_grad()
