@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,13 @@ def test_an_unknown_family_is_refused_by_name() -> None:
 def test_the_old_kernel_set_name_is_told_the_new_one() -> None:
     with pytest.raises(ConfigError, match=r"renamed: use 'plain'"):
         validate(compose_config(["contract.kernels=default"]), check_hf=False)
+
+
+def test_a_family_without_an_sglang_entry_is_refused_rollout_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every family has an entry today; the refusal stays for one that has none (a new family)."""
+    monkeypatch.setitem(FAMILIES, "qwen3_moe", replace(FAMILIES["qwen3_moe"], sglang_entry=None))
+    cfg = compose_config(["model=qwen3_moe_tiny", "rollout=sglang", "trainer.device=cuda"])
+    with pytest.raises(ConfigError, match="does not serve family qwen3_moe"):
+        validate(cfg, check_hf=False)
+    monkeypatch.undo()
+    validate(cfg, check_hf=False)  # the package's Qwen3MoeForCausalLM serves it

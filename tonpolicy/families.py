@@ -43,7 +43,7 @@ FAMILIES: dict[str, ModelFamily] = {
         hf_architectures=("Qwen3MoeForCausalLM",),
         engine_model="tonpolicy.model.qwen3_moe:Qwen3Moe",
         layer_spec="tonpolicy.trainer.layer_spec:moe_block_spec",
-        sglang_entry=None,
+        sglang_entry="tonpolicy.inside_sglang.model.qwen3_moe:Qwen3MoeForCausalLM",
         hf_adapter="tonpolicy.config.hf_qwen3_moe",
         routed_experts=True,
     ),

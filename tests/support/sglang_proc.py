@@ -39,8 +39,8 @@ def sglang_env_python() -> str:
     return py
 
 
-def save_checkpoint(path: Path, dtype: str, seed: int = 0) -> Path:
-    cfg = ModelConfig()
+def save_checkpoint(path: Path, dtype: str, seed: int = 0, cfg: ModelConfig | None = None) -> Path:
+    cfg = cfg or ModelConfig()
     save_hf(init_state_dict(cfg, getattr(torch, dtype), seed), cfg, path)
     return path
 
@@ -49,10 +49,12 @@ class SGLangServer:
     """`overrides` compose a run config; the server is started with the command and environment its
     launch plan renders (so the tests run what users run)."""
 
-    def __init__(self, tmp: Path, name: str, ckpt: Path, overrides: list[str]) -> None:
+    def __init__(
+        self, tmp: Path, name: str, ckpt: Path, overrides: list[str], extra_args: tuple[str, ...] = ()
+    ) -> None:
         self.cfg = compose_config(["rollout=sglang", "trainer.device=cpu", *overrides])
         self.port = free_port()
-        argv = sglang_argv(self.cfg, str(ckpt), "cpu", self.port)
+        argv = sglang_argv(self.cfg, str(ckpt), "cpu", self.port) + list(extra_args)
         env = server_environment(self.cfg, "cpu", identity(self.cfg.contract).fingerprint)
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -86,7 +88,15 @@ class SGLangServer:
         self._log.close()
 
 
-def check_parity(py: str, server: SGLangServer, ckpt: Path, kernels: str, temperature: float) -> dict:
+def check_parity(
+    py: str,
+    server: SGLangServer,
+    ckpt: Path,
+    kernels: str,
+    temperature: float,
+    routes: bool = False,
+    small: bool = False,
+) -> dict:
     proc = subprocess.run(
         [
             py,
@@ -96,6 +106,8 @@ def check_parity(py: str, server: SGLangServer, ckpt: Path, kernels: str, temper
             server.cfg.contract.dtype,
             kernels,
             str(temperature),
+            *(["routes"] if routes else []),
+            *(["small"] if small else []),
         ],
         capture_output=True,
         text=True,

@@ -3,7 +3,7 @@
     SGLANG_EXTERNAL_MODEL_PACKAGE=tonpolicy.inside_sglang.model TONPOLICY_CONTRACT='{...}' \\
         python -m tonpolicy.inside_sglang.server --model-path CKPT ...
 
-Takes exactly `python -m sglang.launch_server`'s flags and runs SGLang's own server; it adds two
+Takes exactly `python -m sglang.launch_server`'s flags and runs SGLang's own server; it adds:
 things:
 - the contract sampler, registered for the sampling backends at import time: SGLang starts its
   scheduler processes with the `spawn` method, which imports this module again in each of them, so
@@ -11,7 +11,10 @@ things:
 - `GET /tonpolicy/contract`: the runtime identity every TP rank computed from the kernel set it
   built (tonpolicy.inside_sglang.model.report), which the trainer checks before training;
 - a 400 for token ids outside the vocabulary (tonpolicy.inside_sglang.vocab_guard), which would otherwise
-  kill SGLang's scheduler and with it the server.
+  kill SGLang's scheduler and with it the server;
+- on a host without CUDA, SGLang's host-side buffers (the routed-experts capturer's,
+  `--enable-return-routed-experts`) as plain memory: SGLang pins them with cudaHostRegister, which
+  fails there (its own MoE models hit the same wall on CPU).
 """
 
 from __future__ import annotations
@@ -22,11 +25,27 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from tonpolicy.inside_sglang.model.heads import register_contract_sampler
 from tonpolicy.inside_sglang.model.report import REPORT_DIR_ENV, merged_report
 from tonpolicy.inside_sglang.vocab_guard import VocabGuard
 
+
+def _plain_host_buffers_without_cuda() -> None:
+    if torch.cuda.is_available():
+        return
+    from sglang.srt.mem_cache.pool_host import common
+
+    def plain(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):  # noqa: ANN001, ANN202
+        return torch.zeros(dims, dtype=dtype, device="cpu")
+
+    common.ALLOC_MEMORY_FUNCS["cpu"] = plain
+
+
+# At import: SGLang's scheduler processes are spawned and import this module again.
 register_contract_sampler()
+_plain_host_buffers_without_cuda()
 
 
 def add_contract_route(app, report_dir: str) -> None:  # noqa: ANN001 - SGLang's FastAPI app

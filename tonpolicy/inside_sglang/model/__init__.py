@@ -8,6 +8,8 @@ server; every numerical op of the model is a call into the contract kernel set:
 
 - `qwen3.py`: the model, TP-sharded over SGLang's TP group (column shards; row-parallel layers as
   canonical K-shard partials combined across ranks in the fixed tree, `kernels/row_parallel.py`);
+- `qwen3_moe.py`: Qwen3-MoE on the same pieces, its experts sharded over SGLang's TP group (and its
+  `--ep-size`), routes fed to SGLang's routed-experts capturer;
 - `attention.py`: split-KV attention reading SGLang's own paged KV pool;
 - `heads.py`: the fp32 LM head over the TP-independent padded vocab, and the sampler that reports
   fp32 log_softmax(logits / T) of the sampled token;

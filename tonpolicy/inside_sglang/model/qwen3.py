@@ -20,17 +20,9 @@ import torch
 from sglang.srt.distributed.parallel_state import get_tp_group
 from torch import nn
 
+from tonpolicy.config import hf_qwen3
 from tonpolicy.config.dtypes import dtype_name
-from tonpolicy.config.hf_qwen3 import (
-    EMBED,
-    FINAL_NORM,
-    LAYER_PARAMS,
-    LM_HEAD,
-    SHARD_DIM,
-    VOCAB,
-    config_from_hf,
-    parse_layer_param,
-)
+from tonpolicy.config.hf_qwen3 import EMBED, FINAL_NORM, LAYER_PARAMS, LM_HEAD, SHARD_DIM, VOCAB
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.inside_sglang.model.attention import PooledAttention
 from tonpolicy.inside_sglang.model.heads import ContractLogitsProcessor, contract_sampler_active
@@ -43,16 +35,28 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def _checkpoint_config(config) -> dict:  # noqa: ANN001 - SGLang's HF config
+    """config.json as the checkpoint has it: SGLang's CPU engine pads sizes TP does not divide evenly
+    enough for its kernels (moe_intermediate_size 96 -> 128 at TP 2) and keeps the checkpoint's as
+    `original_*`; the contract model shards the checkpoint's own sizes."""
+    d = config.to_dict()
+    return {k: d.get(f"original_{k}", v) for k, v in d.items() if not k.startswith("original_")}
+
+
 class _Layer(nn.Module):
-    def __init__(self, hidden: int, q_local: int, kv_local: int, head_dim: int, inter_local: int) -> None:
+    """Attention and norms; the MLP's parameters are added by the model's `_build_mlp`."""
+
+    def __init__(self, hidden: int, q_local: int, kv_local: int, head_dim: int) -> None:
         super().__init__()
         self.input_layernorm, self.post_attention_layernorm = _empty(hidden), _empty(hidden)
         self.qkv, self.o_proj = _empty(q_local + 2 * kv_local, hidden), _empty(hidden, q_local)
         self.q_norm, self.k_norm = _empty(head_dim), _empty(head_dim)
-        self.gate_up, self.down_proj = _empty(2 * inter_local, hidden), _empty(hidden, inter_local)
 
 
 class Qwen3ForCausalLM(nn.Module):
+    # The family's HF adapter (config.json, parameter names); a subclass family swaps it.
+    adapter = hf_qwen3
+
     def __init__(self, config, quant_config=None, prefix: str = "", **_: object) -> None:  # noqa: ANN001
         super().__init__()
         if quant_config is not None:
@@ -63,7 +67,7 @@ class Qwen3ForCausalLM(nn.Module):
                 "`python -m tonpolicy.inside_sglang.server` (it registers it)"
             )
         self.config = config
-        self.cfg = cfg = config_from_hf(config.to_dict())
+        self.cfg = cfg = self.adapter.config_from_hf(_checkpoint_config(config))
         contract = contract_from_env()
         self.kernels = get_kernels(contract["kernels"], **contract["kernel_params"])
         tp = get_tp_group()
@@ -78,8 +82,10 @@ class Qwen3ForCausalLM(nn.Module):
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, self.kernels.canonical_shards)
         self.embed_tokens = _empty(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            _Layer(cfg.hidden_size, self.q_heads * d, self.kv_heads * d, d, self.inter) for _ in range(cfg.num_layers)
+            _Layer(cfg.hidden_size, self.q_heads * d, self.kv_heads * d, d) for _ in range(cfg.num_layers)
         )
+        for li, layer in enumerate(self.layers):
+            self._build_mlp(li, layer)
         self.norm = _empty(cfg.hidden_size)
         self.lm_head = nn.Module()
         self.lm_head.weight = _empty(self.padded_vocab // self.tp_size, cfg.hidden_size)
@@ -101,6 +107,22 @@ class Qwen3ForCausalLM(nn.Module):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._gather(self.kernels.lm_head(hidden, self.lm_head.weight), -1)
+
+    # --- the MLP: dense here, a subclass family overrides these three ------------------------
+    def _build_mlp(self, li: int, layer: _Layer) -> None:
+        layer.gate_up, layer.down_proj = (
+            _empty(2 * self.inter, self.cfg.hidden_size),
+            _empty(self.cfg.hidden_size, self.inter),
+        )
+
+    def _mlp(self, li: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.kernels.linear(x, layer.gate_up).split([self.inter, self.inter], dim=-1)
+        return self._row_linear(self.kernels.swiglu(gate, up), layer.down_proj)
+
+    def _load_layer(self, li: int, suffix: str, w: torch.Tensor) -> None:
+        dest, rows, first = self._destinations(self.layers[li])[suffix]
+        dim = SHARD_DIM[LAYER_PARAMS[suffix]]
+        dest.copy_(w if dim is None else w.narrow(dim, first, rows))
 
     # --- forward -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -132,9 +154,7 @@ class Qwen3ForCausalLM(nn.Module):
             )
             o = attend(li, q, k, v.reshape(n, self.kv_heads, d))
             h = h + self._row_linear(o.reshape(n, q_size), layer.o_proj)
-            x = kern.rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps)
-            gate, up = kern.linear(x, layer.gate_up).split([self.inter, self.inter], dim=-1)
-            h = h + self._row_linear(kern.swiglu(gate, up), layer.down_proj)
+            h = h + self._mlp(li, layer, kern.rms_norm(h, layer.post_attention_layernorm, cfg.rms_norm_eps))
         h = kern.rms_norm(h, self.norm, cfg.rms_norm_eps)
         return self.logits_processor(input_ids, h, self.lm_head, forward_batch)
 
@@ -144,7 +164,7 @@ class Qwen3ForCausalLM(nn.Module):
         (the adapter's TP plan); KV heads start at `kv_first` (replicated when TP exceeds them)."""
         d, inter = self.cfg.head_dim, self.inter
         q_rows, kv_rows, kv_first = self.q_heads * d, self.kv_heads * d, self.kv_first * d
-        return {
+        out = {
             "input_layernorm.weight": (layer.input_layernorm, 0, 0),
             "post_attention_layernorm.weight": (layer.post_attention_layernorm, 0, 0),
             "self_attn.q_norm.weight": (layer.q_norm, 0, 0),
@@ -153,10 +173,12 @@ class Qwen3ForCausalLM(nn.Module):
             "self_attn.k_proj.weight": (layer.qkv[q_rows : q_rows + kv_rows], kv_rows, kv_first),
             "self_attn.v_proj.weight": (layer.qkv[q_rows + kv_rows :], kv_rows, kv_first),
             "self_attn.o_proj.weight": (layer.o_proj, q_rows, self.tp_rank * q_rows),
-            "mlp.gate_proj.weight": (layer.gate_up[:inter], inter, self.tp_rank * inter),
-            "mlp.up_proj.weight": (layer.gate_up[inter:], inter, self.tp_rank * inter),
-            "mlp.down_proj.weight": (layer.down_proj, inter, self.tp_rank * inter),
         }
+        if hasattr(layer, "gate_up"):  # a dense MLP (a MoE layer's experts load elsewhere)
+            out["mlp.gate_proj.weight"] = (layer.gate_up[:inter], inter, self.tp_rank * inter)
+            out["mlp.up_proj.weight"] = (layer.gate_up[inter:], inter, self.tp_rank * inter)
+            out["mlp.down_proj.weight"] = (layer.down_proj, inter, self.tp_rank * inter)
+        return out
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -174,12 +196,10 @@ class Qwen3ForCausalLM(nn.Module):
                     self._load_head(w)
             elif name == FINAL_NORM:
                 self.norm.copy_(w)
-            elif (layer := parse_layer_param(name)) and layer[0] < cfg.num_layers:
-                dest, rows, first = self._destinations(self.layers[layer[0]])[layer[1]]
-                dim = SHARD_DIM[LAYER_PARAMS[layer[1]]]
-                dest.copy_(w if dim is None else w.narrow(dim, first, rows))
+            elif (layer := self.adapter.parse_layer_param(name)) and layer[0] < cfg.num_layers:
+                self._load_layer(*layer, w)
             else:
-                raise KeyError(f"unexpected Qwen3 weight {name}")
+                raise KeyError(f"unexpected {type(self).__name__} weight {name}")
 
     def _load_head(self, w: torch.Tensor) -> None:  # VOCAB: rows of the padded vocab
         padded = torch.nn.functional.pad(w, (0, 0, 0, self.padded_vocab - w.shape[0]))
