@@ -85,7 +85,12 @@ def test_hosts_of_another_cpu_class_differ_in_the_runtime_fingerprint() -> None:
     ours = runtime_identity(kernels, "bfloat16", "cpu")
     theirs = runtime_identity(kernels, "bfloat16", "cpu")
     assert ours["fingerprint"] == theirs["fingerprint"]
-    theirs["build"]["cpu"] = {"vendor": "AuthenticAMD", "flags": ["fma", "avx2"]}
-    theirs["build"]["isa_caps"] = {"ATEN_CPU_CAPABILITY": "avx2"}
+    mine = ours["build"]["cpu"]
+    other_vendor = "GenuineIntel" if mine.get("vendor") == "AuthenticAMD" else "AuthenticAMD"  # not this host's
+    other_flags = ["fma"] if mine.get("flags") == ["fma", "avx2"] else ["fma", "avx2"]
+    theirs["build"]["cpu"] = {"vendor": other_vendor, "flags": other_flags}
+    theirs["build"]["isa_caps"] = {
+        "ATEN_CPU_CAPABILITY": "avx2" if ours["build"]["isa_caps"] != {"ATEN_CPU_CAPABILITY": "avx2"} else "default"
+    }
     diff = runtime_differences(ours, theirs)
     assert {"build.cpu.flags", "build.cpu.vendor", "build.isa_caps.ATEN_CPU_CAPABILITY"} <= set(diff), diff

@@ -17,7 +17,7 @@ EXIT_INTERRUPTED = 130
 # What each code means, in README's words (its parenthetical details left out).
 EXIT_CODES = {
     EXIT_OK: "ok",
-    EXIT_INVALID_CONFIG: "invalid configuration",
+    EXIT_INVALID_CONFIG: "invalid configuration or command line",
     EXIT_GATE_FAILED: "parity gate failed",
     EXIT_CHILD_FAILED: "a trainer rank or the server died",
     EXIT_SERVER_UNHEALTHY: "the server did not become healthy or its port is taken",
