@@ -129,6 +129,7 @@ def test_rendered_sglang_flags_exist_in_sglang() -> None:
     for overrides in [
         *GOLDEN_CASES.values(),
         ["contract=off_policy", "rollout=sglang", "trainer.device=cuda", "rollout.chunked_prefill_size=256"],
+        ["model=qwen3_30b_a3b", "rollout=sglang", "trainer.device=cuda", "parallel.rollout_tp=2"],
     ]:
         argv = sglang_argv(compose_config(overrides), "/ckpt")
         assert argv[1:3] in (["-m", "sglang.launch_server"], ["-m", "tonpolicy.inside_sglang.server"])
@@ -145,6 +146,9 @@ def test_rendered_sglang_flags_exist_in_sglang() -> None:
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(r["ok"] for r in results), results
     assert results[2]["attention_backend"] == "torch_native"  # tiny_tp2_cpu: SGLang's CPU engine
+    assert results[-1]["ok"] and "--enable-return-routed-experts" in sglang_argv(
+        compose_config(["model=qwen3_moe_tiny", "rollout=sglang"]), "/ckpt"
+    )  # a MoE model's server reports each token's experts (routing_agreement)
     # A flag that does not exist is refused: the check can fail.
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).parents[1] / "support" / "sglang_argcheck.py")],
