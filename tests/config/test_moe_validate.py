@@ -90,3 +90,18 @@ def test_dense_config_json_under_a_moe_profile_is_refused(tmp_path) -> None:
     moe = config_to_hf(compose_config(["model=qwen3_30b_a3b"]).model)
     path.write_text(json.dumps(moe))
     assert "a MoE architecture: use a MoE profile" in _problems(["model=qwen3_4b", f"model.hf_config={path}"])
+
+
+def test_rollout_ep_is_sglangs_ep_size_inside_its_tp() -> None:
+    from tonpolicy.launch.plan import sglang_argv
+
+    text = _problems(["model=qwen3_moe_tiny", "parallel.rollout_ep=2"])
+    assert "parallel.rollout_ep=2: the embedded rollout engine runs unsharded" in text
+    assert "parallel.rollout_ep=2: SGLang places EP inside TP: must divide parallel.rollout_tp=1" in text
+    text = _problems(["model=qwen3_moe_tiny", "rollout=sglang", "parallel.rollout_tp=2", "parallel.rollout_ep=3"])
+    assert "parallel.rollout_ep=3: must divide model.num_experts=8" in text
+    assert "expert parallelism needs a mixture of experts" in _problems(["parallel.rollout_ep=2"])
+    cfg = compose_config(["model=qwen3_moe_tiny", "rollout=sglang", "parallel.rollout_tp=2", "parallel.rollout_ep=2"])
+    validate(cfg, check_hf=False)
+    argv = sglang_argv(cfg, "/ckpt")
+    assert argv[argv.index("--ep-size") + 1] == "2" and argv[argv.index("--tp-size") + 1] == "2"

@@ -19,9 +19,17 @@ def check_moe(cfg: Config, bad: Any) -> None:
     if not fam.routed_experts and m.num_experts:
         bad("model.num_experts", f"family {m.family} is dense: must be 0 (a MoE profile has family qwen3_moe)")
     if not m.is_moe:
-        if p.ep > 1:
-            bad("parallel.ep", f"expert parallelism needs a mixture of experts; model {m.name} is dense")
+        for key, size in (("parallel.ep", p.ep), ("parallel.rollout_ep", p.rollout_ep)):
+            if size > 1:
+                bad(key, f"expert parallelism needs a mixture of experts; model {m.name} is dense")
         return
+    if p.rollout_ep > 1:
+        if cfg.rollout.backend != "sglang":
+            bad("parallel.rollout_ep", "the embedded rollout engine runs unsharded: must be 1 (SGLang's --ep-size)")
+        if p.rollout_tp >= 1 and p.rollout_tp % p.rollout_ep:
+            bad("parallel.rollout_ep", f"SGLang places EP inside TP: must divide parallel.rollout_tp={p.rollout_tp}")
+        if m.num_experts % p.rollout_ep:
+            bad("parallel.rollout_ep", f"must divide model.num_experts={m.num_experts}")
     if not 1 <= m.num_experts_per_tok <= m.num_experts:
         bad("model.num_experts_per_tok", f"must be in [1, model.num_experts={m.num_experts}]")
     for key in ("moe_intermediate_size", "decoder_sparse_step"):

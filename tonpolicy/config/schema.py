@@ -66,6 +66,9 @@ class ParallelConfig:
     cp_type: str = "none"  # "none" | "ulysses" | "ring" (zigzag)
     dp: int = 1
     rollout_tp: int = 1
+    # SGLang's --ep-size (MoE models): experts split over ep of the rollout_tp ranks. The contract's bits
+    # do not depend on it (an expert's output is taken from the one rank that holds it).
+    rollout_ep: int = 1
     rollout_dp: int = 1
     # Expert parallelism (Megatron's expert_model_parallel_size): the experts of a MoE layer split over
     # ep ranks carved out of tp*cp*dp as Megatron lays them out, so it adds no ranks of its own.

@@ -112,6 +112,7 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
         "parallel.cp",
         "parallel.dp",
         "parallel.rollout_tp",
+        "parallel.rollout_ep",
         "parallel.rollout_dp",
         "parallel.ep",
         "contract.attention_tile",

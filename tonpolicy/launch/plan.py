@@ -96,6 +96,8 @@ def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: i
         argv += ["--rl-on-policy-target", c.sglang.rl_on_policy_target]
     if c.sglang.disable_radix_cache:
         argv += ["--disable-radix-cache"]
+    if cfg.parallel.rollout_ep > 1:
+        argv += ["--ep-size", str(cfg.parallel.rollout_ep)]
     if cfg.model.is_moe and (c.sglang.model_package or device == "cuda"):
         # Each token's experts come back for the gate's routing_agreement (stock SGLang's capturer needs
         # CUDA host memory; tonpolicy's server entry gives it plain memory on a CPU host).
