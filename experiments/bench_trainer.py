@@ -4,7 +4,10 @@ step spent in the logprob recipe (TP vocab gather -> fp32 log-softmax -> gather;
 the parity comparison.
 
     .venv/bin/python experiments/bench_trainer.py [--samples 8] [--prompt-len 96] [--response-len 32]
-        [--steps 20] [--dtypes float32,bfloat16] [--tp 1 2]
+        [--steps 20] [--dtypes float32,bfloat16] [--tp 1 2] [--model qwen3_moe_tiny --ep 2]
+
+`--model` takes any profile (e.g. `qwen3_moe_tiny`: the MoE contract against megatron's stock MoE);
+`--ep N` runs each TP at dp=N, ep=N (expert parallelism carved out of data parallelism, as Megatron does).
 
 Every target (contract step / stock step <= 1.1 at each TP and dtype) is printed as measured / target;
 results/bench_trainer.json gets the numbers.
@@ -27,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from perf_targets import TRAINER_RATIO, Check, report, with_launch_environment  # noqa: E402
 
 from tonpolicy.align import harness  # noqa: E402
-from tonpolicy.config.model import ModelConfig  # noqa: E402
 from tonpolicy.trainer.process_groups import Layout, spawn  # noqa: E402
 
 
@@ -93,10 +95,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--steps", type=int, default=20)  # 8 left a 2-core VM's spread at +-0.04
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--model", default="qwen3_tiny")
+    ap.add_argument("--ep", type=int, default=1)
     a = ap.parse_args(argv)
+    from tonpolicy.config.compose import compose_config
     from tonpolicy.model.checkpoint import init_state_dict, save_hf
 
-    cfg = ModelConfig()
+    cfg = compose_config([f"model={a.model}"]).model
     g = torch.Generator().manual_seed(0)
     batch = {
         "prompts": [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.samples)],
@@ -110,7 +115,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ck = str(Path(tempfile.mkdtemp()) / "ckpt")
         save_hf(init_state_dict(cfg, getattr(torch, dtype), 3), cfg, ck)
         for tp in a.tp:
-            r = spawn(_bench, tp, Layout(tp=tp), dtype, ck, batch, a.steps)
+            layout = Layout(tp=tp, dp=a.ep, ep=a.ep)
+            r = spawn(_bench, tp * a.ep, layout, dtype, ck, batch, a.steps)
             results.append(r)
             c, s = r["kernels"], r["stock"]
             print(
@@ -120,9 +126,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             )
             short = "bf16" if dtype == "bfloat16" else "fp32"
             checks.append(
-                Check(f"trainer step tp{tp} {short}, contract/stock spec", r["contract_over_stock"], TRAINER_RATIO)
+                Check(f"trainer step {layout} {short}, contract/stock spec", r["contract_over_stock"], TRAINER_RATIO)
             )
-    report("bench_trainer", checks, {"workload": vars(a), "runs": results})
+    name = "bench_trainer" if a.model == "qwen3_tiny" and a.ep == 1 else f"bench_trainer_{a.model}_ep{a.ep}"
+    report(name, checks, {"workload": vars(a), "runs": results})
     return results
 
 
