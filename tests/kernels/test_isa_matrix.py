@@ -85,10 +85,11 @@ def test_contract_gemm_bits_are_the_same_in_every_cell(cells: dict[str, dict]) -
     assert len({c["capability"] for c in cells.values()}) >= 2
 
 
-def test_the_old_tiling_fails_some_cell(cells: dict[str, dict]) -> None:
-    """Negative control: library GEMMs in fixed 4-row tiles vs one 512-row GEMM (the pre-exact kernels'
-    prefill and decode shapes) differ in at least one cell."""
-    assert any(c["old_mismatches"] > 0 for c in cells.values()), cells
+def test_library_gemms_fail_some_cell(cells: dict[str, dict]) -> None:
+    """Negative control: library GEMMs are not row-invariant in at least one cell: the pre-exact kernels'
+    fixed 4-row tiles vs one 512-row GEMM (differ on Intel hosts), or a row alone vs inside the 512
+    (on AMD hosts the 4-row tiles agree, the single row does not)."""
+    assert any(c["old_mismatches"] + c["single_row_mismatches"] > 0 for c in cells.values()), cells
 
 
 @pytest.mark.parametrize("index", range(len(CELLS)), ids=[_name(c) for c in CELLS])

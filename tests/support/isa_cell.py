@@ -18,15 +18,31 @@ def old_strategy_mismatches() -> int:
     """Rows whose bits differ between a 512-row library GEMM and 4-row tiles (zero-padded), the tiling the
     kernels used before the exact GEMM: fp32 through MKL, bf16 through oneDNN."""
     bad = 0
+    for _dt, k, n, x, w, big in _library_gemms():
+        tiles = torch.bmm(x[:16].reshape(4, 4, k), w.t().unsqueeze(0).expand(4, k, n)).reshape(16, n)
+        bad += int((big[:16] != tiles).any(dim=1).sum())
+    return bad
+
+
+def single_row_mismatches() -> int:
+    """Rows whose bits differ between a 512-row library GEMM and the same row alone (a one-request decode
+    through the library): where the 4-row tiling happens to hold (AMD hosts), this still breaks."""
+    bad = 0
+    for _dt, _k, _n, x, w, big in _library_gemms():
+        alone = torch.cat([torch.mm(x[i : i + 1], w.t()) for i in range(16)])
+        bad += int((big[:16] != alone).any(dim=1).sum())
+    return bad
+
+
+def _library_gemms() -> list[tuple]:
+    out = []
     for dt in (torch.float32, torch.bfloat16):
         for k, n in ((128, 256), (1024, 1024)):
             g = torch.Generator().manual_seed(k + n)
             x = torch.randn(512, k, generator=g).to(dt)
             w = (torch.randn(n, k, generator=g) * k**-0.5).to(dt)
-            big = torch.mm(x, w.t())
-            tiles = torch.bmm(x[:16].reshape(4, 4, k), w.t().unsqueeze(0).expand(4, k, n)).reshape(16, n)
-            bad += int((big[:16] != tiles).any(dim=1).sum())
-    return bad
+            out.append((dt, k, n, x, w, torch.mm(x, w.t())))
+    return out
 
 
 def gemm_hash() -> str:
@@ -56,6 +72,7 @@ def main() -> None:
                 "problems": problems,
                 "gemm_hash": gemm_hash(),
                 "old_mismatches": old_strategy_mismatches(),
+                "single_row_mismatches": single_row_mismatches(),
             }
         )
     )
