@@ -3,11 +3,12 @@
 Fast: the HF <-> Megatron expert weights at every (expert-TP, EP, PP) split; the EP exchange
 (trainer.ep_exchange) gives every token its expert outputs bit for bit (signed zeros included) as if all
 experts were local, and the same input gradients.
-Slow (multi-process, gloo; 8 prompts x 64 tokens per cell): the trainer's logprobs for responses sampled by the embedded engine's
-Qwen3Moe are torch.equal to the engine's decode logprobs at tp1, ep2 (dp2), tp2_ep2 and pp2_ep2, fp32 and
-bf16, and the export reproduces the checkpoint; negative control: plain kernels in the engine and
-megatron's stock MoE (router, all-gather dispatcher, SequentialMLP) mismatch by rounding noise. One PPO
-step's grad_norm at every EP layout equals tp1's within 5e-6 relative (fp32).
+Slow (multi-process, gloo; 8 prompts x 64 tokens per cell): the trainer's logprobs for responses
+sampled by the embedded engine's Qwen3Moe are torch.equal to the engine's decode logprobs at tp1, ep2
+(dp2), tp2_ep2 and pp2_ep2, fp32 and bf16, and the export reproduces the checkpoint; negative control:
+plain kernels in the engine and megatron's stock MoE (router, all-gather dispatcher, SequentialMLP)
+mismatch by rounding noise. One PPO step's grad_norm at every EP layout equals tp1's within 5e-6
+relative (fp32).
 """
 
 from __future__ import annotations
