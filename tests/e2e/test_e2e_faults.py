@@ -127,3 +127,19 @@ def test_full_disk_shows_the_root_cause(tmp_path: Path) -> None:
     assert f"full log: {run_dir / 'logs' / 'trainer.log'}" in proc.stderr
     assert [r["step"] for r in records(run_dir)] == [0]
     _assert_all_gone(run_dir)
+
+
+def test_a_planted_rollout_mismatch_fails_the_default_job_with_no_update(tmp_path: Path) -> None:
+    """The default job has no recompute: the gate compares the rollout's logprobs with the first training
+    forward. One rollout logprob one bit off (TONPOLICY_FAULT=flip_rollout_logprob) fails step 0 with
+    exit 3, the record names that check, and nothing was trained or synced."""
+    proc, run_dir = run_job(
+        tmp_path, "parallel=tp1", "experiment.steps=2", env={"TONPOLICY_FAULT": "flip_rollout_logprob"}
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "parity gate failed at step 0" in proc.stderr and "first training forward" in proc.stderr
+    (rec,) = records(run_dir)
+    assert rec["recompute"] is False and rec["gate"] == "failed"
+    assert rec["gate_check"] == "rollout_vs_first_training_forward" and rec["mismatched_tokens"] == 1
+    assert rec["update_successful"] == 0.0 and summary(run_dir)["status"] == "gate_failed"
+    assert not (run_dir / "checkpoints" / "step_1").exists()

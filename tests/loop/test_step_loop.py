@@ -1,6 +1,8 @@
 """`take_step` in one process (a gloo group of one) with a stand-in worker and server: a passing step
-trains, exports and pushes the weights; a failing check of either kind trains nothing, exports and
-pushes nothing, and its record names the check."""
+trains, exports and pushes the weights; a failing check of any kind trains nothing, exports and
+pushes nothing, and its record names the check. With trainer.recompute_logprobs (off_policy's default)
+the gate checks rollout == recompute, then recompute == first training forward; without it (an exact
+contract's default) there is no recompute and the one check is rollout == first training forward."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tonpolicy.config.schema import Config, ExperimentConfig
+from tonpolicy.config.schema import Config, ExperimentConfig, TrainerConfig
 from tonpolicy.loop.gate import Gate
 from tonpolicy.loop.records import StepRecords, append_jsonl
 from tonpolicy.loop.run import Loop, take_step
@@ -43,21 +45,27 @@ class Server:
 
 
 class Worker:
-    """The trainer's recompute reproduces `_lps`; `first_forward_off` makes the training forward differ."""
+    """The trainer's recompute and training forward reproduce `_lps`; `first_forward_off` makes the
+    training forward differ. `minibatches`: ppo_step's first forward covers the first 1/minibatches."""
 
-    def __init__(self, first_forward_off: bool = False) -> None:
-        self.first_forward_off, self.updates, self.saved = first_forward_off, 0, []
+    def __init__(self, first_forward_off: bool = False, minibatches: int = 1) -> None:
+        self.first_forward_off, self.minibatches, self.updates, self.saved = first_forward_off, minibatches, 0, []
+        self.recomputes = 0
+        self.old: list[torch.Tensor] = []
 
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
+        self.recomputes += 1
         return [torch.tensor(_lps(r), dtype=torch.float32) for r in responses]
 
     def ppo_step(
         self, prompts: Any, responses: Any, old_logprobs: list[torch.Tensor], may_update: Any, **_: Any
     ) -> dict:
-        first = [t.clone() for t in old_logprobs]
+        self.old = old_logprobs
+        samples = list(range(len(responses) // self.minibatches))
+        first = [torch.tensor(_lps(responses[i]), dtype=torch.float32) for i in samples]
         if self.first_forward_off:
             first[1].view(torch.int32)[0] ^= 1
-        ok = may_update(first)
+        ok = may_update(samples, first)
         self.updates += ok
         return {"clipfrac": 0.0, "grad_norm": 1.5 if ok else float("nan"), "update_successful": float(ok), "lr": 1e-3}
 
@@ -86,8 +94,11 @@ def one_rank_group() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-def _step(tmp_path: Path, server: Server, worker: Worker) -> tuple[Any, dict]:
-    cfg = Config(experiment=ExperimentConfig(prompts_per_step=2, samples_per_prompt=2))
+def _step(tmp_path: Path, server: Server, worker: Worker, recompute: bool | None = True) -> tuple[Any, dict]:
+    cfg = Config(
+        experiment=ExperimentConfig(prompts_per_step=2, samples_per_prompt=2),
+        trainer=TrainerConfig(recompute_logprobs=recompute),
+    )
     logger = Logger()
     loop = Loop(
         cfg, worker, Gate(0, "c"), DiskWeightSync(server, tmp_path), True, server, StepRecords(tmp_path, logger, None)
@@ -120,6 +131,38 @@ def test_a_first_forward_mismatch_trains_nothing(tmp_path: Path) -> None:
     assert record["mismatched_tokens"] == 0 and record["first_forward_mismatched"] == 1
     assert record["update_successful"] == 0.0
     assert worker.updates == 0 and worker.saved == [] and server.loaded == []
+
+
+def test_the_default_exact_job_gates_the_first_training_forward_without_a_recompute(tmp_path: Path) -> None:
+    """trainer.recompute_logprobs=null under an exact contract: no recompute, PPO's old logprobs are the
+    rollout's, and the gate compared every sample's first training forward with them."""
+    server, worker = Server(), Worker()
+    verdict, record = _step(tmp_path, server, worker, recompute=None)
+    assert verdict.passed and record["gate_check"] is None and record["recompute"] is False
+    assert worker.recomputes == 0 and worker.updates == 1 and server.loaded == [("step_1", "step_1")]
+    assert record["tokens_scored"] == 8 and record["mismatched_tokens"] == 0 and record["gate_samples"] == 4
+    assert record["train_rollout_logprob_abs_diff"] == 0.0  # the first forward's, not old == rollout's
+    assert all(torch.equal(o, torch.tensor(_lps(r))) for o, r in zip(worker.old, [[3, 4], [4, 4]] * 2, strict=True))
+
+
+def test_a_planted_rollout_mismatch_without_the_recompute_trains_nothing(tmp_path: Path) -> None:
+    server, worker = Server(flip=True), Worker()
+    verdict, record = _step(tmp_path, server, worker, recompute=False)
+    assert verdict.failed and record["gate"] == "failed"
+    assert record["gate_check"] == "rollout_vs_first_training_forward" and record["recompute"] is False
+    assert record["mismatched_tokens"] == 1 and record["first_forward_mismatched"] == 1
+    assert record["update_successful"] == 0.0 and record["train_rollout_logprob_max_abs_diff"] > 0
+    assert worker.recomputes == 0 and worker.updates == 0 and worker.saved == [] and server.loaded == []
+
+
+def test_with_minibatches_the_gate_checks_the_samples_before_any_update(tmp_path: Path) -> None:
+    """ppo_minibatches=2: only the first minibatch's first forward precedes every update; the record
+    says how many samples the gate compared."""
+    verdict, record = _step(tmp_path, Server(), Worker(minibatches=2), recompute=False)
+    assert verdict.passed and record["gate_samples"] == 2 and record["tokens_scored"] == 4
+    (tmp_path / "r").mkdir()
+    verdict, record = _step(tmp_path / "r", Server(), Worker(minibatches=2), recompute=True)
+    assert verdict.passed and record["gate_samples"] == 4 and record["tokens_scored"] == 8
 
 
 def test_records_append_whole_lines(tmp_path: Path) -> None:

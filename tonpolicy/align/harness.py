@@ -200,12 +200,13 @@ def built_config_worker(configs: list[Config]) -> list[dict[str, Any]]:
 
 def _first_forward_check(
     old: list[torch.Tensor], enforce: bool, into: dict[str, Any]
-) -> Callable[[list[torch.Tensor]], bool]:
-    """The gate's second check for `ppo_step`: the first training forward against `old`, bit for bit;
-    its counts go `into` the metrics, and with `enforce` a mismatch refuses the update."""
+) -> Callable[[list[int], list[torch.Tensor]], bool]:
+    """The gate's second check for `ppo_step`: the first training forward (of the samples it names)
+    against `old`, bit for bit; its counts go `into` the metrics, and with `enforce` a mismatch refuses
+    the update."""
 
-    def may_update(first_forward: list[torch.Tensor]) -> bool:
-        report = compare_logprobs(old, first_forward)
+    def may_update(samples: list[int], first_forward: list[torch.Tensor]) -> bool:
+        report = compare_logprobs([old[i] for i in samples], first_forward)
         into.update(first_forward_mismatched=report.mismatched_tokens)
         into.update(first_forward_max_abs_diff=report.max_abs_logprob_diff)
         return report.exact or not enforce

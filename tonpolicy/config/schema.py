@@ -106,6 +106,15 @@ class RolloutConfig:
     # --skip-tokenizer-init). false: serve text too (SGLang's clients, the OpenAI API), with the
     # checkpoint's tokenizer; the server then also stops at the tokenizer's EOS, as SGLang does.
     skip_tokenizer_init: bool = True
+    # No prefix cache (SGLang's --disable-radix-cache; the embedded engine's too). A later turn of a
+    # multi-turn task then prefills its whole context instead of reusing the earlier turns' keys/values.
+    disable_radix_cache: bool = False
+    # A fleet: this many rollout servers (each at parallel.rollout_tp) behind sglang-router, which the
+    # trainer sends its samples to; weight updates and the handshake reach every replica. 1: one server,
+    # no router. (Replaces parallel.rollout_dp, SGLang's in-server --dp-size, which must stay 1.)
+    replicas: int = 1
+    # sglang-router's --policy: how it spreads the samples over the replicas.
+    router_policy: str = "round_robin"
     # How the trainer hands each step's weights to the server: "disk" (an HF checkpoint per step and
     # /update_weights_from_disk; needs a file system both see) or "distributed" (a broadcast over a
     # process group of the trainer's rank 0 and the engine ranks, SGLang's
@@ -162,6 +171,15 @@ class TrainerConfig:
     # recompute and the training forward. Not with an exact contract (its routes agree by construction,
     # and replay would hide a disagreement the gate must see).
     router_replay: bool = False
+    # The "old logprob" recompute before the update. null: off where the contract promises exact zero
+    # (the rollout's logprobs are the trainer's bits, so the gate compares them with the first training
+    # forward and PPO's old logprobs are the rollout's), on otherwise. false under a contract without
+    # exact zero uses the rollout's logprobs as PPO's old ones (slime's --use-rollout-logprobs).
+    recompute_logprobs: bool | None = None
+    # verl/slime's PPO loop: the step's batch split into ppo_minibatches (contiguous, in batch order),
+    # one optimizer update each, the whole repeated ppo_epochs times.
+    ppo_epochs: int = 1
+    ppo_minibatches: int = 1
     timeout_s: float = 900.0
 
 
@@ -184,6 +202,9 @@ class TaskConfig:
     target_digit: int = 7  # the constant task's answer
     max_digits: int | None = None  # digits per prompt (1..max_digits); None: as many as max_prompt_len allows
     lr: float | None = None  # overrides trainer.lr for this task when set
+    # Model turns of a multi-turn task (tonpolicy.rl.multi_turn; the environment replies between them);
+    # a single-turn task takes 1.
+    max_turns: int = 1
 
 
 @dataclass

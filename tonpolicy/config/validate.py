@@ -36,7 +36,7 @@ KNOWN = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "logger.backend": ("wandb", "none"),
     "logger.mode": ("offline", "online", "disabled"),
-    "task.name": ("echo_digit", "first_digit", "first_parity", "digit_copy", "constant"),
+    "task.name": ("echo_digit", "first_digit", "first_parity", "digit_copy", "constant", "calculator"),
 }
 # Backends that released SGLang's --enable-deterministic-inference accepts.
 SGLANG_DETERMINISTIC_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "ascend", "intel_xpu")
@@ -127,6 +127,8 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
         "rollout.max_running_requests",
         "trainer.nnodes",
         "trainer.micro_batch_size",
+        "trainer.ppo_epochs",
+        "trainer.ppo_minibatches",
     ]
     if p.num_microbatches is not None:
         positive.append("parallel.num_microbatches")
@@ -188,13 +190,23 @@ def _check_layout(cfg: Config, bad: Any) -> None:
     elif m.num_layers % p.pp:
         bad("parallel.pp", f"must divide model.num_layers={m.num_layers} (or declare parallel.pp_layers)")
     # Megatron's batch arithmetic: batch = dp * num_microbatches * micro_batch_size.
+    # Each PPO minibatch is such a batch: batch = ppo_minibatches * dp * num_microbatches * micro_batch_size.
     batch = cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
-    mbs = cfg.trainer.micro_batch_size
-    if p.dp >= 1 and mbs >= 1:
-        if batch % (p.dp * mbs):
+    mbs, k = cfg.trainer.micro_batch_size, cfg.trainer.ppo_minibatches
+    if k >= 1 and batch % k:
+        bad(
+            "trainer.ppo_minibatches",
+            f"must divide the step's batch (experiment.prompts_per_step*samples_per_prompt={batch}): "
+            "every minibatch holds the same number of samples",
+        )
+    elif p.dp >= 1 and mbs >= 1 and k >= 1:
+        if (batch // k) % (p.dp * mbs):
+            of = (
+                "the batch" if k == 1 else f"each of the trainer.ppo_minibatches={k} minibatches ({batch // k} samples)"
+            )
             bad(
                 "trainer.micro_batch_size",
-                f"parallel.dp*micro_batch_size={p.dp * mbs} must divide the batch "
+                f"parallel.dp*micro_batch_size={p.dp * mbs} must divide {of} "
                 f"(experiment.prompts_per_step*samples_per_prompt={batch}): every replica runs whole microbatches",
             )
         else:
@@ -202,7 +214,8 @@ def _check_layout(cfg: Config, bad: Any) -> None:
             if p.num_microbatches is not None and p.num_microbatches != n_mb:
                 bad(
                     "parallel.num_microbatches",
-                    f"is batch/(dp*micro_batch_size)={n_mb} here: set that, or null to derive it",
+                    f"is batch/({'ppo_minibatches*' if k > 1 else ''}dp*micro_batch_size)={n_mb} here: "
+                    "set that, or null to derive it",
                 )
             if p.pp > 1 and n_mb < p.pp:
                 bad(

@@ -1,11 +1,13 @@
 """Test hooks set through $TONPOLICY_FAULT (never in a configuration): faults the tests inject into a
-real run, and a deliberately broken update (the learning test's negative control)."""
+real run, a planted logprob mismatch (the gate's test), and a deliberately broken update (the learning
+test's negative control)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import replace
 
+import torch
 import torch.distributed as dist
 
 from tonpolicy.loop.batch import Batch
@@ -29,3 +31,13 @@ def with_fault_advantages(batch: Batch) -> Batch:
     if os.environ.get("TONPOLICY_FAULT") == "flip_advantages":
         return replace(batch, advantages=[-a for a in batch.advantages])
     return batch
+
+
+def with_fault_logprobs(batch: Batch) -> Batch:
+    """TONPOLICY_FAULT=flip_rollout_logprob: the first sample's first rollout logprob one bit off (its
+    fp32 pattern's lowest bit), a mismatch the gate must catch before any update."""
+    if os.environ.get("TONPOLICY_FAULT") != "flip_rollout_logprob" or not batch.rollout_logprobs[0].numel():
+        return batch
+    first = batch.rollout_logprobs[0].clone()
+    first.view(torch.int32)[0] ^= 1
+    return replace(batch, rollout_logprobs=[first, *batch.rollout_logprobs[1:]])

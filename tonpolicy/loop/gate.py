@@ -2,9 +2,19 @@
 `contract.gate.compare_logprobs` (the one equality rule), and the threshold that turns a comparison
 into a verdict.
 
-Both checks run before the update, so a step that breaks the contract trains nothing:
-rollout == recompute (the server's logprobs against the trainer's recompute at its layout), then
-recompute == the first training forward (autograd on; the first PPO ratio must be exactly 1).
+Every check runs before the update, so a step that breaks the contract trains nothing. With the
+"old logprob" recompute (`trainer.recompute_logprobs`, on by default where the contract does not promise
+exact zero) there are two: rollout == recompute (the server's logprobs against the trainer's recompute at
+its layout), then recompute == the first training forward (autograd on; the first PPO ratio must be
+exactly 1). Without it (the default under an exact-zero contract: the recompute would compute the same
+bits a third time) there is one: rollout == the first training forward, and PPO's old logprobs are the
+rollout's.
+
+The first-forward check sees the samples whose first training forward precedes every update of the
+step: all of them with one PPO minibatch (the default), the first minibatch's with
+`trainer.ppo_minibatches` > 1. A later minibatch's first forward runs after the earlier minibatches'
+updates, so its ratio is not 1 and nothing exact can be said of it there; only the recompute checks
+every sample before any update (the record's `gate_samples` says how many were checked).
 
 For an MoE model it also measures (never fails on) `routing_agreement`: how often the trainer's
 recompute routed a token to the same experts as the rollout did.
@@ -21,13 +31,21 @@ from tonpolicy.contract.gate import ParityReport, compare_logprobs
 
 ROLLOUT_VS_RECOMPUTE = "rollout_vs_recompute"
 RECOMPUTE_VS_FIRST_FORWARD = "recompute_vs_first_training_forward"
+ROLLOUT_VS_FIRST_FORWARD = "rollout_vs_first_training_forward"
+
+
+def recomputes_logprobs(cfg: Config) -> bool:
+    """trainer.recompute_logprobs resolved: null means off exactly where the contract promises exact zero."""
+    if cfg.trainer.recompute_logprobs is None:
+        return not cfg.contract.exact_zero
+    return cfg.trainer.recompute_logprobs
 
 
 @dataclass(frozen=True)
 class Verdict:
     """One check's outcome: what it compared (`report`) and whether the gate fails the step on it."""
 
-    check: str  # ROLLOUT_VS_RECOMPUTE or RECOMPUTE_VS_FIRST_FORWARD
+    check: str  # ROLLOUT_VS_RECOMPUTE, RECOMPUTE_VS_FIRST_FORWARD or ROLLOUT_VS_FIRST_FORWARD
     report: ParityReport
     failed: bool
 
@@ -46,6 +64,11 @@ class Verdict:
             return (
                 f"{r.mismatched_tokens} of {r.tokens_scored} tokens differ between rollout "
                 f"and trainer recompute (max |Δlogprob| {r.max_abs_logprob_diff:.3e})"
+            )
+        if self.check == ROLLOUT_VS_FIRST_FORWARD:
+            return (
+                f"{r.mismatched_tokens} of {r.tokens_scored} tokens differ between rollout and the "
+                f"trainer's first training forward (max |Δlogprob| {r.max_abs_logprob_diff:.3e})"
             )
         return (
             f"{r.mismatched_tokens} tokens differ between the trainer's recompute "
@@ -73,6 +96,16 @@ def routing_agreement(
     return agree / total if total else None
 
 
+def model_tokens(
+    a: list[torch.Tensor], b: list[torch.Tensor], masks: list[torch.Tensor] | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Both sides' logprobs at the model's tokens only (`masks[i]` True), or as they are without masks."""
+    if masks is None:
+        return a, b
+    a = [x.flatten()[m.bool()] for x, m in zip(a, masks, strict=True)]
+    return a, [y.flatten()[m.bool()] for y, m in zip(b, masks, strict=True)]
+
+
 class Gate:
     """`max_mismatched`: the tokens a check may find differing and still pass; 0 is exact zero, None
     records the comparison and never fails (a contract that does not promise exact zero)."""
@@ -95,11 +128,23 @@ class Gate:
         failed = self.max_mismatched is not None and report.mismatched_tokens > self.max_mismatched
         return Verdict(check, report, failed)
 
-    def rollout_vs_recompute(self, rollout: list[torch.Tensor], recompute: list[torch.Tensor]) -> Verdict:
-        return self._verdict(ROLLOUT_VS_RECOMPUTE, compare_logprobs(rollout, recompute))
+    # `masks` (a multi-turn task's, per sample bool [response tokens]): compare only the model's tokens,
+    # the environment's have no rollout logprob. None: every token is the model's.
+    def rollout_vs_recompute(
+        self, rollout: list[torch.Tensor], recompute: list[torch.Tensor], masks: list[torch.Tensor] | None = None
+    ) -> Verdict:
+        return self._verdict(ROLLOUT_VS_RECOMPUTE, compare_logprobs(*model_tokens(rollout, recompute, masks)))
 
-    def recompute_vs_first_forward(self, recompute: list[torch.Tensor], first_forward: list[torch.Tensor]) -> Verdict:
-        return self._verdict(RECOMPUTE_VS_FIRST_FORWARD, compare_logprobs(recompute, first_forward))
+    def recompute_vs_first_forward(
+        self, recompute: list[torch.Tensor], first_forward: list[torch.Tensor], masks: list[torch.Tensor] | None = None
+    ) -> Verdict:
+        report = compare_logprobs(*model_tokens(recompute, first_forward, masks))
+        return self._verdict(RECOMPUTE_VS_FIRST_FORWARD, report)
+
+    def rollout_vs_first_forward(
+        self, rollout: list[torch.Tensor], first_forward: list[torch.Tensor], masks: list[torch.Tensor] | None = None
+    ) -> Verdict:
+        return self._verdict(ROLLOUT_VS_FIRST_FORWARD, compare_logprobs(*model_tokens(rollout, first_forward, masks)))
 
     def failure_message(self, verdict: Verdict, step: int) -> str:
         return (

@@ -3,10 +3,14 @@
 Rank 0 pairs with the rollout server (the contract handshake), then every step, on every rank:
   1. rollouts: rank 0 has the server sample the step's prompts (logprobs from the decode step that
      sampled each token), scores rewards and GRPO advantages, and broadcasts the batch;
-  2. recompute: the trainer recomputes the logprobs at the configured layout (an MoE model's routes
-     recorded too; with trainer.router_replay its stock router takes the rollout's routes);
-  3. gate, first check: rollout == recompute (and, for an MoE model, routing_agreement);
-  4. PPO/GRPO step, whose update waits on the gate's second check: recompute == first training forward;
+  2. recompute, only with trainer.recompute_logprobs (by default where the contract does not promise
+     exact zero, e.g. contract=off_policy): the trainer recomputes the logprobs at the configured layout
+     (an MoE model's routes recorded too; with trainer.router_replay its stock router takes the rollout's
+     routes);
+  3. gate, first check (with the recompute): rollout == recompute (and, for an MoE model, routing_agreement);
+  4. PPO/GRPO step (trainer.ppo_epochs x trainer.ppo_minibatches updates), whose first update waits on
+     the gate's check of the first training forward, the one before any update: == recompute, or without
+     the recompute (the default job) == rollout, bit for bit, and PPO's old logprobs are the rollout's;
   5. export the new weights (an HF checkpoint, or gathered for the process group);
   6. rank 0 appends the step record and samples (and logs them to W&B);
   7. rank 0 has the server load the new weights.
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,11 +34,12 @@ from tonpolicy.contract.handshake import handshake
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.loop.batch import Batch, collect_batch
 from tonpolicy.loop.exit_codes import EXIT_GATE_FAILED, EXIT_HANDSHAKE, EXIT_INVALID_CONFIG, EXIT_OK
-from tonpolicy.loop.faults import injected_fault, with_fault_advantages
-from tonpolicy.loop.gate import Gate, Verdict, routing_agreement
+from tonpolicy.loop.faults import injected_fault, with_fault_advantages, with_fault_logprobs
+from tonpolicy.loop.gate import Gate, Verdict, model_tokens, recomputes_logprobs, routing_agreement
 from tonpolicy.loop.records import MetricsLogger, StepRecords, write_status
 from tonpolicy.loop.weight_sync import WeightSync, weight_sync_for
 from tonpolicy.model.tokenizer import load_tokenizer
+from tonpolicy.rl.objective import train_rollout_metrics
 
 if TYPE_CHECKING:
     from tonpolicy.trainer.worker import TrainerWorker
@@ -62,56 +67,86 @@ class Loop:
 def take_step(loop: Loop, step: int) -> Verdict:
     """One step; returns the gate's verdict (the failed check's, else the last check's)."""
     cfg, worker, gate = loop.cfg, loop.worker, loop.gate
+    recompute = recomputes_logprobs(cfg)
     t0 = time.monotonic()
     injected_fault(step)
     # 1. rollouts
-    batch = broadcast(with_fault_advantages(collect_batch(cfg, loop.server, step)) if loop.rank0 else None)
+    batch = broadcast(
+        with_fault_logprobs(with_fault_advantages(collect_batch(cfg, loop.server, step))) if loop.rank0 else None
+    )
     t_rollout = time.monotonic() - t0
-    # 2. recompute
+    if loop.rank0:  # synchronous: every token was sampled by the weights last pushed (else PolicyVersionError)
+        loop.weights.check_versions(batch.weight_versions)
     if cfg.trainer.router_replay:  # the recompute and the training forward route as the rollout did
         worker.replay_routes(batch.routed_experts)
-    recompute = worker.logprobs(batch.prompts, batch.responses)
-    # 3. gate, first check (rank 0's verdict, for every rank)
-    verdict = first = broadcast(gate.rollout_vs_recompute(batch.rollout_logprobs, recompute) if loop.rank0 else None)
+    # 2-3. the recompute and the gate's first check (rank 0's verdict, for every rank); without the
+    # recompute PPO's old logprobs are the rollout's, and the one check is on the first training forward
+    first: Verdict | None = None
+    old = batch.rollout_logprobs
+    if recompute:
+        old = worker.logprobs(batch.prompts, batch.responses)
+        first = broadcast(
+            gate.rollout_vs_recompute(batch.rollout_logprobs, old, batch.response_masks) if loop.rank0 else None
+        )
+    verdict = first
     metrics: dict[str, Any] = {}
-    if first.passed:
-        # 4. PPO/GRPO step; the second check sees the training forward before the update, on every rank
-        second: list[Verdict] = []
+    checked: list[int] = []
+    if first is None or first.passed:
+        # 4. PPO/GRPO step; the first-forward check sees, on every rank, the forward that precedes every
+        # update (the first minibatch's samples) and may refuse the update
+        checks: list[Verdict] = []
+        seen: list[torch.Tensor] = []
 
-        def may_update(first_forward: list[torch.Tensor]) -> bool:
-            second.append(gate.recompute_vs_first_forward(recompute, first_forward))
-            return second[0].passed
+        def may_update(samples: list[int], first_forward: list[torch.Tensor]) -> bool:
+            ref = [old[i] for i in samples]
+            check = gate.recompute_vs_first_forward if recompute else gate.rollout_vs_first_forward
+            checks.append(check(ref, first_forward, _masks(batch, samples)))
+            checked.extend(samples)
+            seen.extend(first_forward)
+            return checks[0].passed
 
         metrics = worker.ppo_step(
             batch.prompts,
             batch.responses,
-            old_logprobs=recompute,
+            old_logprobs=old,
             rollout_logprobs=batch.rollout_logprobs,
             advantages=batch.advantages,
+            loss_masks=batch.response_masks,  # a multi-turn task's: the environment's tokens carry no loss
             may_update=may_update,
+            record_routes=cfg.model.is_moe and not recompute,
         )
-        verdict = second[0]
+        verdict = checks[0]
         metrics.update(
             first_forward_mismatched=verdict.report.mismatched_tokens,
             first_forward_max_abs_diff=verdict.report.max_abs_logprob_diff,
         )
+        if not recompute:  # the trainer's logprobs of the checked samples are their first forward's
+            trained, rolled = model_tokens(seen, [old[i] for i in checked], _masks(batch, checked))
+            metrics.update(train_rollout_metrics(torch.cat(trained), torch.cat(rolled)))
         # 5. export the new weights (every rank takes part)
         if verdict.passed:
             loop.weights.export(worker, step)
+    assert verdict is not None
     if loop.rank0:
         # 6. the step record and samples
-        parity = first.report
+        parity = (first or verdict).report
         routing: dict[str, float | None] = {}
         if cfg.model.is_moe:  # null when the server gave no routes; absent for a dense model
-            routing["routing_agreement"] = _routing_agreement(cfg, batch, worker.last_routes)
+            routed = range(len(batch.prompts)) if recompute else checked
+            routing["routing_agreement"] = _routing_agreement(cfg, batch, worker.last_routes, list(routed))
         record = {
             "step": step,
             **parity.to_dict(),
             **routing,
             **metrics,
+            "recompute": recompute,
+            # samples whose rollout logprobs the gate compared with the trainer's, bit for bit
+            "gate_samples": len(batch.prompts) if recompute else len(checked),
             "gate": "failed" if verdict.failed else "passed",
             "gate_check": verdict.failed_check,
             "reward_mean": batch.reward_mean,
+            "model_tokens": batch.model_tokens,  # scored by the gate (a multi-turn task's: not the env's)
+            "cached_tokens": batch.cached_tokens,  # context tokens the server reused from its prefix cache
             "rollout_s": round(t_rollout, 3),
             "step_s": round(time.monotonic() - t0, 3),
         }
@@ -128,12 +163,21 @@ def take_step(loop: Loop, step: int) -> Verdict:
     return verdict
 
 
-def _routing_agreement(cfg: Config, batch: Batch, trainer_routes: list[torch.Tensor] | None) -> float | None:
+def _masks(batch: Batch, samples: list[int]) -> list[torch.Tensor] | None:
+    """The model-token masks of `samples` (a multi-turn task's), None when every token is the model's."""
+    return None if batch.response_masks is None else [batch.response_masks[i] for i in samples]
+
+
+def _routing_agreement(
+    cfg: Config, batch: Batch, trainer_routes: list[torch.Tensor] | None, samples: list[int]
+) -> float | None:
+    """Over `samples` (those `trainer_routes` holds, in order)."""
     if batch.routed_experts is None or trainer_routes is None:
         return None
     m = cfg.model
     moe_layers = [n for n in range(m.num_layers) if m.is_moe_layer(n)]
-    return routing_agreement(batch.routed_experts, trainer_routes, [len(p) for p in batch.prompts], moe_layers)
+    rollout = [batch.routed_experts[i] for i in samples]
+    return routing_agreement(rollout, trainer_routes, [len(batch.prompts[i]) for i in samples], moe_layers)
 
 
 def run_trainer(
@@ -143,9 +187,11 @@ def run_trainer(
     checkpoint: str,
     device: str,
     new_logger: Callable[[], MetricsLogger],
+    replica_urls: Sequence[str] = (),
 ) -> int:
     """Every trainer rank's body under torchrun; returns the rank's exit code (rank 0 also writes the
-    verdict to STATUS_FILE). `device`: this node's ('cpu' or 'cuda'); `new_logger`: rank 0's W&B logger."""
+    verdict to STATUS_FILE). `device`: this node's ('cpu' or 'cuda'); `new_logger`: rank 0's W&B logger;
+    `replica_urls`: a fleet's servers (`server_url` is then its router's)."""
     from tonpolicy.trainer.worker import TrainerWorker
 
     if device == "cpu":  # this node's CPU (another node's may differ from the launcher's)
@@ -159,9 +205,9 @@ def run_trainer(
     rank0 = dist.get_rank() == 0
     server = records = refusal = None
     if rank0:
-        from tonpolicy.rollout.client import RolloutClient
+        from tonpolicy.rollout.fleet import rollout_client
 
-        server = RolloutClient(server_url)
+        server = rollout_client(server_url, replica_urls)
         server.wait_healthy(cfg.rollout.health_timeout_s)  # launch.sh starts both at once
         refusal = handshake(cfg, server, runtime_identity(worker.kernels, cfg.contract.dtype, device))
         tokenizer = load_tokenizer(checkpoint)  # None for a checkpoint without one: ids only

@@ -44,6 +44,33 @@ def token_loss(lp: torch.Tensor, old_lp: torch.Tensor, adv: torch.Tensor, cfg: P
     return pg
 
 
+def mean_loss(
+    lp: list[torch.Tensor],
+    old_lp: list[torch.Tensor],
+    adv: list[torch.Tensor],
+    mask: list[torch.Tensor],
+    cfg: PPOConfig,
+) -> float:
+    """The token-mean loss over loss-masked tokens: what one update of these samples minimizes."""
+    m = torch.cat(mask).bool() if mask else torch.zeros(0, dtype=torch.bool)
+    if not m.any():
+        return 0.0
+    cur, old, a = (torch.cat(x).float()[m] for x in (lp, old_lp, adv))
+    return float(token_loss(cur, old, a, cfg).sum() / int(m.sum()))
+
+
+def train_rollout_metrics(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor) -> dict[str, float]:
+    """How far the trainer's logprobs (flat, fp32) are from the rollout's for the same tokens."""
+    diff = trainer_lp.float() - rollout_lp.float()
+    n = max(diff.numel(), 1)
+    return {
+        "train_rollout_logprob_abs_diff": float(diff.abs().sum() / n),
+        "train_rollout_logprob_max_abs_diff": float(diff.abs().max()) if diff.numel() else 0.0,
+        "train_rollout_k3_kl": float(k3(diff).sum() / n),  # KL(rollout || trainer) from rollout samples
+        "token_mult_prob_error": float(torch.exp(diff.abs()).sum() / n),
+    }
+
+
 def metrics(
     lp: list[torch.Tensor],
     old_lp: list[torch.Tensor],
@@ -59,13 +86,9 @@ def metrics(
     n = max(int(m.sum()), 1)
     ratio = torch.exp(cur - old)
     clipped = ((a > 0) & (ratio > 1 + cfg.clip_eps_high)) | ((a < 0) & (ratio < 1 - cfg.clip_eps))
-    diff = old - roll
     return {
         "loss": float(token_loss(cur, old, a, cfg).sum() / n),
-        "train_rollout_logprob_abs_diff": float(diff.abs().sum() / n),
-        "train_rollout_logprob_max_abs_diff": float(diff.abs().max()) if diff.numel() else 0.0,
-        "train_rollout_k3_kl": float(k3(diff).sum() / n),  # KL(rollout || trainer) from rollout samples
-        "token_mult_prob_error": float(torch.exp(diff.abs()).sum() / n),
+        **train_rollout_metrics(old, roll),
         "clipfrac": float(clipped.float().sum() / n),
         "ratio_mean": float(ratio.sum() / n),
         "ratio_min": float(ratio.min()) if ratio.numel() else 1.0,

@@ -20,7 +20,7 @@ from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, exact_gemm, get_kernels, logprob_temperature, padded_vocab_size
-from tonpolicy.rl.objective import PPOConfig, metrics, token_loss
+from tonpolicy.rl.objective import PPOConfig, mean_loss, metrics, token_loss
 from tonpolicy.trainer import routes, schedule
 from tonpolicy.trainer.model import build_gpt
 from tonpolicy.trainer.moe_weights import is_expert_param
@@ -177,27 +177,100 @@ class TrainerWorker:
         rollout_logprobs: list[torch.Tensor],
         advantages: list[float],
         loss_masks: list[torch.Tensor] | None = None,
-        may_update: Callable[[list[torch.Tensor]], bool] | None = None,
-    ) -> dict[str, float]:
-        """One clipped policy-gradient step over the whole batch (token-mean loss); returns metrics
-        including grad_norm (before clipping), computed identically on every rank.
+        may_update: Callable[[list[int], list[torch.Tensor]], bool] | None = None,
+        record_routes: bool = False,
+    ) -> dict[str, Any]:
+        """trainer.ppo_epochs x trainer.ppo_minibatches clipped policy-gradient updates (verl's and
+        slime's loop): the samples split into ppo_minibatches contiguous minibatches (batch order, the same
+        on every rank), one optimizer update each on its minibatch's token-mean loss, all of it repeated
+        ppo_epochs times. Computed identically on every rank.
 
-        `may_update` (the gate's second check) gets the training forward's logprobs (autograd on, before
-        the update, on every rank) and says whether to update; if not, the gradients are dropped
-        (`update_successful` 0, grad_norm NaN)."""
+        `may_update` (the gate's check on the first training forward) gets, on every rank, the first
+        minibatch's sample indices and its forward's logprobs (autograd on): the one forward that precedes
+        every update of the step. False drops the gradients and ends the step with no update
+        (`update_successful` 0, grad_norm NaN). `record_routes`: an MoE model's routes of that same forward
+        land in `last_routes` (those samples only; global rank 0), as `logprobs` records the recompute's.
+
+        Metrics: loss, ratio_* and clipfrac over each sample's first training forward (epoch 0; exactly
+        ratio 1 for the first minibatch under an exact contract, moved by the earlier updates for later
+        minibatches, as PPO means them to be); train_rollout_* compare `old_logprobs` with the rollout's;
+        grad_norm is the first update's (before clipping); with more than one update, grad_norms and
+        minibatch_losses list every update's."""
         if self.optimizer is None:
             self._setup_optimizer()
         self.model.train()
+        t = self.cfg.trainer
+        n, k = len(prompts), t.ppo_minibatches
+        if k < 1 or n % k:
+            raise ValueError(f"trainer.ppo_minibatches={k} must divide the batch's {n} samples")
         masks = loss_masks or [torch.ones(len(r)) for r in responses]
         advs = [torch.full((len(r),), float(a)) for r, a in zip(responses, advantages, strict=True)]
         extras = [
             {"old": torch.as_tensor(o, dtype=torch.float32), "adv": a, "mask": m.float()}
             for o, a, m in zip(old_logprobs, advs, masks, strict=True)
         ]
-        mbs, seq_len = self._microbatches(prompts, responses, extras)
-        total = max(float(sum(m.sum() for m in masks)), 1.0)  # the whole batch's tokens, on every replica
+        minibatches = [list(range(j, j + n // k)) for j in range(0, n, n // k)]
+        first: dict[int, torch.Tensor] = {}  # each sample's first training forward (epoch 0)
+        losses: list[float] = []
+        norms: list[float] = []
+        ok = True
+        replayed, self.replayed = self.replayed, None  # one batch's routes: the next step brings its own
+        self.last_share = []
+        updates = [(epoch, idx) for epoch in range(t.ppo_epochs) for idx in minibatches]
+        try:
+            for u, (epoch, idx) in enumerate(updates):
+                lp = self._train_forward(
+                    prompts, responses, extras, idx, replayed, epoch == 0, record_routes and u == 0
+                )
+                if epoch == 0:
+                    first.update(zip(idx, lp, strict=True))
+                ex = [extras[i] for i in idx]
+                losses.append(
+                    mean_loss(lp, [e["old"] for e in ex], [e["adv"] for e in ex], [e["mask"] for e in ex], self.ppo)
+                )
+                if u == 0 and may_update is not None and not may_update(idx, lp):
+                    self.optimizer.zero_grad()  # refused: no update at all this step
+                    ok = False
+                    break
+                updated, grad_norm, _ = self.optimizer.step()
+                exact_gemm.weights_updated()  # the optimizer writes the params through `.data`
+                ok = ok and bool(updated)
+                norms.append(float(grad_norm))
+        finally:
+            routes.end_replay(self.module)
+        seen = sorted(first)
+        out: dict[str, Any] = metrics(
+            [first[i] for i in seen],
+            [extras[i]["old"] for i in seen],
+            [torch.as_tensor(rollout_logprobs[i], dtype=torch.float32) for i in seen],
+            [advs[i] for i in seen],
+            [masks[i] for i in seen],
+            self.ppo,
+        )
+        out.update(grad_norm=norms[0] if norms else float("nan"), update_successful=float(ok), lr=self.lr)
+        if k * t.ppo_epochs > 1:
+            out.update(updates=len(norms), grad_norms=norms, minibatch_losses=losses)
+        return out
+
+    def _train_forward(
+        self,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        extras: list[dict[str, torch.Tensor]],
+        idx: list[int],
+        replayed: list[torch.Tensor] | None,
+        count_share: bool,
+        record_routes: bool,
+    ) -> list[torch.Tensor]:
+        """Forward and backward of the minibatch `idx` (gradients of its token-mean loss left in the
+        grad buffers); returns its samples' logprobs of this forward, on every rank."""
+        mbs, seq_len = self._microbatches(
+            [prompts[i] for i in idx], [responses[i] for i in idx], [extras[i] for i in idx]
+        )
+        total = max(float(sum(extras[i]["mask"].sum() for i in idx)), 1.0)  # the minibatch's tokens, every replica
         n_mb, dp = len(mbs), ps.get_data_parallel_world_size()
-        self.last_share = [i for mb in mbs if mb.weight for i in mb.samples]  # the samples this replica trained on
+        if count_share:  # the samples this replica trained on
+            self.last_share += [idx[i] for mb in mbs if mb.weight for i in mb.samples]
 
         def loss_fn(mb: schedule.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
             lps, exs = schedule.local_logprobs(
@@ -211,7 +284,7 @@ class TrainerWorker:
                 / total
             )
             # megatron's schedule multiplies this by CP and divides it by the microbatch count, and DDP
-            # averages gradients over DP x CP: the update is the gradient of the whole batch's token mean.
+            # averages gradients over DP x CP: the update is the gradient of the minibatch's token mean.
             return local * n_mb * dp * mb.weight, {
                 "lp": [lp.detach() for lp in lps],
                 "resp": [s.resp for s in mb.slices],
@@ -219,33 +292,23 @@ class TrainerWorker:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        try:
-            replay = self._before_forward()
-            outs = schedule.run(self.model, mbs, seq_len, loss_fn, False, self.spec == "kernels", replay)
-        finally:
-            routes.end_replay(self.module)
-            self.replayed = None  # one batch's routes: the next step brings its own
-        new_lp = schedule.assemble(outs, mbs, [len(r) for r in responses])
-        if may_update is not None and not may_update(new_lp):
-            self.optimizer.zero_grad()
-            ok, grad_norm = False, float("nan")
-        else:
-            ok, grad_norm, _ = self.optimizer.step()
-            exact_gemm.weights_updated()  # the optimizer writes the params through `.data`
-        out = metrics(
-            new_lp,
-            [e["old"] for e in extras],
-            [torch.as_tensor(r, dtype=torch.float32) for r in rollout_logprobs],
-            advs,
-            masks,
-            self.ppo,
+        replay = None
+        if replayed is not None:
+            replay = routes.replayer(self.module, [replayed[i] for i in idx], self.model_cfg.num_experts_per_tok)
+        aux = routes.aux_loss_shares(
+            self.module, n_mb, schedule.real_microbatches(len(idx), self.cfg.trainer.micro_batch_size)
         )
-        out.update(
-            grad_norm=float(grad_norm),
-            update_successful=float(ok),
-            lr=self.lr,
-        )
-        return out
+        hooks = [h for h in (aux, replay) if h is not None]
+        before = (lambda mb: [h(mb) for h in hooks]) if hooks else None
+        kernel_spec, lengths = self.spec == "kernels", [len(responses[i]) for i in idx]
+        if not (record_routes and self.model_cfg.is_moe):
+            outs = schedule.run(self.model, mbs, seq_len, loss_fn, False, kernel_spec, before)
+            return schedule.assemble(outs, mbs, lengths)
+        with routes.RouteRecorder(self.module) as recorder:
+            outs = schedule.run(self.model, mbs, seq_len, loss_fn, False, kernel_spec, before)
+        m = self.model_cfg
+        self.last_routes = routes.gather_routes(recorder, mbs, lengths, m.num_layers, m.num_experts_per_tok)
+        return schedule.assemble(outs, mbs, lengths)
 
     # --- weights ------------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
