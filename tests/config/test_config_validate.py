@@ -156,7 +156,12 @@ CASES = [
     (["rollout.weight_sync=nfs"], ["rollout.weight_sync='nfs': must be one of ['disk', 'distributed']"]),
     (
         ["rollout=sglang", "trainer.device=cuda", "parallel.rollout_dp=2", "rollout.weight_sync=distributed"],
-        ["needs parallel.rollout_dp=1"],
+        ["parallel.rollout_dp=2: rollout data parallelism is a fleet of servers behind sglang-router: use "
+         "rollout.replicas=2"],
+    ),
+    (
+        ["rollout.replicas=0", "rollout.router_policy=manual"],
+        ["rollout.replicas=0: must be a positive integer", "rollout.router_policy='manual': must be one of"],
     ),
     # The task's own keys.
     (["task=digit_copy"], ["task.graded_tokens=4: grades more tokens than experiment.max_new_tokens=1"]),

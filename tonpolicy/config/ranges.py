@@ -3,6 +3,7 @@ tonpolicy.config.validate with its `bad(key, rule)` reporter."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from typing import Any
@@ -72,11 +73,7 @@ def check_ranges(cfg: Config, bad: Any) -> None:
         bad("rollout.weight_sync_bucket_mb", "must be >= 0 (0: one broadcast per tensor)")
     if r.weight_sync_backend not in (None, "gloo", "nccl"):
         bad("rollout.weight_sync_backend", "must be gloo, nccl or null (gloo on CPU, nccl on CUDA)")
-    if r.weight_sync == "distributed" and cfg.parallel.rollout_dp != 1:
-        bad(
-            "rollout.weight_sync",
-            "distributed sync sends to one engine replica: needs parallel.rollout_dp=1 (or rollout.weight_sync=disk)",
-        )
+    check_fleet(cfg, bad)
     if r.mem_fraction_static is not None and not 0 < r.mem_fraction_static < 1:
         bad("rollout.mem_fraction_static", "must be in (0, 1) (or null)")
     positive_reals = (
@@ -98,6 +95,31 @@ def check_ranges(cfg: Config, bad: Any) -> None:
     check_task(cfg, bad)
 
 
+ROUTER_POLICIES = ("round_robin", "random", "cache_aware", "power_of_two")
+
+
+def check_fleet(cfg: Config, bad: Any) -> None:
+    """rollout.replicas is the one name for rollout data parallelism (servers behind sglang-router)."""
+    r = cfg.rollout
+    if cfg.parallel.rollout_dp != 1:
+        bad(
+            "parallel.rollout_dp",
+            "rollout data parallelism is a fleet of servers behind sglang-router: "
+            f"use rollout.replicas={cfg.parallel.rollout_dp} (parallel.rollout_dp must stay 1)",
+        )
+    if r.replicas < 1:
+        bad("rollout.replicas", "must be a positive integer (1: one server, no router)")
+    if r.router_policy not in ROUTER_POLICIES:
+        bad("rollout.router_policy", f"must be one of {list(ROUTER_POLICIES)} (sglang-router's --policy)")
+    if r.replicas > 1 and r.nnodes > 1:
+        bad("rollout.replicas", "a fleet of servers each spanning nodes (rollout.nnodes > 1) is not supported yet")
+    if r.replicas > 1 and cfg.mode != "plan" and importlib.util.find_spec("sglang_router") is None:
+        bad(
+            "rollout.replicas",
+            "needs sglang-router in the launcher's environment (pip install sglang-router==0.3.2; scripts/setup.sh)",
+        )
+
+
 def check_task(cfg: Config, bad: Any) -> None:
     task = cfg.task
     if task.graded_tokens < 1:
@@ -109,6 +131,9 @@ def check_task(cfg: Config, bad: Any) -> None:
             "lets a response have (the reward could never reach 1): raise experiment.max_new_tokens to "
             f"{task.graded_tokens} or lower task.graded_tokens",
         )
+    multi_turn = task.name in ("calculator",)  # tonpolicy.rl.multi_turn.ENVIRONMENTS
+    if task.max_turns < 1 or (task.max_turns > 1 and not multi_turn):
+        bad("task.max_turns", f"must be 1 for the single-turn task {task.name} (>= 1 for a multi-turn task)")
     if not 0 <= task.target_digit <= 9:
         bad("task.target_digit", "must be a digit in [0, 9]")
     if task.lr is not None and not (math.isfinite(task.lr) and task.lr > 0):

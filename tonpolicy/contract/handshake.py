@@ -10,6 +10,20 @@ from tonpolicy.contract.identity import identity, runtime_differences
 
 
 def handshake(cfg: Config, client: Any, ours_runtime: dict[str, Any]) -> str | None:
+    """None when every server runs our contract with our numerics, else the reason to refuse. A fleet's
+    client (rollout.replicas > 1) lists its servers in `replicas`: each is checked, whichever the
+    router will send a sample to."""
+    servers = getattr(client, "replicas", None)
+    if not servers:
+        return handshake_one(cfg, client, ours_runtime)
+    for i, server in enumerate(servers):
+        refusal = handshake_one(cfg, server, ours_runtime)
+        if refusal:
+            return f"replica {i} ({server.base_url}): {refusal}"
+    return None
+
+
+def handshake_one(cfg: Config, client: Any, ours_runtime: dict[str, Any]) -> str | None:
     """None when the server runs our contract with our numerics, else the reason to refuse.
 
     A tonpolicy server (embedded, or SGLang with the model package) reports the contract it was given

@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from tonpolicy.contract.identity import identity
 from tonpolicy.files import write_json_atomic
 from tonpolicy.launch.curves import reward_curve
 from tonpolicy.launch.init_checkpoint import write_init_checkpoint
-from tonpolicy.launch.plan import API_KEY_PLACEHOLDER
+from tonpolicy.launch.plan import API_KEY_PLACEHOLDER, router_argv
 from tonpolicy.launch.procs import Child, ProcessGroup, wait_until
 from tonpolicy.launch.records import read_jsonl, step_table
 from tonpolicy.launch.sglang_env import trainer_python
@@ -125,45 +126,101 @@ def with_flags(command: list[str], values: dict[str, Any], python: str | None = 
     return argv
 
 
-def start_rollout(
-    cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, procs: ProcessGroup
-) -> tuple[Child, str]:
+@dataclass
+class Fleet:
+    """The rollout side of a job: its servers (one, or a fleet's replicas) and, for a fleet, the router
+    in front of them. `url` is what the trainer generates through (the router's, or the one server's)."""
+
+    servers: list[Child]
+    server_urls: list[str]
+    router: Child | None
+    url: str
+
+    def watched(self) -> list[tuple[Child, str]]:
+        """Every process whose death or silence ends the job, with its health url."""
+        pairs = list(zip(self.servers, self.server_urls, strict=True))
+        return pairs + ([(self.router, self.url)] if self.router is not None else [])
+
+
+def _start_server(
+    cfg: Config, run_dir: Path, template: list[str], env: dict[str, str], ckpt: Path, procs: ProcessGroup, name: str
+) -> tuple[Child, Path]:
+    """Start one rollout server from its rendered command (`name`: its log and port file, which holds
+    the port it bound once it listens)."""
+    host = cfg.rollout.host
+    # One server: rollout.port (0: free). A fleet's replicas: free ports (rollout.port is the router's).
+    port = cfg.rollout.port if name == "rollout" else 0
+    port_file = run_dir / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    # The plan's command, with only what is decided at launch filled in (interpreter, port, weights).
+    if cfg.rollout.backend == "embedded":
+        argv = with_flags(template, {"--port": port, "--model-path": ckpt}, python=sys.executable)
+        argv += ["--port-file", str(port_file)]  # the server reports the free port it bound
+    else:
+        port = port or free_port(host)
+        argv = with_flags(template, {"--port": port, "--model-path": ckpt})
+        # The key goes in at exec (launch_plan.json and launch.sh show the placeholder only).
+        argv = [os.environ[API_KEY_ENV] if a == API_KEY_PLACEHOLDER else a for a in argv]
+        port_file.write_text(str(port))
+    server = procs.start(name, argv, run_dir / "logs" / f"{name}.log", env=env)
+    return server, port_file
+
+
+def _await_healthy(cfg: Config, child: Child, port_file: Path | None, port: int = 0) -> str:
+    """The url of a started server (`port_file`: where it reports its port; None: it binds `port`)
+    once it answers /health; JobFailed if it exits or stays silent for rollout.health_timeout_s."""
+    what = "rollout server" if child.name == "rollout" else child.name.replace("-", " ")
+    if port_file is not None:
+        if not wait_until(lambda: port_file.exists() and port_file.read_text().strip() != "", 60, alive=child):
+            raise JobFailed(EXIT_SERVER_UNHEALTHY, f"{what} did not report a port\n{child.tail()}")
+        port = int(port_file.read_text().strip())
+    url = f"http://{cfg.rollout.host}:{port}"
+    if not wait_until(lambda: _health_ok(url), cfg.rollout.health_timeout_s, alive=child):
+        state = "exited" if not child.alive() else f"not healthy after {cfg.rollout.health_timeout_s:.0f}s"
+        raise JobFailed(EXIT_SERVER_UNHEALTHY, f"{what} {state} (rollout.health_timeout_s); log tail:\n{child.tail()}")
+    return url
+
+
+def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, procs: ProcessGroup) -> Fleet:
+    """The rollout server, or a fleet: every replica, then sglang-router in front of them."""
     host, port = cfg.rollout.host, cfg.rollout.port
     if port and not port_is_free(host, port):
         raise JobFailed(
             EXIT_SERVER_UNHEALTHY,
             f"rollout.port={port}: port already in use on {host}; pick another or use 0 (a free port)",
         )
-    port_file = run_dir / "rollout.port"
-    port_file.unlink(missing_ok=True)
     (run_dir / STATUS_FILE).unlink(missing_ok=True)  # a verdict from an earlier run in this folder
-    # The plan's command, with only what is decided at launch filled in (interpreter, port, weights).
-    if cfg.rollout.backend == "embedded":
-        argv = with_flags(plan["rollout"]["command"], {"--port": port, "--model-path": ckpt}, python=sys.executable)
-        argv += ["--port-file", str(port_file)]  # the server reports the free port it bound
-    else:
-        port = port or free_port(host)
-        argv = with_flags(plan["rollout"]["command"], {"--port": port, "--model-path": ckpt})
-        # The key goes in at exec (launch_plan.json and launch.sh show the placeholder only).
-        argv = [os.environ[API_KEY_ENV] if a == API_KEY_PLACEHOLDER else a for a in argv]
-        port_file.write_text(str(port))
-    env = {**plan["environment"], **plan["rollout"].get("environment", {})}
-    server = procs.start("rollout", argv, run_dir / "logs" / "rollout.log", env=env)
-    if not wait_until(lambda: port_file.exists() and port_file.read_text().strip() != "", 60, alive=server):
-        raise JobFailed(EXIT_SERVER_UNHEALTHY, f"rollout server did not report a port\n{server.tail()}")
-    url = f"http://{host}:{int(port_file.read_text().strip())}"
-    if not wait_until(lambda: _health_ok(url), cfg.rollout.health_timeout_s, alive=server):
-        state = "exited" if not server.alive() else f"not healthy after {cfg.rollout.health_timeout_s:.0f}s"
-        raise JobFailed(
-            EXIT_SERVER_UNHEALTHY, f"rollout server {state} (rollout.health_timeout_s); log tail:\n{server.tail()}"
-        )
-    return server, url
+    r = plan["rollout"]
+    env = {**plan["environment"], **r.get("environment", {})}
+    if "command" in r:
+        server, port_file = _start_server(cfg, run_dir, r["command"], env, ckpt, procs, "rollout")
+        url = _await_healthy(cfg, server, port_file)
+        return Fleet([server], [url], None, url)
+    # A fleet: replicas on free ports (rollout.port, if set, is the router's: the trainer's one address),
+    # all started before any is waited for (each loads its weights at the same time).
+    started = [
+        _start_server(cfg, run_dir, template, env, ckpt, procs, f"rollout-{i}")
+        for i, template in enumerate(r["replica_commands"])
+    ]
+    urls = [_await_healthy(cfg, child, port_file) for child, port_file in started]
+    router_port = port or free_port(host)
+    argv = router_argv(cfg, urls, router_port)
+    argv = with_flags(argv, {"--prometheus-port": free_port(host)}, python=sys.executable)
+    argv = [os.environ[API_KEY_ENV] if a == API_KEY_PLACEHOLDER else a for a in argv]
+    router = procs.start("rollout-router", argv, run_dir / "logs" / "rollout-router.log", env=plan["environment"])
+    url = _await_healthy(cfg, router, None, router_port)
+    return Fleet([c for c, _ in started], urls, router, url)
 
 
-def start_trainer(cfg: Config, run_dir: Path, plan: dict[str, Any], url: str, ckpt: Path, procs: ProcessGroup) -> Child:
+def start_trainer(
+    cfg: Config, run_dir: Path, plan: dict[str, Any], url: str, ckpt: Path, procs: ProcessGroup,
+    replica_urls: list[str] | None = None,
+) -> Child:  # fmt: skip
     nproc = cfg.trainer.nproc_per_node or world_size(cfg) // cfg.trainer.nnodes
     master_port = cfg.trainer.master_port or free_port()
     flags: dict[str, Any] = {"--master-port": master_port, "--server-url": url, "--checkpoint": ckpt}
+    if cfg.rollout.replicas > 1 and replica_urls:  # a fleet: the router is --server-url
+        flags["--replica-urls"] = ",".join(replica_urls)
     if cfg.trainer.nnodes > 1:
         flags["--node-rank"] = cfg.trainer.node_rank or 0
     argv = with_flags(plan["trainer_command"], flags, python=trainer_python(cfg))
@@ -184,27 +241,29 @@ def _progress(record: dict[str, Any], steps: int) -> str:
     )
 
 
-def supervise(cfg: Config, run_dir: Path, server: Child, trainer: Child, url: str) -> int:
-    """Wait for the trainer, printing each step as its record lands; a dead or silent server ends
-    the job at once."""
+def supervise(cfg: Config, run_dir: Path, rollout: Fleet, trainer: Child) -> int:
+    """Wait for the trainer, printing each step as its record lands; a dead or silent server (any
+    replica of a fleet, or its router) ends the job at once."""
     tail = _Tail(run_dir / "metrics.jsonl")
-    liveness = _Liveness(url, cfg.rollout.liveness_timeout_s)
+    watched = [(child, _Liveness(url, cfg.rollout.liveness_timeout_s)) for child, url in rollout.watched()]
     while True:
         for record in tail.new_records():
             print(_progress(record, cfg.experiment.steps), file=sys.stderr, flush=True)
         if not trainer.alive():
             break
-        if not server.alive():
-            raise JobFailed(
-                EXIT_CHILD_FAILED, f"rollout server died (exit {server.proc.returncode}); log tail:\n{server.tail()}"
-            )
-        silent = liveness.silent_for()
-        if silent > cfg.rollout.liveness_timeout_s:
-            raise JobFailed(
-                EXIT_CHILD_FAILED,
-                f"rollout server stopped answering /health for {silent:.0f}s "
-                f"(rollout.liveness_timeout_s={cfg.rollout.liveness_timeout_s:g}); log tail:\n{server.tail()}",
-            )
+        for server, liveness in watched:
+            what = "rollout server" if server.name == "rollout" else server.name.replace("-", " ")
+            if not server.alive():
+                raise JobFailed(
+                    EXIT_CHILD_FAILED, f"{what} died (exit {server.proc.returncode}); log tail:\n{server.tail()}"
+                )
+            silent = liveness.silent_for()
+            if silent > cfg.rollout.liveness_timeout_s:
+                raise JobFailed(
+                    EXIT_CHILD_FAILED,
+                    f"{what} stopped answering /health for {silent:.0f}s "
+                    f"(rollout.liveness_timeout_s={cfg.rollout.liveness_timeout_s:g}); log tail:\n{server.tail()}",
+                )
         time.sleep(0.2)
     # The trainer's verdict (ok, gate, handshake) is in its status file; torchrun's exit code only
     # says whether some rank failed, and a rank that died wrote no verdict.
@@ -234,14 +293,29 @@ def supervise_worker_node(trainer: Child) -> int:
     return EXIT_OK
 
 
-def summarize(cfg: Config, run_dir: Path, status: str, wall_s: float) -> dict[str, Any]:
+def requests_served(rollout: Fleet) -> list[int | None] | None:
+    """A fleet's requests per replica (the embedded server counts them; None where a server does not)."""
+    if rollout.router is None:
+        return None
+    from tonpolicy.rollout.fleet import FleetClient
+
+    try:
+        return FleetClient(rollout.url, rollout.server_urls, timeout_s=5.0).requests_served()
+    except Exception:  # noqa: BLE001 - a statistic only
+        return None
+
+
+def summarize(
+    cfg: Config, run_dir: Path, status: str, wall_s: float, served: list[int | None] | None = None
+) -> dict[str, Any]:
     records = read_jsonl(run_dir / "metrics.jsonl")
     summary = {
         "status": status,
         "contract": cfg.contract.name,
         "contract_identity": identity(cfg.contract).to_dict(),
         "layout": layout_label(cfg.parallel),
-        "rollout": f"{cfg.rollout.backend} tp{cfg.parallel.rollout_tp}",
+        "rollout": f"{cfg.rollout.backend} tp{cfg.parallel.rollout_tp}"
+        + (f" x{cfg.rollout.replicas} replicas" if cfg.rollout.replicas > 1 else ""),
         "dtype": cfg.contract.dtype,
         "model": cfg.model.name,
         "steps_completed": len(records),
@@ -254,6 +328,8 @@ def summarize(cfg: Config, run_dir: Path, status: str, wall_s: float) -> dict[st
         "rewards": [r["reward_mean"] for r in records],
         "wall_s": round(wall_s, 2),
     }
+    if served is not None:  # a fleet's: requests each replica ran (one per sample, through the router)
+        summary["replica_requests"] = served
     agreements = [r["routing_agreement"] for r in records if r.get("routing_agreement") is not None]
     if agreements:  # an MoE run's worst step (dense runs' summaries keep their keys)
         summary["min_routing_agreement"] = min(agreements)
@@ -281,6 +357,7 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
     # non-interactive shell inherits SIG_IGN, and then ran to the end on an explicit SIGINT).
     previous_int = signal.signal(signal.SIGINT, _interrupt)
     status, code = "failed", EXIT_CHILD_FAILED
+    served: list[int | None] | None = None
     try:
         ckpt = prepare_checkpoint(cfg, run_dir)
         if cfg.trainer.node_rank:  # a worker node (nodes.place): trainer ranks only; node 0 hosts the server
@@ -288,11 +365,19 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
             write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
             code = supervise_worker_node(trainer)
         else:
-            server, url = start_rollout(cfg, run_dir, plan, ckpt, procs)
-            print(f"rollout server ({cfg.rollout.backend}) healthy at {url}", file=sys.stderr)
-            trainer = start_trainer(cfg, run_dir, plan, url, ckpt, procs)
+            rollout = start_rollout(cfg, run_dir, plan, ckpt, procs)
+            if rollout.router is None:
+                print(f"rollout server ({cfg.rollout.backend}) healthy at {rollout.url}", file=sys.stderr)
+            else:
+                print(
+                    f"{len(rollout.servers)} rollout servers ({cfg.rollout.backend}) healthy at "
+                    f"{', '.join(rollout.server_urls)}, behind sglang-router at {rollout.url}",
+                    file=sys.stderr,
+                )
+            trainer = start_trainer(cfg, run_dir, plan, rollout.url, ckpt, procs, rollout.server_urls)
             write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
-            code = supervise(cfg, run_dir, server, trainer, url)
+            code = supervise(cfg, run_dir, rollout, trainer)
+            served = requests_served(rollout)
         status = "ok"
     except JobFailed as exc:
         code = exc.code
@@ -305,7 +390,7 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
         procs.stop_all()
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
-    summary = summarize(cfg, run_dir, status, time.monotonic() - t0)
+    summary = summarize(cfg, run_dir, status, time.monotonic() - t0, served)
     print(
         json.dumps({k: summary[k] for k in ("status", "steps_completed", "mismatched_tokens", "wall_s")}),
         file=sys.stderr,

@@ -94,7 +94,7 @@ def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: i
         argv += ["--disable-cuda-graph"]  # the contract kernels pick shapes per batch on the host
     if c.sglang.rl_on_policy_target:
         argv += ["--rl-on-policy-target", c.sglang.rl_on_policy_target]
-    if c.sglang.disable_radix_cache:
+    if c.sglang.disable_radix_cache or r.disable_radix_cache:
         argv += ["--disable-radix-cache"]
     if cfg.parallel.rollout_ep > 1:
         argv += ["--ep-size", str(cfg.parallel.rollout_ep)]
@@ -194,7 +194,49 @@ def torchrun_argv(cfg: Config, run_dir: Path, model_path: str) -> list[str]:
         f"http://{cfg.rollout.host}:{rollout_port(cfg)}",
         "--checkpoint",
         model_path,
+        # a fleet: the router is --server-url; weights and the handshake go to each replica
+        *(["--replica-urls", ",".join(f"http://{cfg.rollout.host}:{p}" for p in replica_ports(cfg))]
+          if cfg.rollout.replicas > 1 else []),
+    ]  # fmt: skip
+
+
+def server_argv(cfg: Config, run_dir: Path, model_path: str, device: str, port: int) -> list[str]:
+    """One rollout server's command: released SGLang's, or the embedded server's."""
+    if cfg.rollout.backend == "sglang":
+        return sglang_argv(cfg, model_path, device, port)
+    return [
+        "python",
+        "-m",
+        "tonpolicy.rollout.server",
+        "--config",
+        str(run_dir / "resolved_config.yaml"),
+        "--model-path",
+        model_path,
+        "--host",
+        cfg.rollout.host,
+        "--port",
+        str(port),
     ]
+
+
+ROUTER_PROMETHEUS_PORT = 29000  # sglang-router's default; the launcher picks a free one
+
+
+def router_argv(cfg: Config, worker_urls: list[str], port: int | None = None) -> list[str]:
+    """sglang-router (the PyPI package, in tonpolicy's environment) in front of the replicas. It binds
+    rollout.host (its own default is every interface), its metrics on the same host."""
+    r = cfg.rollout
+    argv = ["python", "-m", "sglang_router.launch_router", "--host", r.host, "--port", str(port or rollout_port(cfg))]
+    argv += ["--policy", r.router_policy, "--prometheus-host", r.host, "--prometheus-port", str(ROUTER_PROMETHEUS_PORT)]
+    argv += ["--log-level", "warn"]
+    if r.require_api_key:  # the router checks the trainer's key and forwards it to the replicas
+        argv += ["--api-key", API_KEY_PLACEHOLDER]
+    return argv + ["--worker-urls", *worker_urls]
+
+
+def replica_ports(cfg: Config) -> list[int]:
+    """A hand-run launch.sh's replica ports: the ones after the router's."""
+    return [rollout_port(cfg) + 1 + i for i in range(cfg.rollout.replicas)]
 
 
 def rollout_port(cfg: Config) -> int:
@@ -219,23 +261,14 @@ def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         "memory_per_rank": memory_per_rank(cfg),
         "trainer_command": torchrun_argv(cfg, run_dir, model_path),
     }
+    if cfg.rollout.replicas == 1:
+        plan["rollout"]["command"] = server_argv(cfg, run_dir, model_path, device, rollout_port(cfg))
+    else:  # a fleet: the replicas on the ports after the router's, the router in front
+        ports = replica_ports(cfg)
+        plan["rollout"]["replica_commands"] = [server_argv(cfg, run_dir, model_path, device, p) for p in ports]
+        plan["rollout"]["router_command"] = router_argv(cfg, [f"http://{cfg.rollout.host}:{p}" for p in ports])
     if cfg.rollout.backend == "sglang":
-        plan["rollout"]["command"] = sglang_argv(cfg, model_path, device)
         plan["rollout"]["environment"] = server_environment(cfg, device, ident.fingerprint)
-    else:
-        plan["rollout"]["command"] = [
-            "python",
-            "-m",
-            "tonpolicy.rollout.server",
-            "--config",
-            str(run_dir / "resolved_config.yaml"),
-            "--model-path",
-            model_path,
-            "--host",
-            cfg.rollout.host,
-            "--port",
-            str(rollout_port(cfg)),
-        ]
     # The SGLang command is always rendered so a GPU user can take it to a cluster.
     plan["sglang_command"] = sglang_argv(cfg, model_path, device)
     if not cfg.model.checkpoint:  # a seeded random init, written before the engines start
@@ -265,6 +298,22 @@ def _server_env(plan: dict[str, Any]) -> str:
     return "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())) + " " if env else ""
 
 
+def _rollout_lines(plan: dict[str, Any], guard: str, end: str) -> str:
+    """Start the rollout server, or a fleet's replicas and its router, in the background; killed on exit."""
+    r, env = plan["rollout"], _server_env(plan)
+    backend = json.dumps(r["backend"])
+    if "command" in r:
+        return (
+            f"# Rollout server ({backend}); the trainer waits for its /health.\n"
+            f"{guard}{env}{_shell(r['command'])} &\nROLLOUT_PID=$!{end}\n"
+            "trap 'kill ${ROLLOUT_PID:-} 2>/dev/null || true' EXIT"
+        )
+    lines = [f"# A fleet of {len(r['replica_commands'])} rollout servers ({backend}) behind sglang-router."]
+    lines += [f"{guard}{env}{_shell(c)} &\nROLLOUT_PIDS+=($!){end}" for c in r["replica_commands"]]
+    lines += [f"{guard}{_shell(r['router_command'])} &\nROLLOUT_PIDS+=($!){end}"]
+    return "ROLLOUT_PIDS=()\n" + "\n".join(lines) + "\ntrap 'kill ${ROLLOUT_PIDS[@]:-} 2>/dev/null || true' EXIT"
+
+
 def launch_script(plan: dict[str, Any]) -> str:
     env = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(plan["environment"].items()))
     nodes = plan.get("nodes", {"trainer": 1, "rollout": 1})
@@ -286,10 +335,7 @@ set -euo pipefail
 PY="${{PYTHON:-python}}"
 {node_line}{env}
 {init_line}
-# Rollout server ({json.dumps(plan["rollout"]["backend"])}); the trainer waits for its /health.
-{server_guard}{_server_env(plan)}{_shell(plan["rollout"]["command"])} &
-ROLLOUT_PID=$!{server_end}
-trap 'kill ${{ROLLOUT_PID:-}} 2>/dev/null || true' EXIT
+{_rollout_lines(plan, server_guard, server_end)}
 
 # Trainer ranks ({plan["dist_backend"]}).
 {_shell(plan["trainer_command"])}

@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--server-url", required=True)
     ap.add_argument("--checkpoint", required=True)
+    # A fleet (rollout.replicas > 1): --server-url is the router's, these the replicas' (comma-separated).
+    ap.add_argument("--replica-urls", default="")
     args = ap.parse_args(argv)
     cfg = load_config(args.config)
     run_dir = Path(args.run_dir)
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         args.checkpoint,
         resolve_device(cfg),
         new_logger=lambda: MetricsLogger(cfg, run_dir, group=run_dir.parent.name),
+        replica_urls=[u for u in args.replica_urls.split(",") if u],
     )
 
 

@@ -1,5 +1,9 @@
 """One step's batch: the prompts, a sampling seed per sample, the server's samples with the logprobs
-it reported, rewards and GRPO advantages. Rank 0 collects it and broadcasts it to every rank."""
+it reported, rewards and GRPO advantages. Rank 0 collects it and broadcasts it to every rank.
+
+A multi-turn task's sample (tonpolicy.rl.multi_turn) has one response holding every model and
+environment turn after the prompt, and a response mask saying whose each token is: the gate and the
+loss see only the model's tokens (the rollout logprobs of the environment's are 0.0, never compared)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import torch
 
 from tonpolicy.config.schema import Config
 from tonpolicy.rl.batch import sampling_params, sampling_seed, step_prompts
+from tonpolicy.rl.multi_turn import is_multi_turn, run_episodes
 from tonpolicy.rl.objective import grpo_advantages
 from tonpolicy.rl.task import reward
 from tonpolicy.rollout.wire.response import decode_routed_experts
@@ -26,10 +31,23 @@ class Batch:
     # An MoE model's: per sample, int32 [fed positions = prompt + response - 1, layers, top_k], the
     # experts the rollout routed each fed token to (ascending; -1 in dense layers). None for a dense model.
     routed_experts: list[torch.Tensor] | None = None
+    # A multi-turn task's: per sample, bool [response tokens], True where the model sampled the token
+    # (gated and trained on), False where the environment wrote it. None: every token is the model's.
+    response_masks: list[torch.Tensor] | None = None
+    cached_tokens: int = 0  # prompt tokens the server took from its prefix cache, over all requests
+    # Per sample, the weight version that sampled each response token (meta_info.weight_versions).
+    # None where not collected (a multi-turn task's batch).
+    weight_versions: list[list[str | None]] | None = None
 
     @property
     def reward_mean(self) -> float:
         return sum(self.rewards) / len(self.rewards)
+
+    @property
+    def model_tokens(self) -> int:
+        if self.response_masks is None:
+            return sum(len(r) for r in self.responses)
+        return int(sum(int(m.sum()) for m in self.response_masks))
 
 
 def collect_batch(cfg: Config, client: Any, step: int) -> Batch:
@@ -37,6 +55,8 @@ def collect_batch(cfg: Config, client: Any, step: int) -> Batch:
     e, t = cfg.experiment, cfg.task
     prompts = step_prompts(cfg, step)
     seeds = [sampling_seed(e.seed, step, i) for i in range(len(prompts))]
+    if is_multi_turn(t.name):
+        return collect_episodes(cfg, client, prompts, seeds)
     params = [sampling_params(cfg, s) for s in seeds]
     m = cfg.model
     outs = client.generate(prompts, params, **({"return_routed_experts": True} if m.is_moe else {}))
@@ -55,6 +75,36 @@ def collect_batch(cfg: Config, client: Any, step: int) -> Batch:
         rewards=rewards,
         advantages=grpo_advantages(rewards, e.samples_per_prompt),
         routed_experts=routes,
+        cached_tokens=sum(int(o.get("cached_tokens") or 0) for o in outs),
+        weight_versions=[o["weight_versions"] for o in outs],
+    )
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """A sample's sampling seed at a turn (turn 0: the sample's own seed), below SGLang's 2**63."""
+    return (seed + turn * 1_000_000_007) % 2**63
+
+
+def collect_episodes(cfg: Config, client: Any, prompts: list[list[int]], seeds: list[int]) -> Batch:
+    """A multi-turn task's batch: each turn is one /generate of token ids (token in, token out)."""
+    e, t = cfg.experiment, cfg.task
+    if cfg.model.is_moe:  # routes of the environment's tokens would need their own bookkeeping
+        raise ValueError("a multi-turn task runs a dense model (routed_experts are not kept across turns)")
+
+    def generate(contexts: list[list[int]], turn: int) -> list[dict[str, Any]]:
+        return client.generate(contexts, [sampling_params(cfg, turn_seed(s, turn)) for s in seeds])
+
+    episodes = run_episodes(t.name, prompts, t.max_turns, generate)
+    rewards = [reward(t.name, ep.prompt, ep.turns[-1], t.graded_tokens, t.target_digit) for ep in episodes]
+    return Batch(
+        prompts=prompts,
+        seeds=seeds,
+        responses=[ep.response for ep in episodes],
+        rollout_logprobs=[torch.tensor(ep.logprobs, dtype=torch.float32) for ep in episodes],
+        rewards=rewards,
+        advantages=grpo_advantages(rewards, e.samples_per_prompt),
+        response_masks=[torch.tensor(ep.mask, dtype=torch.bool) for ep in episodes],
+        cached_tokens=sum(ep.cached_tokens for ep in episodes),
     )
 
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
 from tonpolicy.files import write_json_atomic
 from tonpolicy.loop.batch import Batch
 from tonpolicy.loop.exit_codes import STATUS_FILE
+from tonpolicy.loop.weight_sync import policy_version
+from tonpolicy.rl.multi_turn import segments
 
 
 class MetricsLogger(Protocol):
@@ -41,6 +44,14 @@ class StepRecords:
         self.run_dir, self.logger, self.tokenizer = run_dir, logger, tokenizer
 
     def write(self, record: dict[str, Any], batch: Batch) -> None:
+        if batch.weight_versions is not None:  # tokens per weight version that sampled them
+            counts = Counter(v for sample in batch.weight_versions for v in sample)
+            numbers = [policy_version(v) for v in counts]
+            record = {
+                **record,
+                "weight_versions": dict(counts),
+                "policy_version": max((n for n in numbers if n is not None), default=None),
+            }
         append_jsonl(self.run_dir / "metrics.jsonl", record)
         samples: dict[str, Any] = {
             "step": record["step"],
@@ -48,10 +59,21 @@ class StepRecords:
             "responses": batch.responses,
             "rewards": batch.rewards,
         }
+        if batch.weight_versions is not None:  # per sample, the version that sampled each response token
+            samples["weight_versions"] = batch.weight_versions
         if self.tokenizer is not None:
             decode = self.tokenizer.decode
             samples["prompt_texts"] = [decode(p, skip_special_tokens=False) for p in batch.prompts]
             samples["response_texts"] = [decode(r, skip_special_tokens=False) for r in batch.responses]
+        if batch.response_masks is not None:  # a multi-turn task's: who said what (env tokens carry no loss)
+            samples["turns"] = [
+                [
+                    {"who": who, "ids": ids, "trained": who == "model"}
+                    | ({"text": self.tokenizer.decode(ids, skip_special_tokens=False)} if self.tokenizer else {})
+                    for who, ids in segments(r, m.tolist())
+                ]
+                for r, m in zip(batch.responses, batch.response_masks, strict=True)
+            ]
         append_jsonl(self.run_dir / "samples.jsonl", samples)
         self.logger.log(record)
         self.logger.log_samples(samples)

@@ -1,12 +1,18 @@
 """Weight sync: after a step's update the rollout server loads the new weights, through one interface
 (`WeightSync`: `export` on every trainer rank, a collective; `push` on rank 0) with two ways:
 
-- `DiskWeightSync` (rollout.weight_sync=disk): an HF checkpoint per step, then `/update_weights_from_disk`.
+- `DiskWeightSync` (rollout.weight_sync=disk): an HF checkpoint per step, then `/update_weights_from_disk`
+  (on every replica of a fleet, rollout.replicas > 1: `tonpolicy.rollout.fleet`).
 - `GroupWeightSync` (rollout.weight_sync=distributed, disk-free): rank 0 makes the weight-update group
   with the server's engine ranks once (`WeightPusher`), then each step announces the HF-named tensors
   over HTTP (`/update_weights_from_distributed`, inside SGLang's `/begin_weight_update` ...
   `/end_weight_update` session) while it broadcasts them. Both calls block until the other side takes
-  part, so the HTTP call runs in a thread beside the broadcast.
+  part, so the HTTP call runs in a thread beside the broadcast. A fleet's replicas all join the one
+  group (each at its own rank offset) and receive the same broadcast.
+
+Each push names a weight version (`step_<k>`, policy version k; the initial weights are "default",
+version 0); the servers report the version that sampled each token, and `check_versions` holds a
+synchronous step to the version last pushed.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -153,9 +160,43 @@ class WeightPusher:
             self.group = None
 
 
+class PolicyVersionError(RuntimeError):
+    """A step's batch holds tokens sampled by weights other than the ones the loop expects."""
+
+
+# The version a server reports before any update (SGLang's ServerArgs.weight_version default, and the
+# embedded server's): policy version 0.
+INITIAL_WEIGHT_VERSION = "default"
+
+
+def policy_version(weight_version: str | None) -> int | None:
+    """A weight version's number: 0 for the initial weights, k for `step_k` (the update after step
+    k - 1); None for a name tonpolicy did not give."""
+    if weight_version == INITIAL_WEIGHT_VERSION:
+        return 0
+    if weight_version and weight_version.startswith("step_") and weight_version[5:].isdigit():
+        return int(weight_version[5:])
+    return None
+
+
 class WeightSync:
     """`export` runs on every rank after a passed gate (it gathers the weights), before the step record;
-    `push` runs on rank 0 after it, and the server then serves the new weights; `close` at the end."""
+    `push` runs on rank 0 after it, and the server then serves the new weights; `close` at the end.
+    `version`: rank 0's, the weight version every server of the fleet serves since the last push."""
+
+    version: str = INITIAL_WEIGHT_VERSION
+
+    def check_versions(self, versions: list[list[str | None]] | None) -> None:
+        """Synchronous steps: every token of the step was sampled by the weights last pushed (each
+        replica's update is acknowledged before the next step's requests). Raises PolicyVersionError."""
+        if versions is None:  # a batch that does not carry them (a multi-turn task's)
+            return
+        wrong = Counter(v for sample in versions for v in sample if v != self.version)
+        if wrong:
+            raise PolicyVersionError(
+                f"tokens sampled by weight versions {dict(wrong)}, expected every token from {self.version!r} "
+                f"(policy version {policy_version(self.version)}): a rollout server missed a weight update"
+            )
 
     def export(self, worker: Any, step: int) -> None:
         raise NotImplementedError
@@ -186,6 +227,7 @@ class DiskWeightSync(WeightSync):
 
     def push(self, step: int) -> None:
         self.client.update_weights_from_disk(str(self._checkpoint(step)), weight_version=weight_version(step))
+        self.version = weight_version(step)  # every replica answered success (a fleet's client asks each)
 
 
 class GroupWeightSync(WeightSync):
@@ -203,6 +245,7 @@ class GroupWeightSync(WeightSync):
         assert self.pusher is not None and self.weights is not None, "push runs on rank 0 after export"
         self.pusher.push(self.weights, weight_version=weight_version(step))
         self.weights = None
+        self.version = weight_version(step)
 
     def close(self) -> None:
         if self.pusher is not None:
@@ -215,7 +258,8 @@ def weight_sync_for(cfg: Config, client: Any, run_dir: Path, device: str) -> Wei
         return DiskWeightSync(client, run_dir)
     if client is None:
         return GroupWeightSync(None)
-    engine_ranks = cfg.parallel.rollout_tp if cfg.rollout.backend == "sglang" else 1
+    # Every replica's engine ranks join the one group; the fleet's client gives each its rank offset.
+    engine_ranks = (cfg.parallel.rollout_tp if cfg.rollout.backend == "sglang" else 1) * cfg.rollout.replicas
     backend = cfg.rollout.weight_sync_backend or ("nccl" if device == "cuda" else "gloo")
     # The group meets at rank 0's node (node 0): engine ranks on other nodes must reach it there.
     pusher = WeightPusher(

@@ -119,6 +119,7 @@ _REQUEST_IGNORED = {
     "received_time",
     "external_trace_header",
     "return_text_in_logprobs",  # the text slot of logprob triples is filled when there is a tokenizer
+    "model",  # sglang-router forwards its own request schema, whose `model` (the served model's name) is null
 }
 _REQUEST_NEUTRAL: dict[str, Any] = {
     "input_embeds": None,
@@ -130,6 +131,10 @@ _REQUEST_NEUTRAL: dict[str, Any] = {
     "lora_path": None,
     "session_params": None,
     "custom_logit_processor": None,
+    # sglang-router's request schema sends these, at their neutral values, with every /generate
+    "background": False,
+    "return_bytes": False,
+    "return_entropy": False,
 }
 _REQUEST_USED = {
     "input_ids", "text", "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",

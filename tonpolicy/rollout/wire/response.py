@@ -64,8 +64,11 @@ def build_generate_output(
         "finish_reason": finish_reason_json(result.finish_reason, ids, item.sampling.max_new_tokens),
         "prompt_tokens": len(item.input_ids),
         "completion_tokens": len(ids),
-        "cached_tokens": 0,
+        "cached_tokens": result.cached_tokens,
         "weight_version": weight_version,
+        # SGLang's per-token versions: spans of output positions [start, end) and the weight version
+        # that sampled them. The engine loads weights only between requests, so a request has one span.
+        "weight_versions": [{"version": weight_version, "start": 0, "end": len(ids)}],
     }
     if item.return_logprob:
         lps = result.output_logprobs.float().tolist()  # exact fp32 values as Python floats
@@ -128,8 +131,26 @@ def parse_generate_output(out: dict[str, Any]) -> dict[str, Any]:
         "output_logprobs": [float("nan") if t[0] is None else float(t[0]) for t in triples],
         "finish_reason": finish.get("type") if isinstance(finish, dict) else finish,
         "weight_version": meta.get("weight_version"),
+        "weight_versions": token_weight_versions(meta, len(output_ids)),
         "routed_experts": meta.get("routed_experts"),  # base64 int32 [positions, layers, top_k], if asked
+        "cached_tokens": int(meta.get("cached_tokens") or 0),  # prompt tokens served from the prefix cache
     }
+
+
+def token_weight_versions(meta: dict[str, Any], n: int) -> list[str | None]:
+    """The weight version that sampled each output token, from SGLang's `meta_info.weight_versions`
+    spans ({version, start, end} over output positions); a server that sends no spans (an older
+    SGLang) sampled the request under its one `weight_version`."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [meta.get("weight_version")] * n
+    versions: list[str | None] = [None] * n
+    for span in spans:
+        for i in range(int(span["start"]), min(int(span["end"]), n)):
+            versions[i] = span["version"]
+    if None in versions:
+        raise ProtocolError(f"meta_info.weight_versions {spans} do not cover the {n} output tokens")
+    return versions
 
 
 def decode_routed_experts(b64: str, num_layers: int, top_k: int) -> list[list[list[int]]]:

@@ -1,0 +1,150 @@
+"""A fleet of rollout servers behind sglang-router, seen by the trainer as one client.
+
+Generation goes through the router only: one /generate per sample, sent together, so the router's
+policy spreads the step's samples over the replicas (a batched /generate would go to one replica
+whole). Everything that changes or checks a server goes to every replica, directly: weight updates
+(a replica must have loaded the new weights before the next step's requests, whichever replica the
+router picks), the contract handshake (`replicas`), the weight-update group (one group; replica i's
+engine ranks at rank offset 1 + i * ranks per replica).
+
+Same methods as `RolloutClient`, so the step loop and `WeightSync` drive one server or a fleet alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tonpolicy.rollout.client import RolloutClient, RolloutError
+
+# Samples in flight through the router at once (each a blocking HTTP request on its own thread).
+MAX_CONCURRENT_SAMPLES = 64
+
+
+class FleetClient:
+    def __init__(self, router_url: str, replica_urls: Sequence[str], timeout_s: float = 600.0) -> None:
+        if not replica_urls:
+            raise ValueError("a fleet needs at least one replica url")
+        self.router = RolloutClient(router_url, timeout_s=timeout_s)
+        self.replicas = [RolloutClient(u, timeout_s=timeout_s) for u in replica_urls]
+        self.base_url = self.router.base_url
+
+    def _each(self, call: Callable[[RolloutClient], Any]) -> list[Any]:
+        """`call` on every replica at once (a weight-group call blocks until all ranks join); the
+        first failure is raised, naming the replica."""
+        with ThreadPoolExecutor(len(self.replicas), thread_name_prefix="tonpolicy-fleet") as pool:
+            futures = [pool.submit(call, r) for r in self.replicas]
+            answers, errors = [], []
+            for r, f in zip(self.replicas, futures, strict=True):
+                try:
+                    answers.append(f.result())
+                except Exception as e:  # noqa: BLE001 - re-raised below with the replica's url
+                    errors.append(f"replica {r.base_url}: {e}")
+        if errors:
+            raise RolloutError("; ".join(errors))
+        return answers
+
+    # --- generation, through the router ----------------------------------------------------
+
+    def health(self, timeout_s: float = 10.0) -> bool:
+        return self.router.health(timeout_s)
+
+    def wait_healthy(self, timeout_s: float, poll_s: float = 0.2) -> None:
+        for client in (*self.replicas, self.router):
+            client.wait_healthy(timeout_s, poll_s)
+
+    def generate(
+        self,
+        input_ids_batch: Sequence[Sequence[int]],
+        sampling_params: dict[str, Any] | Sequence[dict[str, Any]],
+        return_routed_experts: bool = False,
+    ) -> list[dict[str, Any]]:
+        n = len(input_ids_batch)
+        params = [sampling_params] * n if isinstance(sampling_params, dict) else list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling_params for {n} prompts")
+
+        def one(i: int) -> dict[str, Any]:
+            return self.router.generate([input_ids_batch[i]], params[i], return_routed_experts)[0]
+
+        if n == 0:
+            return []
+        with ThreadPoolExecutor(min(n, MAX_CONCURRENT_SAMPLES), thread_name_prefix="tonpolicy-sample") as pool:
+            return list(pool.map(one, range(n)))
+
+    def server_info(self) -> dict[str, Any]:
+        return self.replicas[0].server_info()
+
+    def model_info(self) -> dict[str, Any]:
+        return self.replicas[0].model_info()
+
+    def contract(self) -> dict[str, Any] | None:
+        """Replica 0's; the handshake checks each of `replicas` on its own."""
+        return self.replicas[0].contract()
+
+    def requests_served(self) -> list[int | None]:
+        """Per replica, the requests it has run (the embedded server's counter; None where not reported)."""
+
+        def count(r: RolloutClient) -> int | None:
+            states = r.server_info().get("internal_states") or [{}]
+            value = states[0].get("requests_run")
+            return int(value) if value is not None else None
+
+        return self._each(count)
+
+    # --- weights, on every replica ---------------------------------------------------------
+
+    def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> dict[str, Any]:
+        return self._each(lambda r: r.update_weights_from_disk(path, weight_version))[0]
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> dict[str, Any]:
+        # `world_size` counts every replica's engine ranks (weight_sync_for); each replica takes its share.
+        per, left = divmod(world_size - rank_offset, len(self.replicas))
+        if left:
+            raise RolloutError(f"{world_size - rank_offset} engine ranks do not split over {len(self.replicas)}")
+        index = {id(r): i for i, r in enumerate(self.replicas)}
+
+        def join(r: RolloutClient) -> dict[str, Any]:
+            offset = rank_offset + index[id(r)] * per
+            return r.init_weights_update_group(master_address, master_port, offset, world_size, group_name, backend)
+
+        return self._each(join)[0]
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+    ) -> dict[str, Any]:
+        return self._each(
+            lambda r: r.update_weights_from_distributed(names, dtypes, shapes, group_name, weight_version, load_format)
+        )[0]
+
+    def begin_weight_update(self) -> dict[str, Any]:
+        return self._each(lambda r: r.begin_weight_update())[0]
+
+    def end_weight_update(self) -> dict[str, Any]:
+        return self._each(lambda r: r.end_weight_update())[0]
+
+    def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        return self._each(lambda r: r.destroy_weights_update_group(group_name))[0]
+
+    def flush_cache(self) -> None:
+        self._each(lambda r: r.flush_cache())
+
+
+def rollout_client(server_url: str, replica_urls: Sequence[str] = ()) -> RolloutClient | FleetClient:
+    """The trainer's client: one server, or a fleet (`server_url` is then the router's)."""
+    return FleetClient(server_url, replica_urls) if replica_urls else RolloutClient(server_url)
