@@ -45,10 +45,13 @@ class MetricsLogger:
 
         prompts = samples.get("prompt_texts") or [str(p) for p in samples["prompts"]]
         responses = samples.get("response_texts") or [str(r) for r in samples["responses"]]
-        table = wandb.Table(
-            columns=["step", "prompt", "response", "reward"],
-            data=[[samples["step"], p, r, w] for p, r, w in zip(prompts, responses, samples["rewards"], strict=True)],
-        )
+        columns = ["step", "prompt", "response", "reward"]
+        data = [[samples["step"], p, r, w] for p, r, w in zip(prompts, responses, samples["rewards"], strict=True)]
+        if samples.get("turns"):  # a multi-turn task's: who said what, the environment's turns untrained
+            columns.append("turns")
+            for row, turns in zip(data, samples["turns"], strict=True):
+                row.append(" | ".join(f"{t['who']}: {t.get('text', t['ids'])}" for t in turns))
+        table = wandb.Table(columns=columns, data=data)
         self.run.log({"samples": table}, step=samples["step"])
 
     def finish(self, exit_code: int) -> None:

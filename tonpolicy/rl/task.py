@@ -1,7 +1,8 @@
 """Built-in tasks with verifiable rewards (the `task` config group), over the tiny model's vocabulary.
 
 Token ids and their text (tonpolicy.model.tokenizer): 0 <pad>, 1 <bos>, 2 <eos>, 3 copy, 4 ":",
-5 first, 6 say, 10..19 the digits 0..9, every other id a placeholder <tN>. Rewards are graded over
+5 first, 6 say, 7 add, 8 call, 9 "=" (the multi-turn calculator's, tonpolicy.rl.multi_turn), 10..19 the
+digits 0..9, every other id a placeholder <tN>. Rewards are graded over
 the first `graded_tokens` response tokens and count a token by its id modulo 10 (modulo 2 for parity),
 so an untrained model already scores at chance and GRPO has advantages to work with:
 - first_parity: `first d :` -> a token whose id has d's parity. The default run's task: prompt-
@@ -22,8 +23,19 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-PAD, BOS, EOS, COPY, SEP, FIRST, SAY, DIGIT0 = 0, 1, 2, 3, 4, 5, 6, 10
-WORDS = {PAD: "<pad>", BOS: "<bos>", EOS: "<eos>", COPY: "copy", SEP: ":", FIRST: "first", SAY: "say"}
+PAD, BOS, EOS, COPY, SEP, FIRST, SAY, ADD, CALL, RESULT, DIGIT0 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
+WORDS = {
+    PAD: "<pad>",
+    BOS: "<bos>",
+    EOS: "<eos>",
+    COPY: "copy",
+    SEP: ":",
+    FIRST: "first",
+    SAY: "say",
+    ADD: "add",
+    CALL: "call",
+    RESULT: "=",
+}
 
 
 def _digits(rng: random.Random, max_digits: int) -> list[int]:
@@ -74,12 +86,28 @@ def first_parity_reward(prompt: list[int], response: list[int], graded: int, tar
     return _graded([prompt[1]] * graded, response, graded, classes=2)
 
 
+def calculator_prompt(rng: random.Random, max_digits: int, target: int) -> list[int]:
+    return [ADD, DIGIT0 + rng.randrange(10), DIGIT0 + rng.randrange(10), SEP]
+
+
+def calculator_sum(prompt: list[int]) -> int:
+    """What `add a b :` asks for: (a + b) mod 10, the calculator tool's answer."""
+    return (prompt[1] + prompt[2] - 2 * DIGIT0) % 10
+
+
+def calculator_reward(prompt: list[int], response: list[int], graded: int, target: int) -> float:
+    """`response`: the final model turn. Its first token must have the parity of (a + b) mod 10: the tool's
+    result, read right before the answer, makes it first_parity's task; without the tool it is an XOR."""
+    return _graded([DIGIT0 + calculator_sum(prompt)] * graded, response, graded, classes=2)
+
+
 TASKS: dict[str, tuple[Callable[..., list[int]], Callable[..., float]]] = {
     "echo_digit": (echo_prompt, echo_reward),
     "first_digit": (first_digit_prompt, first_digit_reward),
     "first_parity": (first_digit_prompt, first_parity_reward),
     "digit_copy": (copy_prompt, copy_reward),
     "constant": (constant_prompt, constant_reward),
+    "calculator": (calculator_prompt, calculator_reward),  # multi-turn: tonpolicy.rl.multi_turn
 }
 
 

@@ -16,6 +16,16 @@ of the batch, so results equal the request run alone and `score_logprobs`.
 The KV pool lives as long as the engine (or until `flush_cache`) and grows on admission, in slots
 (up to `max_running_requests`) and in positions (up to what admitted requests need), so its memory
 is bounded by max_running_requests x max_position_embeddings and is usually far less.
+
+Prefix cache (`prefix_cache`, on by default as SGLang's radix cache; off: `--disable-radix-cache`): a
+finished request's slot keeps the keys/values of the tokens it fed (prompt + output but the last) while
+it is free; a new request whose prompt starts with such a prefix takes that slot and prefills only the
+rest (`GenResult.cached_tokens`), as a later turn of a conversation does. A prefix is matched per slot
+(the longest common prefix of token ids), not shared between running requests. It is exact under the
+invariant kernels: K/V are per-row ops, so a position's cached K/V have the same bits whether a decode
+step or a prefill wrote them, and attention reduces them in the same tile order
+(tests/engine/test_prefix_cache.py, with `plain` as the control). `forget_prefixes` drops them (weight
+updates must: cached K/V were computed with the old weights).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ class _Running:
     slot: int
     gen: torch.Generator
     prefilled: int = 0
+    cached: int = 0  # prompt tokens whose K/V came from the prefix cache
     out_ids: list[int] = field(default_factory=list)
     out_lps: list[torch.Tensor] = field(default_factory=list)
     out_top: list[TopLogprobs] = field(default_factory=list)
@@ -65,6 +76,7 @@ class Engine:
         max_running_requests: int,
         chunked_prefill_size: int | None = None,
         eos_token_id: int | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
@@ -82,6 +94,9 @@ class Engine:
         self._running: list[_Running] = []  # admission order
         self._done: list[tuple[int, GenResult]] = []  # finished without a step (max_new_tokens <= 0)
         self._pool: KVPool | None = None
+        self.prefix_cache = prefix_cache
+        # free slot -> the token ids whose K/V it holds at positions 0.. (oldest first: evicted first)
+        self._prefixes: dict[int, list[int]] = {}
 
     # --- incremental API ------------------------------------------------------------------------
     def check(self, req: GenRequest) -> None:
@@ -137,6 +152,7 @@ class Engine:
         for r in self._forward():
             self._running.remove(r)
             pool.release(r.slot)
+            self._keep_prefix(r)
             finished.append((r.handle, self._result(r)))
         self._clock += 1
         self.steps_total += 1
@@ -155,13 +171,24 @@ class Engine:
         handles += [h for h, _ in self._done]
         self._waiting, self._running, self._done = [], [], []
         self._pool = None  # slots of dropped requests are not worth tracking down
+        self._prefixes = {}
         return handles
 
     def flush_cache(self) -> None:
-        """Free the KV pool (there is no prefix cache, so nothing else is kept between requests)."""
+        """Free the KV pool and the prefix cache in it."""
         if self._running:
             raise RuntimeError("flush_cache while requests are running")
         self._pool = None
+        self._prefixes = {}
+
+    def forget_prefixes(self) -> None:
+        """Drop the prefix cache (safe while requests run: only free slots hold cached prefixes)."""
+        self._prefixes = {}
+
+    @property
+    def cached_prefixes(self) -> int:
+        """Free slots holding a reusable prefix (for tests)."""
+        return len(self._prefixes)
 
     # --- whole batch ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -192,14 +219,45 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_running and self._waiting[0].visible_at <= self._clock:
             w = self._waiting.pop(0)
-            slot = self._alloc_slot(len(w.req.prompt_ids) + w.req.max_new_tokens)
-            self._running.append(_Running(w.handle, w.req, slot, make_generator(w.req.seed)))
+            slot, hit = self._alloc_slot(w.req)
+            self._running.append(_Running(w.handle, w.req, slot, make_generator(w.req.seed), prefilled=hit, cached=hit))
 
-    def _alloc_slot(self, positions: int) -> int:
+    def _alloc_slot(self, req: GenRequest) -> tuple[int, int]:
+        """A free slot for `req` and how many of its prompt tokens that slot already holds."""
         pool = self._pool
+        positions = len(req.prompt_ids) + req.max_new_tokens
         if pool is None or not pool.free or pool.capacity < positions:
             pool = self._grow_pool(positions)
-        return pool.alloc()
+        slot, hit = self._best_slot(pool.free, req)
+        pool.free.remove(slot)
+        self._prefixes.pop(slot, None)  # its positions are the new request's now
+        return slot, hit
+
+    def _best_slot(self, free: list[int], req: GenRequest) -> tuple[int, int]:
+        """The free slot with the longest cached prefix of the prompt (at least the last prompt token is
+        fed, to sample from its logits); else an empty slot, else the oldest cached one."""
+        prompt = req.prompt_ids
+        # Prompt logprobs and routes are reported from the request's own prefill rows: no reuse.
+        usable = self.prefix_cache and req.prompt_logprobs_from is None and not req.return_routed_experts
+        best, best_hit = None, 0
+        for slot, ids in self._prefixes.items() if usable else ():
+            n, limit = 0, min(len(ids), len(prompt) - 1)
+            while n < limit and ids[n] == prompt[n]:
+                n += 1
+            if n > best_hit:
+                best, best_hit = slot, n
+        if best is not None:
+            return best, best_hit
+        empty = [s for s in free if s not in self._prefixes]
+        return (empty[-1] if empty else next(iter(self._prefixes))), 0  # free pops from its end: lowest first
+
+    def _keep_prefix(self, r: _Running) -> None:
+        """A finished request's fed tokens stay in its (now free) slot for a later prompt to reuse."""
+        if not self.prefix_cache or r.error is not None:
+            return
+        fed = r.prefilled + max(len(r.out_ids) - 1, 0)  # the last sampled token was never fed
+        if fed > 0:
+            self._prefixes[r.slot] = [*r.req.prompt_ids, *r.out_ids][:fed]
 
     def _grow_pool(self, positions: int) -> KVPool:
         """A larger pool holding the running requests' keys/values at their slots. Doubling keeps
@@ -349,8 +407,8 @@ class Engine:
             "prompt_top_logprobs": dict(r.in_top),
         }
         if r.error is not None:
-            return GenResult(list(r.out_ids), lps, "error", r.error, **extras)
+            return GenResult(list(r.out_ids), lps, "error", r.error, cached_tokens=r.cached, **extras)
         stopped = bool(r.out_ids) and self._stops(r.req, r.out_ids[-1])
         done = stopped or len(r.out_ids) >= r.req.max_new_tokens
         reason = ("stop" if stopped else "length") if done else ""
-        return GenResult(list(r.out_ids), lps, reason, **extras)
+        return GenResult(list(r.out_ids), lps, reason, cached_tokens=r.cached, **extras)

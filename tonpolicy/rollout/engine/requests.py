@@ -42,3 +42,5 @@ class GenResult:
     prompt_top_logprobs: dict[int, TopLogprobs] = field(default_factory=dict)
     # int32 [positions, num_layers, top_k] expert ids in ascending order, -1 in dense layers; if asked.
     routed_experts: torch.Tensor | None = None
+    # Prompt tokens whose keys/values came from the prefix cache (SGLang's meta_info.cached_tokens).
+    cached_tokens: int = 0

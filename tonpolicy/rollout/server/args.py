@@ -55,6 +55,8 @@ class ServerArgs:
     # As SGLang's --api-key: every route but /health* needs `Authorization: Bearer KEY`. The launcher
     # passes it as $TONPOLICY_API_KEY instead, so it is not on the command line.
     api_key: str | None = None
+    # As SGLang's --disable-radix-cache: no prefix cache (every prompt is prefilled in full).
+    disable_radix_cache: bool = False
 
 
 def args_from_config(cfg: Config) -> dict[str, Any]:
@@ -74,6 +76,7 @@ def args_from_config(cfg: Config) -> dict[str, Any]:
         "port": r.port,
         "max_running_requests": r.max_running_requests,
         "skip_tokenizer_init": r.skip_tokenizer_init,
+        "disable_radix_cache": r.disable_radix_cache,
         "random_seed": cfg.experiment.seed,
         "device": resolve_device(cfg),  # the engine follows the trainer
     }
@@ -107,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, help="torch intra-op threads")
     p.add_argument("--device", choices=("cpu", "cuda"), help="where the engine runs (default cpu)")
     p.add_argument("--log-requests", action="store_true", default=None, help="log every HTTP request")
+    p.add_argument(
+        "--disable-radix-cache", action="store_true", default=None, help="no prefix cache (as SGLang's flag)"
+    )
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` (default: $TONPOLICY_API_KEY, if set)")
     p.add_argument(
         "--skip-tokenizer-init",

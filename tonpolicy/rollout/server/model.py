@@ -31,7 +31,10 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
             raise RuntimeError("; ".join(problems))
     model = resolve(family(cfg.family).engine_model)(cfg, kernels, dtype, state_dict).to(args.device)
     engine = Engine(
-        model, max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size
+        model,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        prefix_cache=not args.disable_radix_cache,
     )
     return engine, cfg
 
@@ -57,10 +60,13 @@ def load_checked(
     if bad:
         raise ValueError(f"{source} has tensors of the wrong shape: {bad}")
     engine.model.load_weights(state_dict, partial=partial)
+    forget = getattr(engine, "forget_prefixes", None)
+    if forget is not None:  # cached keys/values were computed with the old weights
+        forget()
 
 
 def flush_cache(engine: Engine) -> None:
-    # Frees the engine's KV pool (it has no prefix cache); the loop runs this with nothing in flight.
+    # Frees the engine's KV pool and its prefix cache; the loop runs this with nothing in flight.
     flush = getattr(engine, "flush_cache", None)
     if flush is not None:
         flush()

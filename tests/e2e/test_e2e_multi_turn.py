@@ -1,0 +1,67 @@
+"""The multi-turn tool task through `python -m tonpolicy task=calculator`: every model token of every turn
+is gated with exact zero at each layout (tp1, tp2, pp2, cp2_ring), the environment's tokens are in the
+context but neither gated nor trained on, and later turns reuse the earlier turns' K/V from the
+server's prefix cache. The off-policy control shows the mismatch on the same task."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from support.e2e_common import FAST, records, run_job, summary
+
+MULTI_TURN = ["task=calculator", "task.graded_tokens=1", "task.max_turns=3", "experiment.max_new_tokens=4"]
+# FAST's other keys (tonpolicy refuses a key given twice)
+SWEEP_FAST = [o for o in FAST if o.partition("=")[0] not in {m.partition("=")[0] for m in MULTI_TURN}]
+
+
+def check_samples(run_dir: Path, turns: int) -> None:
+    """samples.jsonl says who said what: model and environment turns alternate, env turns untrained."""
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        for sample, response in zip(json.loads(line)["turns"], json.loads(line)["responses"], strict=True):
+            whos = [t["who"] for t in sample]
+            assert whos == ["model", "env"] * (turns - 1) + ["model"], whos
+            assert all(t["trained"] == (t["who"] == "model") for t in sample)
+            assert [i for t in sample for i in t["ids"]] == response
+
+
+def test_calculator_exact_zero_at_every_layout_with_prefix_reuse(tmp_path: Path) -> None:
+    layouts = ["tp1", "tp2", "pp2", "cp2_ring"]
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tonpolicy",
+            "-m",
+            "mode=run",
+            *SWEEP_FAST,
+            *MULTI_TURN,
+            "experiment.steps=1",
+            f"parallel={','.join(layouts)}",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
+    assert sorted(summary(j)["layout"] for j in jobs) == sorted(layouts)
+    for job in jobs:
+        (rec,) = records(job)
+        # 8 samples x 3 model turns of 1..4 tokens each: the gate scored the model's tokens, only
+        assert rec["tokens_scored"] == rec["model_tokens"] >= 24 and rec["mismatched_tokens"] == 0, (job.name, rec)
+        assert rec["gate"] == "passed" and rec["cached_tokens"] > 0, (job.name, rec)
+        check_samples(job, turns=3)
+
+
+def test_calculator_off_policy_shows_the_mismatch(tmp_path: Path) -> None:
+    """Negative control: plain kernels on both sides; the model tokens' mismatch is reported."""
+    proc, run_dir = run_job(tmp_path, "contract=off_policy", *MULTI_TURN, "experiment.steps=1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (rec,) = records(run_dir)
+    assert rec["tokens_scored"] == rec["model_tokens"] and rec["mismatched_tokens"] > 0, rec
