@@ -8,7 +8,8 @@ sampled by the embedded engine's Qwen3Moe are torch.equal to the engine's decode
 (dp2), tp2_ep2 and pp2_ep2, fp32 and bf16, and the export reproduces the checkpoint; negative control:
 plain kernels in the engine and megatron's stock MoE (router, all-gather dispatcher, SequentialMLP)
 mismatch by rounding noise. One PPO step's grad_norm at every EP layout equals tp1's within 5e-6
-relative (fp32).
+relative (fp32), also with 7 samples over dp2 x ep2, where the short replica runs a filler microbatch
+(loss weight 0) so that its EP exchanges stay in step with the other's.
 """
 
 from __future__ import annotations
@@ -141,16 +142,20 @@ def rollouts(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
 ADVANTAGES = [1.0, -0.5, 0.25, -1.0, 0.5, -0.25, 0.75, -0.75]
 
 
-def _ppo_job(layout: Layout, checkpoints: dict, ros: dict) -> dict:
+def _ppo_job(layout: Layout, checkpoints: dict, ros: dict, samples: int = 8) -> dict:
+    ro = ros[("float32", "exact")]
     return dict(
         layout=layout,
         dtype="float32",
         contract="exact",
         checkpoint=checkpoints["float32"],
-        rollout=ros[("float32", "exact")],
+        rollout={k: v[:samples] for k, v in ro.items()},
         temperature=TEMPERATURE,
-        advantages=ADVANTAGES,
+        advantages=ADVANTAGES[:samples],
     )
+
+
+UNEVEN = 7  # over dp2: shares of 4 and 3, so one EP rank runs a filler microbatch to stay in the exchanges
 
 
 def _check_parity(results: list[dict]) -> None:
@@ -168,24 +173,32 @@ def _check_parity(results: list[dict]) -> None:
 @pytest.mark.slow
 def test_moe_parity_and_grad_norm(rollouts: tuple[dict, dict]) -> None:
     checkpoints, ros = rollouts
-    (tp1,) = spawn(harness.ppo_worker, 1, [_ppo_job(Layout(), checkpoints, ros)])
+    tp1, tp1_uneven = spawn(
+        harness.ppo_worker, 1, [_ppo_job(Layout(), checkpoints, ros), _ppo_job(Layout(), checkpoints, ros, UNEVEN)]
+    )[0:2]
     results = []
     for world, layouts in (
         (2, [Layout(), Layout(dp=2, ep=2)]),
         (4, [Layout(tp=2, dp=2, ep=2), Layout(pp=2, dp=2, ep=2)]),
     ):
         jobs = harness.layout_jobs(layouts, checkpoints, ros, TEMPERATURE)
-        ep_layouts = [lay for lay in layouts if lay.ep > 1]
-        results += spawn(harness.jobs_worker, world, jobs + [_ppo_job(lay, checkpoints, ros) for lay in ep_layouts])
+        steps_here = [_ppo_job(lay, checkpoints, ros) for lay in layouts if lay.ep > 1]
+        if world == 2:
+            steps_here.append(_ppo_job(Layout(dp=2, ep=2), checkpoints, ros, UNEVEN))
+        results += spawn(harness.jobs_worker, world, jobs + steps_here)
     parity = [r for r in results if "grad_norm" not in r]
     steps = [r for r in results if "grad_norm" in r]
-    assert len(parity) == 16 and len(steps) == 3
+    assert len(parity) == 16 and len(steps) == 4
     _check_parity(parity)
-    assert tp1["old_vs_rollout"]["equal"] == 1.0
+    assert tp1["old_vs_rollout"]["equal"] == 1.0 and tp1_uneven["old_vs_rollout"]["equal"] == 1.0
     for r in steps:
+        ref = tp1_uneven if len(r["new_logprobs"]) == UNEVEN else tp1
         assert r["old_vs_rollout"]["equal"] == 1.0, r["layout"]
-        rel = abs(r["grad_norm"] - tp1["grad_norm"]) / tp1["grad_norm"]
-        assert rel < 5e-6, (str(r["layout"]), r["grad_norm"], tp1["grad_norm"])
+        rel = abs(r["grad_norm"] - ref["grad_norm"]) / ref["grad_norm"]
+        assert rel < 5e-6, (str(r["layout"]), len(r["new_logprobs"]), r["grad_norm"], ref["grad_norm"])
+    # the uneven step really ran a filler on the short replica (its loss weight 0 keeps it out of the grads)
+    uneven = next(r for r in steps if len(r["new_logprobs"]) == UNEVEN)
+    assert sorted(len(s) for s in uneven["shares"][:2]) == [3, 4], uneven["shares"]
     if os.environ.get("TONPOLICY_MOE_REPORT"):  # the numbers, for a report
         Path(os.environ["TONPOLICY_MOE_REPORT"]).write_text(
             repr(

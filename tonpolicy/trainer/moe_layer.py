@@ -82,7 +82,20 @@ def _report(router: Any, experts: torch.Tensor) -> None:
         router.route_sink(experts.detach().sort(dim=1).values)
 
 
-class KernelRouter(_TakesKernels, TopKRouter):
+class _AuxLossShare:
+    """A router whose load-balancing losses count `aux_share` of their coefficient. megatron weighs each
+    microbatch's aux loss 1/num_microbatches, right only when every DP replica runs as many real
+    microbatches; with uneven shares (and EP's filler microbatches) the step hook
+    `routes.aux_loss_shares` sets each forward's share so the step's aux gradient is the mean over its
+    real microbatches, as at tp1 (a filler: 0)."""
+
+    aux_share: float = 1.0
+
+    def get_aux_loss_coeff(self, aux_loss_type: str) -> float:
+        return super().get_aux_loss_coeff(aux_loss_type) * self.aux_share  # type: ignore[misc]
+
+
+class KernelRouter(_AuxLossShare, _TakesKernels, TopKRouter):
     """Megatron's TopKRouter (its weight, its aux losses) routing with the kernel set."""
 
     route_sink: Any = None  # set by RouteRecorder while it records
@@ -109,7 +122,7 @@ class KernelRouter(_TakesKernels, TopKRouter):
         return Routing(r.experts, weights, logits)
 
 
-class StockRouter(TopKRouter):
+class StockRouter(_AuxLossShare, TopKRouter):
     """megatron's TopKRouter, plus two things the control needs: it reports its routes (the gate's
     routing_agreement), and it can route by given experts instead of its own top-k (router replay:
     `trainer.router_replay`), through megatron's own `RouterReplay` hook in its top-k (the weights are

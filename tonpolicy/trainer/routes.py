@@ -25,6 +25,25 @@ def moe_routers(module: Any) -> list[Any]:
     return [m for m in module.modules() if isinstance(m, TopKRouter)]
 
 
+def aux_loss_shares(
+    module: Any, local_microbatches: int, real_microbatches: int
+) -> Callable[[Microbatch], None] | None:
+    """A `before_forward` hook for a training step in which all DP replicas together run
+    `real_microbatches` real microbatches, this one `local_microbatches` (fillers included): each real
+    microbatch's aux loss weighs 1/real_microbatches of the step's (megatron's schedule divides it by the
+    local count and DDP by DP: undone here), a filler's 0. None for a dense model."""
+    routers = moe_routers(module)
+    if not routers:
+        return None
+    share = local_microbatches * ps.get_data_parallel_world_size() / real_microbatches
+
+    def weigh(mb: Microbatch) -> None:
+        for r in routers:
+            r.aux_share = share if mb.weight else 0.0
+
+    return weigh
+
+
 class RouteRecorder:
     """While entered, collects every router forward's routes [N, k] (N: the microbatch's rows x
     positions, sequence-major as megatron flattens them), per global layer (0-based), in call order:

@@ -50,6 +50,12 @@ def dp_share(num_samples: int, replica: int | None = None) -> list[int]:
     return list(range(ps.get_data_parallel_rank() if replica is None else replica, num_samples, dp))
 
 
+def real_microbatches(num_samples: int, micro_batch_size: int) -> int:
+    """The real (not filler) microbatches of a batch over all DP replicas."""
+    dp = ps.get_data_parallel_world_size()
+    return sum(-(-len(dp_share(num_samples, r)) // micro_batch_size) for r in range(dp))
+
+
 def make_microbatches(
     prompts: list[list[int]],
     responses: list[list[int]],
