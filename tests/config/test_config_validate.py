@@ -156,8 +156,10 @@ CASES = [
     (["rollout.weight_sync=nfs"], ["rollout.weight_sync='nfs': must be one of ['disk', 'distributed']"]),
     (
         ["rollout=sglang", "trainer.device=cuda", "parallel.rollout_dp=2", "rollout.weight_sync=distributed"],
-        ["parallel.rollout_dp=2: rollout data parallelism is a fleet of servers behind sglang-router: use "
-         "rollout.replicas=2"],
+        [
+            "parallel.rollout_dp=2: rollout data parallelism is a fleet of servers behind sglang-router: use "
+            "rollout.replicas=2"
+        ],
     ),
     (
         ["rollout.replicas=0", "rollout.router_policy=manual"],

@@ -167,13 +167,14 @@ class PolicyVersionError(RuntimeError):
 # The version a server reports before any update (SGLang's ServerArgs.weight_version default, and the
 # embedded server's): policy version 0.
 INITIAL_WEIGHT_VERSION = "default"
+INITIAL_POLICY_VERSION = 0
 
 
 def policy_version(weight_version: str | None) -> int | None:
     """A weight version's number: 0 for the initial weights, k for `step_k` (the update after step
     k - 1); None for a name tonpolicy did not give."""
     if weight_version == INITIAL_WEIGHT_VERSION:
-        return 0
+        return INITIAL_POLICY_VERSION
     if weight_version and weight_version.startswith("step_") and weight_version[5:].isdigit():
         return int(weight_version[5:])
     return None
