@@ -4,9 +4,10 @@ directly, every step, after weight sync (issue 34, item 9: trainer ep2 and tp2_e
 and 2, the latter with --ep-size 2). Routing agreement is measured from the routes SGLang returns
 (`--enable-return-routed-experts`, which the launch plan renders for a MoE model on the contract package).
 
-Negative control: the same job on the package's plain kernel set (torch's own GEMMs, `torch.topk`,
-activation-dtype combine) finds a small non-zero mismatch; stock SGLang's own Qwen3-MoE is no control on
-this CPU (tests/sglang/test_sglang_moe.py says why).
+Negative control: tests/sglang/test_sglang_moe.py runs the same package on the plain kernel set (torch's
+own GEMMs, `torch.topk`, activation-dtype combine) and finds a small non-zero mismatch against the same
+scoring; a job cannot run it (validation ties the plain set to stock SGLang, whose own Qwen3-MoE returns
+null logprobs on this CPU).
 """
 
 from __future__ import annotations
@@ -46,9 +47,3 @@ def test_sglang_moe_job_is_exact_and_routes_agree(tmp_path: Path, sglang_py: str
         assert r["tokens_scored"] > 0 and r["mismatched_tokens"] == 0 and r["max_abs_logprob_diff"] == 0.0, r
         assert r["routing_agreement"] == 1.0, r
         assert r["grad_norm"] > 0, r
-
-
-def test_plain_kernels_through_sglang_show_the_mismatch(tmp_path: Path, sglang_py: str) -> None:
-    recs, _ = _run(tmp_path, 1, "parallel=ep2", "contract.kernels=plain", "gate.fail_on_mismatch=false")
-    assert len(recs) == 1 and recs[0]["mismatched_tokens"] > 0, recs
-    assert 0 < recs[0]["max_abs_logprob_diff"] < 1e-3, recs
