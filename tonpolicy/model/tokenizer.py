@@ -86,15 +86,19 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i not in self.special_ids])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for chat `messages`, ending with the assistant's turn."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for chat `messages`, ending with the assistant's turn; `tools` (OpenAI's function
+        specs) are the template's `tools`, as transformers passes them."""
         if self.chat_template is None:
             raise ValueError("the tokenizer has no chat template")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, **{k: v or "" for k, v in self.special_tokens.items()}
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=True,
+            **{k: v or "" for k, v in self.special_tokens.items()},
         )
 
 

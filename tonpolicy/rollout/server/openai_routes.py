@@ -3,7 +3,11 @@
 native /generate request (so it is checked and run the one way), and the native answers become
 OpenAI's shapes. `/v1/completions` takes a text, token ids, or lists of either; `logprobs: k` gives
 each token's logprob and the k most likely (`text_offset` is -1: SGLang does not track it either).
-`/v1/chat/completions` needs a chat template in the checkpoint's tokenizer. Streams are server-sent
+`/v1/chat/completions` needs a chat template in the checkpoint's tokenizer; it takes `tools` (given to the
+template as `tools`, calls read back from the reply as SGLang's qwen25 parser does: `tool_calls.py`),
+tool-call and `tool` messages in the history, and `return_token_ids` / `return_prompt_token_ids`
+(SGLang's: each choice's `response_token_ids` and `prompt_token_ids`, so an agent driven through the
+OpenAI client still hands a trainer the ids the engine sampled, with their logprobs). Streams are server-sent
 events ending in `data: [DONE]`. What the engine cannot honour (echo, text stops, penalties, ...)
 is refused with a 400, as on /generate.
 """
@@ -23,6 +27,7 @@ from tonpolicy.rollout.server.state import (
     progress_events,
     run_items,
 )
+from tonpolicy.rollout.server.tool_calls import check_tools, parse_tool_calls
 from tonpolicy.rollout.wire.request import GenerateRequest, ProtocolError, check_fields, parse_generate_request
 from tonpolicy.rollout.wire.response import STREAM_END, build_generate_output, stream_chunk
 
@@ -36,9 +41,9 @@ _IGNORED = {"user", "skip_special_tokens", "no_stop_trim", "stream_options", "mo
 _NEUTRAL: dict[str, Any] = {
     "echo": False, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
     "logit_bias": None, "stop": None, "suffix": None, "min_p": 0.0, "min_tokens": 0, "best_of": None,
-    "response_format": None, "json_schema": None, "regex": None, "ebnf": None, "tools": None,
-    "tool_choice": None, "return_hidden_states": False, "parallel_tool_calls": None,
+    "response_format": None, "json_schema": None, "regex": None, "ebnf": None, "return_hidden_states": False,
 }  # fmt: skip
+_COMPLETION_NEUTRAL = {**_NEUTRAL, "tools": None, "tool_choice": None, "parallel_tool_calls": None}
 _COMPLETION_USED = {"prompt", "max_tokens", "stream", "logprobs", *_SAMPLING}
 _CHAT_USED = {
     "messages",
@@ -47,6 +52,11 @@ _CHAT_USED = {
     "stream",
     "logprobs",
     "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "return_token_ids",
+    "return_prompt_token_ids",
     *_SAMPLING,
 }
 
@@ -92,7 +102,7 @@ def route_completions(state: ServerState, body: Any) -> Response:
         return not_ready()
     if not isinstance(body, dict):
         raise ProtocolError("request body must be a JSON object")
-    check_fields(body, _COMPLETION_USED, _IGNORED, _NEUTRAL, "completion request")
+    check_fields(body, _COMPLETION_USED, _IGNORED, _COMPLETION_NEUTRAL, "completion request")
     if "prompt" not in body:
         raise ProtocolError("prompt is required")
     logprobs = body.get("logprobs")
@@ -112,23 +122,39 @@ def route_chat_completions(state: ServerState, body: Any) -> Response:
     if tok is None or tok.chat_template is None:
         raise ProtocolError("this model's tokenizer has no chat template: use /v1/completions or /generate")
     messages = body.get("messages")
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
+    if not isinstance(messages, list) or not messages or not all(map(_is_message, messages)):
+        raise ProtocolError(
+            "messages must be a non-empty list of {role, content} objects with string content "
+            "(an assistant message with tool_calls may have null content)"
         )
-    ):
-        raise ProtocolError("messages must be a non-empty list of {role, content} objects with string content")
     try:
-        prompt = tok.apply_chat_template(messages)
+        tools = check_tools(body)
+    except ValueError as e:
+        raise ProtocolError(str(e)) from e
+    ids = bool(body.get("return_token_ids")) or bool(body.get("return_prompt_token_ids"))
+    if ids and body.get("stream"):
+        raise ProtocolError("return_token_ids / return_prompt_token_ids with stream=true: set stream=false")
+    try:
+        prompt = tok.apply_chat_template([{**m, "content": m.get("content") or ""} for m in messages], tools)
     except Exception as e:  # noqa: BLE001 - a template that fails on these messages is the client's 400
         raise ProtocolError(f"the chat template failed on these messages: {e}") from e
     top = body.get("top_logprobs") if body.get("logprobs") else None
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     req = _parse(state, _native_body(body, prompt, max_tokens, (top or 0) if body.get("logprobs") else None))
-    return _answer(state, body, req, "chat.completion", _chat_choice, _chat_delta)
+    parse = tools if tools and body.get("tool_choice") != "none" else None
+
+    def choice(state: ServerState, i: int, out: dict[str, Any]) -> dict[str, Any]:
+        return _chat_choice(state, i, out, parse, body, req.items[i].input_ids)
+
+    return _answer(state, body, req, "chat.completion", choice, _chat_delta)
+
+
+def _is_message(m: Any) -> bool:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return False
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        return isinstance(m["tool_calls"], list) and (m.get("content") is None or isinstance(m["content"], str))
+    return isinstance(m.get("content"), str)
 
 
 # --- answers ------------------------------------------------------------------------------------
@@ -255,14 +281,30 @@ def _chat_logprobs(meta: dict[str, Any], start: int = 0) -> dict[str, Any] | Non
     ]}  # fmt: skip
 
 
-def _chat_choice(state: ServerState, i: int, out: dict[str, Any]) -> dict[str, Any]:
-    meta = out["meta_info"]
-    return {
-        "index": i,
-        "message": {"role": "assistant", "content": out.get("text", "")},
-        "logprobs": _chat_logprobs(meta),
-        **_finish(meta),
-    }
+def _chat_choice(
+    state: ServerState,
+    i: int,
+    out: dict[str, Any],
+    tools: list[dict[str, Any]] | None = None,
+    body: dict[str, Any] | None = None,
+    prompt_ids: tuple[int, ...] = (),
+) -> dict[str, Any]:
+    meta, body = out["meta_info"], body or {}
+    message: dict[str, Any] = {"role": "assistant", "content": out.get("text", "")}
+    finish = _finish(meta)
+    if tools:
+        content, calls = parse_tool_calls(message["content"], tools, f"{meta['id']}_{i}")
+        if body.get("parallel_tool_calls") is False:
+            calls = calls[:1]
+        if calls:  # OpenAI's shape: the calls, their finish reason; the ids below stay what was sampled
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            finish["finish_reason"] = "tool_calls"
+    answer = {"index": i, "message": message, "logprobs": _chat_logprobs(meta), **finish}
+    if body.get("return_token_ids") or body.get("return_prompt_token_ids"):
+        answer["prompt_token_ids"] = list(prompt_ids)
+    if body.get("return_token_ids"):
+        answer["response_token_ids"] = list(out["output_ids"])
+    return answer
 
 
 def _chat_delta(state: ServerState, i: int, out: dict[str, Any], last: dict[str, Any] | None) -> dict[str, Any]:
