@@ -146,3 +146,16 @@ def test_environment_tokens_carry_no_loss(tmp_path: Path, checkpoint: Path) -> N
     assert res["env_changed"] == base  # the environment's tokens' old logprobs do not enter the loss
     assert res["model_changed"] != base  # a model token's do (the test can fail)
     assert res["env_changed_unmasked"] != base  # and without the mask the environment's would
+
+
+def test_bad_turn_settings_are_refused_naming_the_key() -> None:
+    from tonpolicy.config.validate import ConfigError, validate
+
+    for overrides, key in [
+        (["task=constant", "task.max_turns=2"], "task.max_turns"),
+        (["task=calculator", "task.max_turns=0"], "task.max_turns"),
+        (["task=calculator", "model=qwen3_moe_tiny", "contract=qwen3_moe_v1"], "task.name"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            validate(compose_config(overrides), check_hf=False)
+        assert any(i.key == key for i in e.value.issues), (overrides, str(e.value))

@@ -134,6 +134,8 @@ def check_task(cfg: Config, bad: Any) -> None:
     multi_turn = task.name in ("calculator",)  # tonpolicy.rl.multi_turn.ENVIRONMENTS
     if task.max_turns < 1 or (task.max_turns > 1 and not multi_turn):
         bad("task.max_turns", f"must be 1 for the single-turn task {task.name} (>= 1 for a multi-turn task)")
+    if multi_turn and cfg.model.is_moe:
+        bad("task.name", f"the multi-turn task {task.name} runs a dense model (MoE routes are not kept across turns)")
     if not 0 <= task.target_digit <= 9:
         bad("task.target_digit", "must be a digit in [0, 9]")
     if task.lr is not None and not (math.isfinite(task.lr) and task.lr > 0):
