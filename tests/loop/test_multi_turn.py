@@ -159,3 +159,15 @@ def test_bad_turn_settings_are_refused_naming_the_key() -> None:
         with pytest.raises(ConfigError) as e:
             validate(compose_config(overrides), check_hf=False)
         assert any(i.key == key for i in e.value.issues), (overrides, str(e.value))
+
+
+def test_the_cache_switch_reaches_both_servers() -> None:
+    """rollout.disable_radix_cache: the embedded server's engine and released SGLang's flag."""
+    from tonpolicy.launch.plan import sglang_argv
+    from tonpolicy.rollout.server.args import args_from_config
+
+    cfg = compose_config(["rollout.disable_radix_cache=true"])
+    assert args_from_config(cfg)["disable_radix_cache"] is True
+    assert args_from_config(compose_config([]))["disable_radix_cache"] is False
+    sglang = compose_config(["rollout=sglang", "trainer.device=cpu", "rollout.disable_radix_cache=true"])
+    assert "--disable-radix-cache" in sglang_argv(sglang, "/ckpt", "cpu", 30000)
