@@ -149,6 +149,7 @@ def take_step(loop: Loop, step: int) -> Verdict:
             "cached_tokens": batch.cached_tokens,  # context tokens the server reused from its prefix cache
             "rollout_s": round(t_rollout, 3),
             "step_s": round(time.monotonic() - t0, 3),
+            "time": round(time.time(), 3),  # when the record was written (unix seconds): steps end to end
         }
         loop.records.write(record, batch)
         print(
