@@ -24,12 +24,27 @@ def _run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     return records(run_dir)
 
 
-def test_contract_routes_as_the_rollout_every_step(tmp_path: Path) -> None:
-    recs = _run(tmp_path, "contract", "experiment.steps=2")
-    assert [r["step"] for r in recs] == [0, 1]
-    for r in recs:
-        assert r["tokens_scored"] > 0 and r["mismatched_tokens"] == 0 and r["routing_agreement"] == 1.0
-    assert summary(tmp_path / "contract")["min_routing_agreement"] == 1.0
+def test_contract_sweep_routes_as_the_rollout_every_step(tmp_path: Path) -> None:
+    """`python -m tonpolicy -m model=qwen3_moe_tiny parallel=tp1,ep2,tp2_ep2,pp2_ep2`: every layout exact,
+    routes agreeing, on both steps (the second after weight sync); the sweep writes its parity matrix."""
+    layouts = ["tp1", "ep2", "tp2_ep2", "pp2_ep2"]
+    sweep = tmp_path / "sweep"
+    overrides = [o for o in MOE_SMOKE if not o.startswith("parallel=")]
+    argv = [sys.executable, "-m", "tonpolicy", "-m", "mode=run", *overrides, "experiment.steps=2"]
+    argv += [f"parallel={','.join(layouts)}", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
+    assert sorted(summary(j)["layout"] for j in jobs) == sorted(layouts)
+    for job in jobs:
+        recs = records(job)
+        assert [r["step"] for r in recs] == [0, 1], job.name
+        for r in recs:
+            assert r["tokens_scored"] > 0 and r["mismatched_tokens"] == 0 and r["routing_agreement"] == 1.0, r
+        assert summary(job)["min_routing_agreement"] == 1.0
+    table = (sweep / "sweep_summary.md").read_text()
+    assert all(layout in table for layout in layouts)
+    assert (sweep / "sweep_summary.png").stat().st_size > 1000
 
 
 def test_off_policy_stock_router_disagrees_on_some_routes(tmp_path: Path) -> None:
