@@ -1,15 +1,24 @@
-"""The fleet's parts without processes: the plan's commands, per-token weight versions from SGLang's
-spans, the synchronous version check, and the fleet client's fan-out (rank offsets, a failing replica)."""
+"""The fleet's parts without a job: the plan's commands, per-token weight versions from SGLang's spans,
+the synchronous version check, the fleet client's fan-out (rank offsets, a failing replica), and the
+launcher's watch over every replica and the router."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from tonpolicy.config.compose import compose_config
+from tonpolicy.launch.job import Fleet, JobFailed, supervise
 from tonpolicy.launch.plan import launch_plan, launch_script
+from tonpolicy.launch.procs import Child
+from tonpolicy.loop.exit_codes import EXIT_CHILD_FAILED
 from tonpolicy.loop.weight_sync import DiskWeightSync, PolicyVersionError, policy_version
+from tonpolicy.ports import free_port
 from tonpolicy.rollout.client import RolloutError
 from tonpolicy.rollout.fleet import FleetClient
 from tonpolicy.rollout.wire.request import ProtocolError
@@ -95,3 +104,48 @@ def test_fleet_client_gives_each_replica_its_ranks_and_names_a_failing_one() -> 
     fleet.replicas[1].fail = True
     with pytest.raises(RolloutError, match="replica http://b: .*no such checkpoint"):
         fleet.update_weights_from_disk("/ckpt", "step_2")
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _child(tmp_path: Path, name: str, argv: list[str]) -> Child:
+    log = tmp_path / f"{name}.log"
+    log.write_text(f"{name}'s log\n")
+    return Child(name, subprocess.Popen(argv, start_new_session=True), log)
+
+
+@pytest.mark.parametrize("fault", ["replica_silent", "router_dead"])
+def test_supervise_ends_the_job_for_a_silent_replica_or_a_dead_router(tmp_path: Path, fault: str) -> None:
+    """The launcher watches every replica and the router as it watches one server: silent past
+    rollout.liveness_timeout_s, or exited, is exit 4 (EXIT_CHILD_FAILED) naming which."""
+    healthy = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=healthy.serve_forever, daemon=True).start()
+    ok_url, silent_url = f"http://127.0.0.1:{healthy.server_address[1]}", f"http://127.0.0.1:{free_port()}"
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    children = [_child(tmp_path, n, sleep) for n in ("rollout-0", "rollout-1", "rollout-router", "trainer")]
+    *replicas, router, trainer = children
+    if fault == "router_dead":
+        router.proc.kill()
+        router.proc.wait()
+    urls = [ok_url, silent_url if fault == "replica_silent" else ok_url]
+    fleet = Fleet(replicas, urls, router, ok_url)
+    cfg = compose_config(["rollout.replicas=2", "rollout.liveness_timeout_s=1"])
+    try:
+        with pytest.raises(JobFailed) as failed:
+            supervise(cfg, tmp_path, fleet, trainer)
+    finally:
+        for c in children:
+            c.proc.kill()
+            c.proc.wait()
+        healthy.shutdown()
+    assert failed.value.code == EXIT_CHILD_FAILED
+    expected = "rollout 1 stopped answering /health" if fault == "replica_silent" else "rollout router died"
+    assert expected in str(failed.value)
