@@ -19,11 +19,20 @@ def _samples(run_dir: Path) -> list[dict]:
 def test_two_replicas_hold_exact_zero_with_versions_per_token(tmp_path: Path) -> None:
     """Distributed weight sync into both replicas (one group); the router spreads each step's samples
     over them; every token carries the version that sampled it (step 0: the initial weights, step 1:
-    the update after step 0)."""
+    the update after step 0). With an API key: the router checks it and forwards it to the replicas,
+    and no file of the run holds it."""
+    key = "fleet-test-key-0123456789"
     proc, run_dir = run_job(
-        tmp_path, "rollout.replicas=2", "rollout.weight_sync=distributed", "experiment.steps=2", timeout=300
+        tmp_path,
+        "rollout.replicas=2",
+        "rollout.weight_sync=distributed",
+        "rollout.require_api_key=true",
+        "experiment.steps=2",
+        timeout=300,
+        env={"TONPOLICY_API_KEY": key},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
     assert "2 rollout servers (embedded) healthy" in proc.stderr and "behind sglang-router" in proc.stderr
     recs = records(run_dir)
     assert [r["mismatched_tokens"] for r in recs] == [0, 0] and all(r["tokens_scored"] > 0 for r in recs)
