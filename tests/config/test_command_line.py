@@ -55,7 +55,7 @@ def user_task(tmp_path: Path) -> Path:
 def test_unknown_option_lists_the_package_and_the_user_options(user_task: Path) -> None:
     run_dir = user_task / "run"
     (line,) = problems(refused(user_task, "task=math", f"hydra.run.dir={run_dir}"))
-    assert line.startswith("task='math': no such option of the task group (options: constant, digit_copy, ")
+    assert line.startswith("task='math': no such option of the task group (options: calculator, constant, digit_copy, ")
     assert "first_parity, mine; from tonpolicy/conf/task/ and conf/task/)" in line
     # The sweep form: the sweep folder is not made either.
     sweep = user_task / "sweep"
@@ -78,7 +78,7 @@ def test_unknown_key_without_plus_is_named_with_its_closest_keys(tmp_path: Path)
     moved, typo, elsewhere = problems(stderr)
     assert moved == (
         "experiment.task='math': unknown key (not in the schema); task is a config group of its own:"
-        " task=<option> (options: constant, digit_copy, echo_digit, first_digit, first_parity), or"
+        " task=<option> (options: calculator, constant, digit_copy, echo_digit, first_digit, first_parity), or"
         " task.<field>=... for one field"
     )
     # The same words as the `+` form, which composition lets through to the schema check.
@@ -102,7 +102,7 @@ def test_run_folder_that_cannot_be_made(tmp_path: Path) -> None:
     # With other problems on the line: all of them at once.
     stderr = refused(tmp_path, "task=math", "parallel.tp=abc", f"hydra.run.dir={tmp_path / 'afile'}")
     assert problems(stderr) == [
-        "task='math': no such option of the task group (options: constant, digit_copy, echo_digit, first_digit,"
+        "task='math': no such option of the task group (options: calculator, constant, digit_copy, echo_digit, first_digit,"
         " first_parity; from tonpolicy/conf/task/ and conf/task/)",
         "parallel.tp='abc': must be an integer",
         f"hydra.run.dir='{tmp_path / 'afile'}': exists and is not a directory",
