@@ -30,10 +30,17 @@ class Server:
     """Answers /generate with fixed samples; records the weight loads it is asked for."""
 
     def __init__(self, flip: bool = False) -> None:
-        self.flip, self.loaded = flip, []
+        self.flip, self.loaded, self.version = flip, [], "default"
 
     def generate(self, prompts: list[list[int]], params: list[dict]) -> list[dict]:
-        outs = [{"output_ids": [3 + i % 2, 4], "output_logprobs": _lps([3 + i % 2, 4])} for i in range(len(prompts))]
+        outs = [
+            {
+                "output_ids": [3 + i % 2, 4],
+                "output_logprobs": _lps([3 + i % 2, 4]),
+                "weight_versions": [self.version] * 2,
+            }
+            for i in range(len(prompts))
+        ]
         if self.flip:  # one token's logprob one ulp away
             outs[0]["output_logprobs"][0] = float(
                 torch.nextafter(torch.tensor(outs[0]["output_logprobs"][0]), torch.tensor(0.0))
@@ -42,6 +49,7 @@ class Server:
 
     def update_weights_from_disk(self, path: str, weight_version: str) -> None:
         self.loaded.append((Path(path).name, weight_version))
+        self.version = weight_version
 
 
 class Worker:
