@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_models import CPU_1024  # noqa: E402
-from perf_targets import Check, report, with_launch_environment  # noqa: E402
+from perf_targets import RESULTS, Check, report, with_launch_environment  # noqa: E402
 
 STEP_RATIO = 1.0  # end-to-end step, exact contract (no recompute) / off_policy (with the recompute)
 
@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--jobs", default="default,h1024")
+    ap.add_argument(
+        "--merge", action="store_true", help="keep results/bench_step.json's other jobs (re-measure one job only)"
+    )
     a = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="bench_step_"))
     results: dict[str, Any] = {}
@@ -143,11 +146,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for v in variants
             if v != "off_policy" and "off_policy" in variants
         }
+        # the trainer's part of the step alone (the record's step_s less rollout_s): what the recompute costs
+        ratios |= {
+            f"{v}_over_off_policy_trainer_part": statistics.median(
+                r[v]["train_s"] / r["off_policy"]["train_s"] for r in rounds
+            )
+            for v in variants
+            if v != "off_policy" and "off_policy" in variants
+        }
         if "contract" in variants and "contract_recompute" in variants:
             ratios["contract_over_contract_recompute"] = statistics.median(
                 r["contract"]["median_step_s"] / r["contract_recompute"]["median_step_s"] for r in rounds
             )
         results[job] = {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
             "overrides": JOBS[job].overrides,
             "steps": JOBS[job].steps,
             "median_step_s": med,
@@ -165,6 +177,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             checks.append(
                 Check(f"end-to-end step {job}, contract/off_policy", ratios["contract_over_off_policy"], STEP_RATIO)
             )
+    if a.merge and (RESULTS / "bench_step.json").exists():  # each job keeps its own date and workload
+        kept = json.loads((RESULTS / "bench_step.json").read_text())
+        for job, body in kept["data"]["jobs"].items():
+            results.setdefault(job, {"date": kept["date"], **body})
+        own = {c.name for c in checks}
+        fields = ("name", "measured", "target", "at_most")
+        checks += [Check(**{k: c[k] for k in fields}) for c in kept["checks"] if c["name"] not in own]
     report("bench_step", checks, {"workload": vars(a), "jobs": results})
     return results
 
