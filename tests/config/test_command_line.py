@@ -102,8 +102,8 @@ def test_run_folder_that_cannot_be_made(tmp_path: Path) -> None:
     # With other problems on the line: all of them at once.
     stderr = refused(tmp_path, "task=math", "parallel.tp=abc", f"hydra.run.dir={tmp_path / 'afile'}")
     assert problems(stderr) == [
-        "task='math': no such option of the task group (options: calculator, constant, digit_copy, echo_digit, first_digit,"
-        " first_parity; from tonpolicy/conf/task/ and conf/task/)",
+        "task='math': no such option of the task group (options: calculator, constant, digit_copy, echo_digit,"
+        " first_digit, first_parity; from tonpolicy/conf/task/ and conf/task/)",
         "parallel.tp='abc': must be an integer",
         f"hydra.run.dir='{tmp_path / 'afile'}': exists and is not a directory",
     ]

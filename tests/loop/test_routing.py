@@ -69,7 +69,7 @@ class _Client:
         self.kwargs.append(kw)
         outs = []
         for i, p in enumerate(prompts):
-            out = {"output_ids": [3, 4, 5], "output_logprobs": [-0.5] * 3}
+            out = {"output_ids": [3, 4, 5], "output_logprobs": [-0.5] * 3, "weight_versions": ["default"] * 3}
             if kw.get("return_routed_experts"):
                 table = torch.full((len(p) + 2, self.num_layers, K), i, dtype=torch.int32)
                 out["routed_experts"] = base64.b64encode(table.numpy().tobytes()).decode()
