@@ -47,8 +47,9 @@ class Recording:
 
 def test_calculator_environment_and_episode_bookkeeping() -> None:
     prompt = [7, DIGIT0 + 3, DIGIT0 + 9, SEP]  # add 3 9 :
-    assert calculator_reply(prompt, [50, CALL, 2]) == [RESULT, DIGIT0 + 2, SEP]
-    assert calculator_reply(prompt, [50, 2]) == [RESULT, SEP]
+    assert calculator_reply(prompt, [50, CALL, 2]) == [RESULT, DIGIT0 + 2]
+    assert calculator_reply(prompt, [50, 2]) == [RESULT, DIGIT0 + 2]  # it always answers (an untrained
+    # policy never samples `call`): the final answer's parity is read from these environment tokens
 
     def generate(contexts: list[list[int]], turn: int) -> list[dict[str, Any]]:
         return [{"output_ids": [CALL, 100 + turn], "output_logprobs": [-1.0, -2.0], "cached_tokens": turn}] * len(
@@ -56,12 +57,12 @@ def test_calculator_environment_and_episode_bookkeeping() -> None:
         )
 
     (ep,) = run_episodes("calculator", [prompt], 2, generate)
-    assert ep.response == [CALL, 100, RESULT, DIGIT0 + 2, SEP, CALL, 101]
-    assert ep.mask == [True, True, False, False, False, True, True]
-    assert ep.logprobs == [-1.0, -2.0, 0.0, 0.0, 0.0, -1.0, -2.0] and ep.cached_tokens == 1
+    assert ep.response == [CALL, 100, RESULT, DIGIT0 + 2, CALL, 101]
+    assert ep.mask == [True, True, False, False, True, True]
+    assert ep.logprobs == [-1.0, -2.0, 0.0, 0.0, -1.0, -2.0] and ep.cached_tokens == 1
     assert segments(ep.response, ep.mask) == [
         ("model", [CALL, 100]),
-        ("env", [RESULT, 12, SEP]),
+        ("env", [RESULT, 12]),
         ("model", [CALL, 101]),
     ]
     with pytest.raises(ValueError, match="exceeds"):

@@ -11,8 +11,11 @@ model's tokens: the environment's are 0.0 (finite, so a masked-out loss term sta
 comparison that forgot the mask would find them differing from the trainer's negative logprobs).
 
 The calculator (`task=calculator`): prompt `add a b :`. After each model turn but the last, the
-environment replies `= s :` with s = (a + b) mod 10 when the turn called the tool (a `call` token
-anywhere in it), else `= :`. Every episode has max_turns model turns, so every sample is multi-turn.
+environment replies `= s` with s = (a + b) mod 10 (the tool's result). The final turn's first token
+is graded on the parity of s: read from the environment's reply, the token it is predicted at, it is
+an echo of a parity; from the prompt alone it is the parity of a + b (an XOR of two earlier tokens'
+parities), so a policy that ignored the environment's tokens would stay at chance. Every episode has max_turns
+model turns, so every sample is multi-turn.
 """
 
 from __future__ import annotations
@@ -22,14 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tonpolicy.config.sizes import MAX_ENV_REPLY_TOKENS
-from tonpolicy.rl.task import CALL, DIGIT0, RESULT, SEP, calculator_sum
+from tonpolicy.rl.task import DIGIT0, RESULT, calculator_sum
 
 
 def calculator_reply(prompt: list[int], turn: list[int]) -> list[int]:
-    """The environment's tokens after a model turn: the tool's result when the turn called it."""
-    if CALL in turn:
-        return [RESULT, DIGIT0 + calculator_sum(prompt), SEP]
-    return [RESULT, SEP]
+    """The environment's tokens after a model turn: the calculator's result `= s`, whatever the turn
+    said. Why always: an untrained policy never samples a `call` token among its top 16, so a tool that
+    answered only a call never answered and the reward stayed at chance (issue 38). Why no `:` after s:
+    the next model turn is then predicted at s itself (as echo_digit's answer is), not at a `:` that the
+    first turn is also predicted at, whose distribution the first turn's noisy updates also move."""
+    return [RESULT, DIGIT0 + calculator_sum(prompt)]
 
 
 # task name -> the environment's reply to a model turn (prompt, the turn's ids) -> token ids
