@@ -12,9 +12,9 @@ comparison that forgot the mask would find them differing from the trainer's neg
 
 The calculator (`task=calculator`): prompt `add a b :`. After each model turn but the last, the
 environment replies `= s` with s = (a + b) mod 10 (the tool's result). The final turn's first token
-is graded on the parity of s: read from the environment's reply, the token it is predicted at, it is
-an echo of a parity; from the prompt alone it is the parity of a + b (an XOR of two earlier tokens'
-parities), so a policy that ignored the environment's tokens would stay at chance. Every episode has max_turns
+must be s (by id modulo 10): read from the environment's reply, the token it is predicted at, it is
+echo_digit's task; from the prompt alone it is a sum of two earlier digits, which the tiny policy does
+not learn, so a policy that ignored the environment's tokens would stay near chance. Every episode has max_turns
 model turns, so every sample is multi-turn.
 """
 

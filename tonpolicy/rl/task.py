@@ -96,9 +96,9 @@ def calculator_sum(prompt: list[int]) -> int:
 
 
 def calculator_reward(prompt: list[int], response: list[int], graded: int, target: int) -> float:
-    """`response`: the final model turn. Its first token must have the parity of (a + b) mod 10: the tool's
-    result, read right before the answer, makes it first_parity's task; without the tool it is an XOR."""
-    return _graded([DIGIT0 + calculator_sum(prompt)] * graded, response, graded, classes=2)
+    """`response`: the final model turn. Its first token must be (a + b) mod 10 (by id modulo 10): the
+    tool's result, the token the answer is predicted at, makes it echo_digit's task; without it, a sum."""
+    return _graded([DIGIT0 + calculator_sum(prompt)] * graded, response, graded)
 
 
 TASKS: dict[str, tuple[Callable[..., list[int]], Callable[..., float]]] = {
