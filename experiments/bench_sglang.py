@@ -1,16 +1,23 @@
-"""Rollout servers side by side on this machine: stock SGLang, SGLang with tonpolicy's contract model
-package, and tonpolicy's embedded server (contract kernels), on the same checkpoint and workload.
+"""Released SGLang with tonpolicy's contract model package beside stock SGLang, measured in one run
+(issue 36, item 4).
 
-    .venv/bin/python experiments/bench_sglang.py [--models tiny,large] [--dtypes bfloat16,float32] [--gen 128]
+    .venv/bin/python experiments/bench_sglang.py [--cells tiny:float32,large:bfloat16] [--rounds 3]
+        [--kinds sglang,sglang+contract]
 
-Each server is started with the command and environment tonpolicy's launch plan renders (all under
-the SGLang environment's Python, so they share one torch build), warmed up, then driven by the same
-HTTP client at 1, 8 and 32 concurrent streams (8-token prompts, `--gen` new tokens, sampling at T=1;
-the median of 3 rounds per cell).
-Prints tokens/s per server and concurrency and the ratios against stock SGLang, measured in one run,
-and the target (embedded server with contract kernels >= 1.0x stock SGLang) as measured / target, in
-bf16 also against stock SGLang with `--enable-fp32-lm-head` (the contract's default logits precision);
-results/bench_sglang.json gets the numbers. Without the SGLang environment (scripts/setup_sglang.sh) it
+`sglang+contract` is the default `rollout=sglang` job's server: SGLang with
+`contract.sglang.model_package=tonpolicy.inside_sglang.model`. `sglang` is stock SGLang on the same
+checkpoint: `contract=off_policy` (model package null: SGLang's own Qwen3 and kernels). Both are started with
+the command and environment tonpolicy's launch plan renders (plus `--sleep-on-idle`, see server_command),
+under the SGLang environment's Python, once per cell (model, dtype), and stay up together. Each is warmed up,
+then the same HTTP client sends the same prompts (8 random token ids) with the same sampling params (T=1,
+a fixed seed per request, `ignore_eos`, a fixed `max_new_tokens` per model) at 1, 8 and 32 concurrent
+streams. Rounds alternate the servers (A/B, then B/A, ...) at each concurrency, because this 2-core machine is
+shared: each round's ratio compares two measurements taken back to back.
+
+Prints, per cell and concurrency, the median tokens/s of each server and the ratio contract/stock (median and
+min over rounds), checks the targets (>= 1.0x at 8 and 32 concurrent, >= 0.9x at 1), and writes
+results/bench_sglang.json. `--kinds` can add `embedded` (tonpolicy's own server, contract kernels) or
+`sglang (fp32 LM head)` to the same alternation. Without the SGLang environment (scripts/setup_sglang.sh) it
 says so and compares nothing.
 """
 
@@ -28,6 +35,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 from bench_models import CPU_1024
@@ -47,16 +55,17 @@ MODELS = {
     "tiny": ModelConfig(),
     "large": CPU_1024,
 }
+# New tokens per request, fixed per model (ignore_eos): about 1-3 s per measurement on a loaded 2-core CPU.
+GEN = {"tiny": 64, "large": 24}
 CONCURRENCY = (1, 8, 32)
-# Requests each stream sends in turn (one stream: about 1.5 s of work per measurement), and rounds.
-REQUESTS_PER_STREAM = {1: 4, 8: 2, 32: 1}
-ROUNDS = 3
-# The embedded server under the contract with contract.logits_dtype=bfloat16: logits from the native bf16
-# GEMM, the precision stock SGLang's LM head has (measured beside the default fp32 logits, bf16 only).
+REQUESTS_PER_STREAM = {1: 2, 8: 1, 32: 1}  # one stream sends two requests in turn: a longer measurement
+SGLANG_RATIO_ONE_STREAM = 0.9  # contract / stock tokens/s at one stream (issue 36); SGLANG_RATIO at 8 and 32
+STOCK = "sglang"  # contract=off_policy: SGLang's own Qwen3 and kernels
+CONTRACT = "sglang+contract"  # the default rollout=sglang job: tonpolicy's model package inside SGLang
+# The embedded server under the contract with contract.logits_dtype=bfloat16 (optional kind).
 BF16_LOGITS = "embedded (bf16 logits)"
-# Stock SGLang with its own `--enable-fp32-lm-head`: the logits precision the contract's default
-# (contract.logits_dtype=float32) gives, so the like-for-like baseline for it (bf16 only; an fp32 model's
-# LM head is fp32 anyway).
+# Stock SGLang with its own `--enable-fp32-lm-head` (optional kind): the logits precision of the contract's
+# default contract.logits_dtype=float32 in a bf16 model.
 FP32_LM_HEAD = "sglang (fp32 LM head)"
 
 
@@ -104,6 +113,9 @@ def server_command(
         ]
     )
     argv = sglang_argv(cfg, str(ckpt), "cpu", port) + (["--enable-fp32-lm-head"] if kind == FP32_LM_HEAD else [])
+    # Both servers of a cell are up at once and measured in turn: without this an idle SGLang scheduler
+    # busy-polls and takes a core from the one being measured (it changes nothing while requests run).
+    argv += ["--sleep-on-idle"]
     return argv, {**environment(cfg, "cpu"), **server_environment(cfg, "cpu", identity(cfg.contract).fingerprint)}
 
 
@@ -119,11 +131,14 @@ def generate(url: str, prompt: list[int], gen: int, seed: int) -> int:
     }
     req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
     out = json.loads(urllib.request.urlopen(req, timeout=600).read())
-    return len(out["output_ids"])
+    n = len(out["output_ids"])
+    if n != gen:  # every request must generate the same count, or tokens/s compare different work
+        raise RuntimeError(f"{url} generated {n} tokens, asked for {gen} (ignore_eos)")
+    return n
 
 
 def throughput(url: str, vocab: int, streams: int, gen: int, requests_per_stream: int) -> float:
-    rng = random.Random(streams)
+    rng = random.Random(streams)  # the same prompts for every server and round at this concurrency
     prompts = [[rng.randrange(vocab) for _ in range(8)] for _ in range(streams * requests_per_stream)]
 
     def stream(i: int) -> int:
@@ -137,79 +152,118 @@ def throughput(url: str, vocab: int, streams: int, gen: int, requests_per_stream
     return tokens / (time.perf_counter() - t0)
 
 
-def bench_server(kind: str, ckpt: Path, cfg: ModelConfig, dtype: str, gen: int, log: Path) -> dict[int, float]:
-    port = free_port()
-    argv, env = server_command(kind, ckpt, dtype, port)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
-        )
+class Server:
+    """One server process, started from the launch plan's command; stopped by its own process group."""
+
+    def __init__(self, kind: str, ckpt: Path, dtype: str, log: Path) -> None:
+        self.kind, self.port = kind, free_port()
+        argv, env = server_command(kind, ckpt, dtype, self.port)
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+            )
+        self.url, self.log = f"http://127.0.0.1:{self.port}", log
+
+    def wait_healthy(self) -> None:
+        try:
+            RolloutClient(self.url).wait_healthy(600, process=self.proc)
+        except Exception as e:
+            raise RuntimeError(f"{self.kind} did not start: {e}\n{self.log.read_text()[-3000:]}") from e
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+
+def bench_cell(
+    kinds: list[str], ckpt: Path, cfg: ModelConfig, dtype: str, gen: int, rounds: int, tmp: Path
+) -> dict[str, dict[int, list[float]]]:
+    """tokens/s per kind and concurrency, one value per round; the kinds alternate within each round."""
+    servers = [Server(k, ckpt, dtype, tmp / f"{cfg.name}_{dtype}_{k.replace(' ', '_')}.log") for k in kinds]
     try:
-        url = f"http://127.0.0.1:{port}"
-        RolloutClient(url).wait_healthy(600, process=proc)
-        throughput(url, cfg.vocab_size, 2, 8, 1)  # warm-up
-        # ROUNDS rounds over the concurrencies, the median of each: one scheduler hiccup on a shared
-        # machine moved single measurements by 0.1-0.3x.
-        runs = {c: [] for c in CONCURRENCY}
-        for _ in range(ROUNDS):
+        for s in servers:  # started together (startup overlaps), warmed up one by one
+            s.wait_healthy()
+        for s in servers:
+            for c in CONCURRENCY:  # every batch shape once: first-call costs stay out of the rounds
+                throughput(s.url, cfg.vocab_size, c, 4, 1)
+        runs: dict[str, dict[int, list[float]]] = {k: {c: [] for c in CONCURRENCY} for k in kinds}
+        for r in range(rounds):
             for c in CONCURRENCY:
-                runs[c].append(throughput(url, cfg.vocab_size, c, gen, REQUESTS_PER_STREAM[c]))
-        return {c: statistics.median(r) for c, r in runs.items()}
+                for s in servers if r % 2 == 0 else servers[::-1]:
+                    runs[s.kind][c].append(throughput(s.url, cfg.vocab_size, c, gen, REQUESTS_PER_STREAM[c]))
+        return runs
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        for s in servers:
+            s.stop()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,large")
-    ap.add_argument("--dtypes", default="bfloat16,float32")
-    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--cells", default="tiny:float32,large:bfloat16", help="model:dtype pairs (models: tiny, large)")
+    ap.add_argument("--kinds", default=f"{STOCK},{CONTRACT}", help="servers; the first is the baseline")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     py = sglang_python(compose_config(["rollout=sglang"]))
     if subprocess.run([py, "-c", "import sglang"], capture_output=True).returncode != 0:
         print(f"SKIPPED: no SGLang environment at {py} (run `bash scripts/setup_sglang.sh` to compare with it)")
         report("bench_sglang", [], {"skipped": f"no SGLang environment at {py}"})
         return
-    base_kinds = ("sglang", "sglang+contract", "embedded")
-    checks, runs = [], {}
+    kinds = args.kinds.split(",")
+    base = kinds[0]
+    checks: list[Check] = []
+    cells: dict[str, Any] = {}
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype in args.dtypes.split(","):
+        for cell in args.cells.split(","):
+            name, dtype = cell.split(":")
+            cfg, gen = MODELS[name], GEN[name]
             short = "bf16" if dtype == "bfloat16" else "fp32"
-            kinds = base_kinds + ((BF16_LOGITS, FP32_LM_HEAD) if dtype == "bfloat16" else ())
-            for name in args.models.split(","):
-                cfg = MODELS[name]
-                ckpt = Path(tmp) / f"{name}_{dtype}"
-                save_hf(init_state_dict(cfg, getattr(torch, dtype), 0), cfg, ckpt)
-                results = {
-                    k: bench_server(k, ckpt, cfg, dtype, args.gen, Path(tmp) / f"{name}_{k.replace(' ', '_')}.log")
-                    for k in kinds
-                }
-                runs[f"{name}/{short}"] = results
-                print(
-                    f"\n{name} (hidden {cfg.hidden_size}, {cfg.num_layers} layers), {dtype}, "
-                    f"8-token prompts, {args.gen} new tokens: tokens/s (ratio to stock SGLang)"
-                )
-                print("| server | " + " | ".join(f"{c} concurrent" for c in CONCURRENCY) + " |")
-                print("|---|" + "---|" * len(CONCURRENCY))
-                for k in kinds:
-                    cells = [f"{results[k][c]:.0f} ({results[k][c] / results['sglang'][c]:.2f}x)" for c in CONCURRENCY]
-                    print(f"| {k} | " + " | ".join(cells) + " |")
-                for kind, label, base, base_label in (
-                    ("embedded", "embedded (contract)", "sglang", "stock SGLang"),
-                    (BF16_LOGITS, "embedded (contract, bf16 logits)", "sglang", "stock SGLang"),
-                    ("embedded", "embedded (contract)", FP32_LM_HEAD, "stock SGLang --enable-fp32-lm-head"),
-                ):
-                    for c in CONCURRENCY if kind in results and base in results else ():
-                        checks.append(
-                            Check(
-                                f"{label} / {base_label} tok/s, {name} {short}, {c} concurrent",
-                                results[kind][c] / results[base][c],
-                                SGLANG_RATIO,
-                                at_most=False,
-                            )
+            ckpt = Path(tmp) / f"{name}_{dtype}"
+            save_hf(init_state_dict(cfg, getattr(torch, dtype), 0), cfg, ckpt)
+            runs = bench_cell(kinds, ckpt, cfg, dtype, gen, args.rounds, Path(tmp))
+            ratios = {
+                k: {c: [a / b for a, b in zip(runs[k][c], runs[base][c], strict=True)] for c in CONCURRENCY}
+                for k in kinds
+            }
+            cells[f"{name}/{short}"] = {
+                "hidden": cfg.hidden_size,
+                "layers": cfg.num_layers,
+                "gen": gen,
+                "tok_s": runs,
+                "ratio_to_" + base: {k: v for k, v in ratios.items() if k != base},
+            }
+            print(
+                f"\n{name} (hidden {cfg.hidden_size}, {cfg.num_layers} layers), {dtype}, 8-token prompts, "
+                f"{gen} new tokens, {args.rounds} alternated rounds: median tokens/s; ratio to {base} median (min)"
+            )
+            print("| server | " + " | ".join(f"{c} concurrent" for c in CONCURRENCY) + " |")
+            print("|---|" + "---|" * len(CONCURRENCY))
+            for k in kinds:
+                cols = []
+                for c in CONCURRENCY:
+                    tok = statistics.median(runs[k][c])
+                    rs = ratios[k][c]
+                    cols.append(
+                        f"{tok:.0f}" + ("" if k == base else f" ({statistics.median(rs):.2f}x ({min(rs):.2f}x))")
+                    )
+                print(f"| {k} | " + " | ".join(cols) + " |")
+            for k in kinds[1:]:
+                for c in CONCURRENCY:
+                    checks.append(
+                        Check(
+                            f"{k} / {base} tok/s, {name} {short}, {c} concurrent",
+                            statistics.median(ratios[k][c]),
+                            SGLANG_RATIO_ONE_STREAM if c == 1 else SGLANG_RATIO,
+                            at_most=False,
                         )
-    report("bench_sglang", checks, {"gen": args.gen, "prompt_tokens": 8, "tok_s": runs})
+                    )
+    print(f"\nwall time {time.perf_counter() - t_start:.0f} s")
+    report("bench_sglang", checks, {"prompt_tokens": 8, "rounds": args.rounds, "baseline": base, "cells": cells})
 
 
 if __name__ == "__main__":
