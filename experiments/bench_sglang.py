@@ -18,7 +18,8 @@ Prints, per cell and concurrency, the median tokens/s of each server and the rat
 min over rounds), checks the targets (>= 1.0x at 8 and 32 concurrent, >= 0.9x at 1), and writes
 results/bench_sglang.json. `--kinds` can add `embedded` (tonpolicy's own server, contract kernels) or
 `sglang (fp32 LM head)` to the same alternation. Without the SGLang environment (scripts/setup_sglang.sh) it
-says so and compares nothing.
+says so and compares nothing. One run with the defaults took 19 min on a 2-core EPYC at load average 7-11
+(servers' startup ~3 min per cell there); `--rounds 1` or `--cells tiny:float32` for a shorter look.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import random
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -208,6 +210,7 @@ def main() -> None:
     ap.add_argument("--kinds", default=f"{STOCK},{CONTRACT}", help="servers; the first is the baseline")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # each cell's table as it is measured (runs take minutes)
     py = sglang_python(compose_config(["rollout=sglang"]))
     if subprocess.run([py, "-c", "import sglang"], capture_output=True).returncode != 0:
         print(f"SKIPPED: no SGLang environment at {py} (run `bash scripts/setup_sglang.sh` to compare with it)")
