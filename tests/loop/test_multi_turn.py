@@ -20,7 +20,7 @@ from tonpolicy.loop.batch import collect_batch
 from tonpolicy.loop.gate import Gate
 from tonpolicy.model.tokenizer import TextTokenizer, save_tokenizer
 from tonpolicy.rl.multi_turn import Episode, calculator_reply, run_episodes, segments
-from tonpolicy.rl.task import CALL, DIGIT0, RESULT, SEP
+from tonpolicy.rl.task import CALL, DIGIT0, RESULT, SEP, reward
 
 TURNS = 3
 OVERRIDES = [
@@ -49,7 +49,11 @@ def test_calculator_environment_and_episode_bookkeeping() -> None:
     prompt = [7, DIGIT0 + 3, DIGIT0 + 9, SEP]  # add 3 9 :
     assert calculator_reply(prompt, [50, CALL, 2]) == [RESULT, DIGIT0 + 2]
     assert calculator_reply(prompt, [50, 2]) == [RESULT, DIGIT0 + 2]  # it always answers (an untrained
-    # policy never samples `call`): the final answer's parity is read from these environment tokens
+    # policy never samples `call`): the final answer is read from these environment tokens
+    # the reward: the final turn's first token is the tool's result s = (3 + 9) mod 10 = 2, by id mod 10
+    assert reward("calculator", prompt, [DIGIT0 + 2, 50], 1) == 1.0
+    assert reward("calculator", prompt, [DIGIT0 + 12, 50], 1) == 1.0
+    assert reward("calculator", prompt, [DIGIT0 + 4, DIGIT0 + 2], 1) == 0.0  # 4: same parity, wrong digit
 
     def generate(contexts: list[list[int]], turn: int) -> list[dict[str, Any]]:
         return [{"output_ids": [CALL, 100 + turn], "output_logprobs": [-1.0, -2.0], "cached_tokens": turn}] * len(
