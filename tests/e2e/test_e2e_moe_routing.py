@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.e2e_common import records, summary
+from support.e2e_common import records, run_sweep, summary
 
 MOE_SMOKE = ["model=qwen3_moe_tiny", "parallel=ep2", "experiment=parity_smoke", "logger=none"]
 
@@ -28,14 +28,8 @@ def test_contract_sweep_routes_as_the_rollout_every_step(tmp_path: Path) -> None
     """`python -m tonpolicy -m model=qwen3_moe_tiny parallel=tp1,ep2,tp2_ep2,pp2_ep2`: every layout exact,
     routes agreeing, on both steps (the second after weight sync); the sweep writes its parity matrix."""
     layouts = ["tp1", "ep2", "tp2_ep2", "pp2_ep2"]
-    sweep = tmp_path / "sweep"
     overrides = [o for o in MOE_SMOKE if not o.startswith("parallel=")]
-    argv = [sys.executable, "-m", "tonpolicy", "-m", "mode=run", *overrides, "experiment.steps=2"]
-    argv += [f"parallel={','.join(layouts)}", f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
-    assert sorted(summary(j)["layout"] for j in jobs) == sorted(layouts)
+    sweep, jobs = run_sweep(tmp_path, layouts, [*overrides, "experiment.steps=2"])
     for job in jobs:
         recs = records(job)
         assert [r["step"] for r in recs] == [0, 1], job.name

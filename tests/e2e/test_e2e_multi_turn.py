@@ -6,15 +6,11 @@ server's prefix cache. The off-policy control shows the mismatch on the same tas
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from support.e2e_common import FAST, records, run_job, summary
+from support.e2e_common import records, run_job, run_sweep, with_fast
 
 MULTI_TURN = ["task=calculator", "task.graded_tokens=1", "task.max_turns=3", "experiment.max_new_tokens=4"]
-# FAST's other keys (tonpolicy refuses a key given twice)
-SWEEP_FAST = [o for o in FAST if o.partition("=")[0] not in {m.partition("=")[0] for m in MULTI_TURN}]
 
 
 def check_samples(run_dir: Path, turns: int) -> None:
@@ -29,28 +25,7 @@ def check_samples(run_dir: Path, turns: int) -> None:
 
 def test_calculator_exact_zero_at_every_layout_with_prefix_reuse(tmp_path: Path) -> None:
     layouts = ["tp1", "tp2", "pp2", "cp2_ring"]
-    sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tonpolicy",
-            "-m",
-            "mode=run",
-            *SWEEP_FAST,
-            *MULTI_TURN,
-            "experiment.steps=1",
-            f"parallel={','.join(layouts)}",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
-    assert sorted(summary(j)["layout"] for j in jobs) == sorted(layouts)
+    _, jobs = run_sweep(tmp_path, layouts, with_fast(*MULTI_TURN, "experiment.steps=1"))
     for job in jobs:
         (rec,) = records(job)
         # 8 samples x 3 model turns of 1..4 tokens each: the gate scored the model's tokens, only

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-from support.e2e_common import FAST, records, run_job, summary
+from support.e2e_common import FAST, records, run_job, run_sweep, summary
 
 
 def test_tp1_multi_step_with_weight_sync(tmp_path: Path) -> None:
@@ -60,27 +58,7 @@ def test_bf16_logits_contract_stays_exact(tmp_path: Path) -> None:
 def test_sweep_over_layouts_exact_zero(tmp_path: Path) -> None:
     """`-m parallel=...`: each layout's job proves exact zero; the sweep writes a table and a chart."""
     layouts = ["tp2", "pp2", "cp2_ulysses", "cp2_ring"]
-    sweep = tmp_path / "sweep"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tonpolicy",
-            "-m",
-            "mode=run",
-            *FAST,
-            "experiment.steps=1",
-            f"parallel={','.join(layouts)}",
-            f"hydra.sweep.dir={sweep}",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
-    assert sorted(summary(j)["layout"] for j in jobs) == sorted(layouts)
+    sweep, jobs = run_sweep(tmp_path, layouts, [*FAST, "experiment.steps=1"])
     for job in jobs:
         (rec,) = records(job)
         assert rec["tokens_scored"] > 0 and rec["mismatched_tokens"] == 0, (job.name, rec)

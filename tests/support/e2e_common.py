@@ -23,11 +23,27 @@ FAST = [
 ]
 
 
-def tonpolicy_argv(run_dir: Path, *overrides: str) -> list[str]:
+def with_fast(*overrides: str) -> list[str]:
     # A test's own value for a key of FAST replaces FAST's: tonpolicy refuses a key given twice.
     given = {o.partition("=")[0].lstrip("+~") for o in overrides}
-    fast = [o for o in FAST if o.partition("=")[0] not in given]
-    return [sys.executable, "-m", "tonpolicy", "mode=run", *fast, *overrides, f"hydra.run.dir={run_dir}"]
+    return [*(o for o in FAST if o.partition("=")[0] not in given), *overrides]
+
+
+def tonpolicy_argv(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "tonpolicy", "mode=run", *with_fast(*overrides), f"hydra.run.dir={run_dir}"]
+
+
+def run_sweep(tmp_path: Path, layouts: list[str], overrides: list[str]) -> tuple[Path, list[Path]]:
+    """`python -m tonpolicy -m mode=run <overrides> parallel=<layouts>` as a user sweeps: checks it exits 0
+    with one finished job per layout; returns the sweep folder and the jobs' run folders."""
+    sweep = tmp_path / "sweep"
+    argv = [sys.executable, "-m", "tonpolicy", "-m", "mode=run", *overrides]
+    argv += [f"parallel={','.join(layouts)}", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "summary.json").exists())
+    assert sorted(summary(j)["layout"] for j in jobs) == sorted(layouts)
+    return sweep, jobs
 
 
 def run_job(tmp_path: Path, *overrides: str, timeout: float = 400, env: dict[str, str] | None = None):
