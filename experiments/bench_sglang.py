@@ -7,7 +7,7 @@
 `sglang+contract` is the default `rollout=sglang` job's server: SGLang with
 `contract.sglang.model_package=tonpolicy.inside_sglang.model`. `sglang` is stock SGLang on the same
 checkpoint: `contract=off_policy` (model package null: SGLang's own Qwen3 and kernels). Both are started with
-the command and environment tonpolicy's launch plan renders (plus `--sleep-on-idle`, see server_command),
+the command and environment tonpolicy's launch plan renders (which has `--sleep-on-idle` on a CPU),
 under the SGLang environment's Python, once per cell (model, dtype), and stay up together. Each is warmed up,
 then the same HTTP client sends the same prompts (8 random token ids) with the same sampling params (T=1,
 a fixed seed per request, `ignore_eos`, a fixed `max_new_tokens` per model) at 1, 8 and 32 concurrent
@@ -115,9 +115,6 @@ def server_command(
         ]
     )
     argv = sglang_argv(cfg, str(ckpt), "cpu", port) + (["--enable-fp32-lm-head"] if kind == FP32_LM_HEAD else [])
-    # Both servers of a cell are up at once and measured in turn: without this an idle SGLang scheduler
-    # busy-polls and takes a core from the one being measured (it changes nothing while requests run).
-    argv += ["--sleep-on-idle"]
     return argv, {**environment(cfg, "cpu"), **server_environment(cfg, "cpu", identity(cfg.contract).fingerprint)}
 
 
