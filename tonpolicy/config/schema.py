@@ -180,6 +180,9 @@ class TrainerConfig:
     # one optimizer update each, the whole repeated ppo_epochs times.
     ppo_epochs: int = 1
     ppo_minibatches: int = 1
+    # Truncated importance sampling under experiment.max_staleness >= 1: each token's loss is weighted by
+    # min(pi_proximal / pi_behaviour, tis_cap) (behaviour: the rollout's logprobs). null: no truncation.
+    tis_cap: float | None = None
     timeout_s: float = 900.0
 
 
@@ -219,6 +222,10 @@ class ExperimentConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # Asynchronous steps (tonpolicy.loop.producer): 0 is the synchronous loop; k >= 1 generates the next
+    # batches while the trainer trains, and a sample may be at most k policy versions older than the
+    # weights it trains (decoupled PPO with the rollout's logprobs as the behaviour policy).
+    max_staleness: int = 0
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tonpolicy.config.async_rules import check_staleness
 from tonpolicy.config.device import resolve_device
 from tonpolicy.config.hf_check import hf_config_mismatches
 from tonpolicy.config.moe_rules import check_moe
@@ -142,6 +143,7 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
     _check_contract(cfg, bad)
     check_moe(cfg, bad)
     _check_router_replay(cfg, bad)
+    check_staleness(cfg, bad)
     if cfg.rollout.backend == "sglang":
         check_sglang(cfg, bad)
     if cfg.mode in ("run", "align"):

@@ -16,6 +16,10 @@ step: all of them with one PPO minibatch (the default), the first minibatch's wi
 updates, so its ratio is not 1 and nothing exact can be said of it there; only the recompute checks
 every sample before any update (the record's `gate_samples` says how many were checked).
 
+Asynchronous steps (experiment.max_staleness >= 1) replace the first check by rollout == the trainer
+under the version that sampled each token (the kept weights of that version; the current weights' no-grad
+forward for tokens of the current version), then the proximal forward == the first training forward.
+
 For an MoE model it also measures (never fails on) `routing_agreement`: how often the trainer's
 recompute routed a token to the same experts as the rollout did.
 """
@@ -32,6 +36,9 @@ from tonpolicy.contract.gate import ParityReport, compare_logprobs
 ROLLOUT_VS_RECOMPUTE = "rollout_vs_recompute"
 RECOMPUTE_VS_FIRST_FORWARD = "recompute_vs_first_training_forward"
 ROLLOUT_VS_FIRST_FORWARD = "rollout_vs_first_training_forward"
+# Asynchronous steps (experiment.max_staleness >= 1): each token's rollout logprob against the trainer's
+# under the policy version that sampled it (tonpolicy.loop.staleness), before the update.
+ROLLOUT_VS_SAMPLING_VERSION = "rollout_vs_sampling_version"
 
 
 def recomputes_logprobs(cfg: Config) -> bool:
@@ -64,6 +71,11 @@ class Verdict:
             return (
                 f"{r.mismatched_tokens} of {r.tokens_scored} tokens differ between rollout "
                 f"and trainer recompute (max |Δlogprob| {r.max_abs_logprob_diff:.3e})"
+            )
+        if self.check == ROLLOUT_VS_SAMPLING_VERSION:
+            return (
+                f"{r.mismatched_tokens} of {r.tokens_scored} tokens differ between rollout and the trainer "
+                f"under the policy version that sampled each (max |Δlogprob| {r.max_abs_logprob_diff:.3e})"
             )
         if self.check == ROLLOUT_VS_FIRST_FORWARD:
             return (
@@ -145,6 +157,12 @@ class Gate:
         self, rollout: list[torch.Tensor], first_forward: list[torch.Tensor], masks: list[torch.Tensor] | None = None
     ) -> Verdict:
         return self._verdict(ROLLOUT_VS_FIRST_FORWARD, compare_logprobs(*model_tokens(rollout, first_forward, masks)))
+
+    def rollout_vs_sampling_version(
+        self, rollout: list[torch.Tensor], trainer: list[torch.Tensor], masks: list[torch.Tensor] | None = None
+    ) -> Verdict:
+        report = compare_logprobs(*model_tokens(rollout, trainer, masks))
+        return self._verdict(ROLLOUT_VS_SAMPLING_VERSION, report)
 
     def failure_message(self, verdict: Verdict, step: int) -> str:
         return (

@@ -15,6 +15,15 @@ Rank 0 pairs with the rollout server (the contract handshake), then every step, 
   6. rank 0 appends the step record and samples (and logs them to W&B);
   7. rank 0 has the server load the new weights.
 A failed check ends the run with no update made (EXIT_GATE_FAILED); the verdict goes to STATUS_FILE.
+
+Asynchronous steps (experiment.max_staleness=k >= 1; README "Asynchronous steps"): rank 0's producer
+thread (tonpolicy.loop.producer) generates batch j once the servers serve version >= j - k, so step 1
+takes a batch already generated while step j - 1 trained. Steps 2-3 become: the proximal forward (the
+current weights, no grad) and the trainer's logprobs under the version that sampled each token (the kept
+weights of older versions, tonpolicy.trainer.snapshots), compared with the rollout's bit for bit
+(`rollout_vs_sampling_version`); then decoupled PPO with the proximal logprobs as PPO's old ones and the
+rollout's as the behaviour policy (importance weights, trainer.tis_cap), whose first training forward
+must equal the proximal one (`recompute_vs_first_training_forward`).
 """
 
 from __future__ import annotations
@@ -36,10 +45,12 @@ from tonpolicy.loop.batch import Batch, collect_batch
 from tonpolicy.loop.exit_codes import EXIT_GATE_FAILED, EXIT_HANDSHAKE, EXIT_INVALID_CONFIG, EXIT_OK
 from tonpolicy.loop.faults import injected_fault, with_fault_advantages, with_fault_logprobs
 from tonpolicy.loop.gate import Gate, Verdict, model_tokens, recomputes_logprobs, routing_agreement
+from tonpolicy.loop.producer import BatchProducer
 from tonpolicy.loop.records import MetricsLogger, StepRecords, write_status
-from tonpolicy.loop.weight_sync import WeightSync, weight_sync_for
+from tonpolicy.loop.staleness import async_metrics, logprobs_under_sampling_versions, token_versions
+from tonpolicy.loop.weight_sync import WeightSync, policy_version, weight_sync_for
 from tonpolicy.model.tokenizer import load_tokenizer
-from tonpolicy.rl.objective import train_rollout_metrics
+from tonpolicy.rl.objective import importance_weights, train_rollout_metrics
 
 if TYPE_CHECKING:
     from tonpolicy.trainer.worker import TrainerWorker
@@ -62,32 +73,54 @@ class Loop:
     rank0: bool
     server: Any
     records: StepRecords | None
+    # Asynchronous steps (experiment.max_staleness >= 1): rank 0's producer, every rank's kept versions.
+    producer: BatchProducer | None = None
+    snapshots: Any = None  # tonpolicy.trainer.snapshots.PolicySnapshots
+
+
+def make_batch(loop: Loop, step: int) -> Batch:
+    """Rank 0: step `step`'s batch from the rollout server (with the test hooks' faults)."""
+    return with_fault_logprobs(with_fault_advantages(collect_batch(loop.cfg, loop.server, step)))
 
 
 def take_step(loop: Loop, step: int) -> Verdict:
     """One step; returns the gate's verdict (the failed check's, else the last check's)."""
     cfg, worker, gate = loop.cfg, loop.worker, loop.gate
-    recompute = recomputes_logprobs(cfg)
+    stale_ok = cfg.experiment.max_staleness
+    recompute = recomputes_logprobs(cfg) or stale_ok > 0  # asynchronous: the proximal forward
     t0 = time.monotonic()
     injected_fault(step)
-    # 1. rollouts
-    batch = broadcast(
-        with_fault_logprobs(with_fault_advantages(collect_batch(cfg, loop.server, step))) if loop.rank0 else None
-    )
+    # 1. rollouts (asynchronous: the producer's batch, likely generated while the last step trained)
+    waited: float | None = None
+    if loop.rank0 and loop.producer is not None:
+        batch, waited = loop.producer.take(step)
+    batch = broadcast((batch if loop.producer is not None else make_batch(loop, step)) if loop.rank0 else None)
     t_rollout = time.monotonic() - t0
-    if loop.rank0:  # synchronous: every token was sampled by the weights last pushed (else PolicyVersionError)
-        loop.weights.check_versions(batch.weight_versions)
+    if loop.rank0:  # every token sampled by the weights last pushed, or (asynchronous) at most k versions before
+        loop.weights.check_versions(batch.weight_versions, stale_ok)
     if cfg.trainer.router_replay:  # the recompute and the training forward route as the rollout did
         worker.replay_routes(batch.routed_experts)
     # 2-3. the recompute and the gate's first check (rank 0's verdict, for every rank); without the
     # recompute PPO's old logprobs are the rollout's, and the one check is on the first training forward
     first: Verdict | None = None
     old = batch.rollout_logprobs
+    versions: list[list[int]] = []
     if recompute:
         old = worker.logprobs(batch.prompts, batch.responses)
-        first = broadcast(
-            gate.rollout_vs_recompute(batch.rollout_logprobs, old, batch.response_masks) if loop.rank0 else None
-        )
+        if stale_ok:  # the trainer under each token's sampling version, against the rollout
+            versions = token_versions(batch.weight_versions)
+            sampled = logprobs_under_sampling_versions(
+                loop.snapshots, batch.prompts, batch.responses, versions, step, old
+            )
+            first = broadcast(
+                gate.rollout_vs_sampling_version(batch.rollout_logprobs, sampled, batch.response_masks)
+                if loop.rank0
+                else None
+            )
+        else:
+            first = broadcast(
+                gate.rollout_vs_recompute(batch.rollout_logprobs, old, batch.response_masks) if loop.rank0 else None
+            )
     verdict = first
     metrics: dict[str, Any] = {}
     checked: list[int] = []
@@ -105,6 +138,10 @@ def take_step(loop: Loop, step: int) -> Verdict:
             seen.extend(first_forward)
             return checks[0].passed
 
+        weights = None
+        if stale_ok:  # decoupled PPO: keep this version's weights for samples still in flight, then update
+            loop.snapshots.keep(step)
+            weights = importance_weights(old, batch.rollout_logprobs, cfg.trainer.tis_cap)
         metrics = worker.ppo_step(
             batch.prompts,
             batch.responses,
@@ -114,6 +151,7 @@ def take_step(loop: Loop, step: int) -> Verdict:
             loss_masks=batch.response_masks,  # a multi-turn task's: the environment's tokens carry no loss
             may_update=may_update,
             record_routes=cfg.model.is_moe and not recompute,
+            is_weights=weights,
         )
         verdict = checks[0]
         metrics.update(
@@ -123,6 +161,16 @@ def take_step(loop: Loop, step: int) -> Verdict:
         if not recompute:  # the trainer's logprobs of the checked samples are their first forward's
             trained, rolled = model_tokens(seen, [old[i] for i in checked], _masks(batch, checked))
             metrics.update(train_rollout_metrics(torch.cat(trained), torch.cat(rolled)))
+        if stale_ok:
+            metrics.update(
+                async_metrics(
+                    versions, step, old, batch.rollout_logprobs, dict(zip(checked, seen, strict=True)),
+                    cfg.trainer.tis_cap, batch.response_masks,
+                ),
+                max_staleness=stale_ok,
+                trainer_policy_version=step,  # the weights this step trains (the samples' may be older)
+                kept_versions=sorted(loop.snapshots.kept),
+            )  # fmt: skip
         # 5. export the new weights (every rank takes part)
         if verdict.passed:
             loop.weights.export(worker, step)
@@ -147,7 +195,8 @@ def take_step(loop: Loop, step: int) -> Verdict:
             "reward_mean": batch.reward_mean,
             "model_tokens": batch.model_tokens,  # scored by the gate (a multi-turn task's: not the env's)
             "cached_tokens": batch.cached_tokens,  # context tokens the server reused from its prefix cache
-            "rollout_s": round(t_rollout, 3),
+            "rollout_s": round(t_rollout, 3),  # asynchronous: the wait for the producer's batch and its broadcast
+            **({"rollout_wait_s": round(waited, 3)} if waited is not None else {}),
             "step_s": round(time.monotonic() - t0, 3),
             "time": round(time.time(), 3),  # when the record was written (unix seconds): steps end to end
         }
@@ -158,9 +207,11 @@ def take_step(loop: Loop, step: int) -> Verdict:
             + (f" routing_agreement={routing['routing_agreement']}" if routing else ""),
             flush=True,
         )
-        # 7. the server loads the new weights
+        # 7. the server loads the new weights (asynchronous: and the producer may start the batches it allows)
         if verdict.passed:
             loop.weights.push(step)
+            if loop.producer is not None:
+                loop.producer.pushed(policy_version(loop.weights.version) or 0)
     return verdict
 
 
@@ -222,12 +273,23 @@ def run_trainer(
         return EXIT_HANDSHAKE
 
     loop = Loop(cfg, worker, Gate.of(cfg), weight_sync_for(cfg, server, run_dir, device), rank0, server, records)
+    k = cfg.experiment.max_staleness
+    if k:
+        from tonpolicy.trainer.snapshots import PolicySnapshots
+
+        loop.snapshots = PolicySnapshots(worker, k)
+        if rank0:
+            loop.producer = BatchProducer(lambda j: make_batch(loop, j), cfg.experiment.steps, k)
     code, message = EXIT_OK, ""
-    for step in range(cfg.experiment.steps):
-        verdict = take_step(loop, step)
-        if verdict.failed:
-            code, message = EXIT_GATE_FAILED, loop.gate.failure_message(verdict, step)
-            break
+    try:
+        for step in range(cfg.experiment.steps):
+            verdict = take_step(loop, step)
+            if verdict.failed:
+                code, message = EXIT_GATE_FAILED, loop.gate.failure_message(verdict, step)
+                break
+    finally:
+        if loop.producer is not None:  # a batch still being generated is dropped (it trains nothing)
+            loop.producer.close()
     loop.weights.close()
     if records is not None:
         records.finish(code, message)

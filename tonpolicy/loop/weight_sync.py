@@ -12,7 +12,7 @@
 
 Each push names a weight version (`step_<k>`, policy version k; the initial weights are "default",
 version 0); the servers report the version that sampled each token, and `check_versions` holds a
-synchronous step to the version last pushed.
+synchronous step to the version last pushed (an asynchronous one to the last max_staleness + 1).
 """
 
 from __future__ import annotations
@@ -187,16 +187,31 @@ class WeightSync:
 
     version: str = INITIAL_WEIGHT_VERSION
 
-    def check_versions(self, versions: list[list[str | None]] | None) -> None:
-        """Synchronous steps: every token of the step was sampled by the weights last pushed (each
-        replica's update is acknowledged before the next step's requests). Raises PolicyVersionError."""
+    def check_versions(self, versions: list[list[str | None]] | None, max_staleness: int = 0) -> None:
+        """Every token of the step was sampled by the weights last pushed (the trainer's current ones) or
+        by one of the `max_staleness` versions before them. Synchronous steps (0): each replica's update
+        is acknowledged before the next step's requests, so every token is of the last push. Raises
+        PolicyVersionError."""
         if versions is None:  # a batch that does not carry them (a multi-turn task's)
             return
-        wrong = Counter(v for sample in versions for v in sample if v != self.version)
+        current = policy_version(self.version)
+        assert current is not None, self.version
+
+        def allowed(v: str | None) -> bool:
+            n = policy_version(v)
+            return n is not None and current - max_staleness <= n <= current
+
+        wrong = Counter(v for sample in versions for v in sample if not allowed(v))
         if wrong:
+            expected = (
+                f"every token from {self.version!r} (policy version {current})"
+                if max_staleness == 0
+                else f"policy versions {max(current - max_staleness, 0)}..{current} (experiment.max_staleness="
+                f"{max_staleness})"
+            )
             raise PolicyVersionError(
-                f"tokens sampled by weight versions {dict(wrong)}, expected every token from {self.version!r} "
-                f"(policy version {policy_version(self.version)}): a rollout server missed a weight update"
+                f"tokens sampled by weight versions {dict(wrong)}, expected {expected}: "
+                + ("a rollout server missed a weight update" if max_staleness == 0 else "a sample is too stale")
             )
 
     def export(self, worker: Any, step: int) -> None:

@@ -4,7 +4,9 @@ users expect.
 Advantage of a sample: its reward minus its prompt group's mean, over the group's std.
 
 Loss per response token: max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high)) with r = exp(lp - lp_old),
-plus kl_coef * K3(lp_old || lp); aggregated as a token mean over the batch's loss-masked tokens.
+plus kl_coef * K3(lp_old || lp); aggregated as a token mean over the batch's loss-masked tokens. Under
+asynchronous steps (decoupled PPO) lp_old is the current policy's (proximal) logprob and each token's
+loss is weighted by pi_proximal / pi_behaviour (the rollout's), optionally truncated (trainer.tis_cap).
 """
 
 from __future__ import annotations
@@ -50,13 +52,25 @@ def mean_loss(
     adv: list[torch.Tensor],
     mask: list[torch.Tensor],
     cfg: PPOConfig,
+    weight: list[torch.Tensor] | None = None,
 ) -> float:
-    """The token-mean loss over loss-masked tokens: what one update of these samples minimizes."""
+    """The token-mean loss over loss-masked tokens: what one update of these samples minimizes
+    (`weight`: each token's importance weight under asynchronous steps, 1 when None)."""
     m = torch.cat(mask).bool() if mask else torch.zeros(0, dtype=torch.bool)
     if not m.any():
         return 0.0
     cur, old, a = (torch.cat(x).float()[m] for x in (lp, old_lp, adv))
-    return float(token_loss(cur, old, a, cfg).sum() / int(m.sum()))
+    w = torch.cat(weight).float()[m] if weight is not None else 1.0
+    return float((token_loss(cur, old, a, cfg) * w).sum() / int(m.sum()))
+
+
+def importance_weights(
+    proximal: list[torch.Tensor], behaviour: list[torch.Tensor], cap: float | None
+) -> list[torch.Tensor]:
+    """Decoupled PPO's per-token weights pi_proximal / pi_behaviour (the current policy over the one that
+    sampled the token, from the rollout's logprobs), truncated at `cap` (truncated IS; None: untruncated)."""
+    out = [torch.exp(p.float() - b.float()) for p, b in zip(proximal, behaviour, strict=True)]
+    return out if cap is None else [w.clamp(max=cap) for w in out]
 
 
 def train_rollout_metrics(trainer_lp: torch.Tensor, rollout_lp: torch.Tensor) -> dict[str, float]:

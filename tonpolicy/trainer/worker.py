@@ -179,6 +179,7 @@ class TrainerWorker:
         loss_masks: list[torch.Tensor] | None = None,
         may_update: Callable[[list[int], list[torch.Tensor]], bool] | None = None,
         record_routes: bool = False,
+        is_weights: list[torch.Tensor] | None = None,
     ) -> dict[str, Any]:
         """trainer.ppo_epochs x trainer.ppo_minibatches clipped policy-gradient updates (verl's and
         slime's loop): the samples split into ppo_minibatches contiguous minibatches (batch order, the same
@@ -195,7 +196,10 @@ class TrainerWorker:
         ratio 1 for the first minibatch under an exact contract, moved by the earlier updates for later
         minibatches, as PPO means them to be); train_rollout_* compare `old_logprobs` with the rollout's;
         grad_norm is the first update's (before clipping); with more than one update, grad_norms and
-        minibatch_losses list every update's."""
+        minibatch_losses list every update's.
+
+        `is_weights` (asynchronous steps' decoupled PPO): per sample, each token's importance weight
+        pi_proximal / pi_behaviour (truncated), multiplying its loss; None weighs every token 1."""
         if self.optimizer is None:
             self._setup_optimizer()
         self.model.train()
@@ -205,9 +209,10 @@ class TrainerWorker:
             raise ValueError(f"trainer.ppo_minibatches={k} must divide the batch's {n} samples")
         masks = loss_masks or [torch.ones(len(r)) for r in responses]
         advs = [torch.full((len(r),), float(a)) for r, a in zip(responses, advantages, strict=True)]
+        weights = is_weights or [torch.ones(len(r)) for r in responses]
         extras = [
-            {"old": torch.as_tensor(o, dtype=torch.float32), "adv": a, "mask": m.float()}
-            for o, a, m in zip(old_logprobs, advs, masks, strict=True)
+            {"old": torch.as_tensor(o, dtype=torch.float32), "adv": a, "mask": m.float(), "w": w.float()}
+            for o, a, m, w in zip(old_logprobs, advs, masks, weights, strict=True)
         ]
         minibatches = [list(range(j, j + n // k)) for j in range(0, n, n // k)]
         first: dict[int, torch.Tensor] = {}  # each sample's first training forward (epoch 0)
@@ -226,7 +231,14 @@ class TrainerWorker:
                     first.update(zip(idx, lp, strict=True))
                 ex = [extras[i] for i in idx]
                 losses.append(
-                    mean_loss(lp, [e["old"] for e in ex], [e["adv"] for e in ex], [e["mask"] for e in ex], self.ppo)
+                    mean_loss(
+                        lp,
+                        [e["old"] for e in ex],
+                        [e["adv"] for e in ex],
+                        [e["mask"] for e in ex],
+                        self.ppo,
+                        [e["w"] for e in ex],
+                    )
                 )
                 if u == 0 and may_update is not None and not may_update(idx, lp):
                     self.optimizer.zero_grad()  # refused: no update at all this step
@@ -278,7 +290,7 @@ class TrainerWorker:
             )
             local = (
                 sum(
-                    (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["mask"]).sum()
+                    (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["w"] * ex["mask"]).sum()
                     for lp, ex in zip(lps, exs, strict=True)
                 )
                 / total
