@@ -89,11 +89,11 @@ def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: i
         argv += ["--mem-fraction-static", str(r.mem_fraction_static)]
     if c.sglang.enable_deterministic_inference:
         argv += ["--enable-deterministic-inference"]
-    backend = c.sglang.attention_backend or ("torch_native" if device == "cpu" else None)
+    backend = c.sglang.attention_backend or _default_attention_backend(cfg, device)
     if backend:
         argv += ["--attention-backend", backend]
     if c.sglang.model_package and device == "cuda":
-        argv += ["--disable-cuda-graph"]  # the contract kernels pick shapes per batch on the host
+        argv += _model_package_cuda_flags(cfg)
     if c.sglang.rl_on_policy_target:
         argv += ["--rl-on-policy-target", c.sglang.rl_on_policy_target]
     if c.sglang.disable_radix_cache or r.disable_radix_cache:
@@ -105,6 +105,43 @@ def sglang_argv(cfg: Config, model_path: str, device: str | None = None, port: i
         # CUDA host memory; tonpolicy's server entry gives it plain memory on a CPU host).
         argv += ["--enable-return-routed-experts"]
     return argv
+
+
+# With the triton set SGLang shares the GPU with the trainer ranks: it takes this fraction (weights,
+# KV pool, CUDA graphs) unless rollout.mem_fraction_static says otherwise.
+TRITON_MEM_FRACTION_STATIC = 0.5
+
+
+def _default_attention_backend(cfg: Config, device: str) -> str | None:
+    """torch_native on a CPU (the one CPU backend that needs no AMX); with the triton set on CUDA,
+    SGLang's triton backend: the model package's own kernel reads the pool, so SGLang's backend only
+    keeps its per-batch metadata, and this one needs nothing beyond Triton and captures CUDA graphs."""
+    if device == "cpu":
+        return "torch_native"
+    if cfg.contract.kernels == "triton" and cfg.contract.sglang.model_package:
+        return "triton"
+    return None
+
+
+def _model_package_cuda_flags(cfg: Config) -> list[str]:
+    c, r = cfg.contract, cfg.rollout
+    if c.kernels != "triton":
+        return ["--disable-cuda-graph"]  # the invariant set picks shapes per batch on the host
+    # The triton set's decode does no host work (inside_sglang/model/attention.py, TritonPoolAttention),
+    # so SGLang captures decode in CUDA graphs, one per batch-size bucket up to the server's running
+    # requests (a token's bits do not depend on the bucket it is padded into: the kernels' rows are
+    # independent). Prefill (host-sized: chunks, radix-cache hits) runs eagerly.
+    flags = [
+        "--cuda-graph-backend-decode",
+        "full",
+        "--cuda-graph-max-bs-decode",
+        str(r.max_running_requests),
+        "--cuda-graph-backend-prefill",
+        "disabled",
+    ]
+    if r.mem_fraction_static is None:
+        flags += ["--mem-fraction-static", str(TRITON_MEM_FRACTION_STATIC)]
+    return flags
 
 
 def megatron_config(cfg: Config) -> dict[str, Any]:

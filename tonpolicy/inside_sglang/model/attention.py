@@ -68,3 +68,62 @@ class PooledAttention:
             q[self.query_rows], keys.to(q.dtype), values.to(q.dtype), self.query_pos, self.key_pos, self.scale
         )
         return out[self.query_valid]
+
+
+class TritonPoolAttention:
+    """The `triton` set's attention read straight out of SGLang's pool: the kernel takes a token-slot
+    table per request (`req_to_token` rows), so no key is copied. A decode batch needs no host value at
+    all (the table's full width, lengths and positions stay on the device), which is what lets SGLang
+    capture decode in CUDA graphs; a padded graph slot computes garbage that SGLang discards. The bits
+    are those of `PooledAttention` and of a fresh full forward: key j sits at position j, keys past a
+    request's length are never read, and a query's tiles are the same 64-key tiles from position 0."""
+
+    def __init__(self, forward_batch, scale: float) -> None:  # noqa: ANN001 - SGLang's ForwardBatch
+        from tonpolicy.kernels import triton_attention
+
+        self.attention_indexed, self.scale = triton_attention.attention_indexed, scale
+        self.pool = get_token_to_kv_pool()
+        fb = forward_batch
+        seq_lens = fb.seq_lens.long()
+        dev, bsz = seq_lens.device, seq_lens.numel()
+        table = get_req_to_token_pool().req_to_token
+        self.decode = fb.forward_mode.is_decode()
+        if self.decode:
+            width = table.shape[1]  # fixed: the same shapes at capture and at every replay
+            self.query_pos = (seq_lens - 1)[:, None]
+        else:  # extend (never captured): host lengths are at hand
+            lens = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else seq_lens.cpu()
+            width = int(lens.max())
+            q_lens = fb.extend_seq_lens.long()
+            max_q = max(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu is not None else int(q_lens.max())
+            j = torch.arange(max_q, device=dev)
+            self.query_valid = j[None, :] < q_lens[:, None]  # [B, Q]
+            starts = torch.cumsum(q_lens, 0) - q_lens  # each request's first row in the flat token batch
+            rows = starts[:, None] + j[None, :]
+            self.query_rows = torch.where(self.query_valid, rows, starts[:, None].expand(-1, max_q))
+            prefix = (seq_lens - q_lens)[:, None]
+            self.query_pos = torch.where(self.query_valid, prefix + j[None, :], torch.full_like(rows, QUERY_PAD_POS))
+        # Built once per forward in the kernel's own types, so no layer converts or copies them again.
+        self.slots = table[fb.req_pool_indices.long(), :width].long().contiguous()
+        self.key_pos = torch.arange(width, device=dev).expand(bsz, -1).contiguous()
+        self.num_keys = fb.seq_lens.to(torch.int32).contiguous()
+        self.query_pos = self.query_pos.contiguous()
+        self.write_loc = KVWriteLoc.for_batch(fb)
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D] of this batch's new tokens -> attention output [N, Hq, D]."""
+        self.pool.set_kv_buffer(_LayerRef(layer_id), self.write_loc, k, v)
+        keys, values = self.pool.get_key_buffer(layer_id), self.pool.get_value_buffer(layer_id)
+        queries = q[:, None] if self.decode else q[self.query_rows]
+        out = self.attention_indexed(
+            queries, self.query_pos, keys, values, self.slots, self.key_pos, self.num_keys, self.scale
+        )
+        return out[:, 0] if self.decode else out[self.query_valid]
+
+
+def pooled_attention(forward_batch, kernels, scale: float):  # noqa: ANN001, ANN201
+    """The attention plan of one forward: the triton set reads the pool in its kernel, the others
+    gather keys for their split-KV attention."""
+    if kernels.name == "triton":
+        return TritonPoolAttention(forward_batch, scale)
+    return PooledAttention(forward_batch, kernels, scale)

@@ -12,17 +12,52 @@ as the trainer's temperature-1 rule), instead of the default `log(softmax(...))`
 the last bits. SGLang resolves the sampling backend itself (on CPU it forces "pytorch" whatever the
 flag says), so the contract sampler is registered under the built-in names a CPU or CUDA server
 resolves to ("pytorch", "flashinfer"; both build a plain `Sampler`) and under "tonpolicy".
+
+SGLang's route computes torch's fp32 log_softmax, which is the `invariant` set's recipe. The `triton`
+set's recipe is its own kernel (exp/log in 1024-wide lanes): under it the sampled tokens' logprobs are
+then recomputed by that kernel from the same logits, per row and per temperature, and replace SGLang's
+(top-k and prompt logprobs stay SGLang's log_softmax). The sampler runs outside CUDA graphs.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.sampler import Sampler, register_sampler_backend
 
+from tonpolicy.inside_sglang.model.report import contract_from_env
+from tonpolicy.kernels import get_kernels, logprob_temperature
+
 SAMPLING_BACKENDS = ("tonpolicy", "pytorch", "flashinfer")
+# Kernel sets whose logprob recipe is not torch's log_softmax (SGLang's own route).
+OWN_LOGPROB_KERNELS = ("triton",)
+
+
+@functools.cache
+def _logprob_kernels():  # noqa: ANN202 - a KernelSet or None
+    contract = contract_from_env()
+    if contract["kernels"] not in OWN_LOGPROB_KERNELS:
+        return None
+    return get_kernels(contract["kernels"], **contract["kernel_params"])
+
+
+def kernel_token_logprobs(
+    kernels,  # noqa: ANN001 - a KernelSet
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperatures: list[float],
+) -> torch.Tensor:
+    """fp32 logprobs of `tokens` by the kernel set's recipe, rows grouped by temperature (a row's bits do
+    not depend on the rows beside it)."""
+    out = torch.empty(tokens.shape[0], dtype=torch.float32, device=logits.device)
+    temps = torch.tensor(temperatures)
+    for t in sorted(set(temperatures)):
+        rows = torch.nonzero(temps == t).flatten().to(logits.device)
+        out[rows] = kernels.logprobs(logits[rows], tokens[rows], logits.shape[-1], logprob_temperature(t))
+    return out
 
 
 class ContractLogitsProcessor(LogitsProcessor):
@@ -51,7 +86,7 @@ class ContractSampler(Sampler):
         if return_logprob and logprob_logits is None:
             # A copy: the default path divides the logits by T in place before sampling.
             logprob_logits = logits_output.next_token_logits.clone()
-        return super().forward(
+        ids = super().forward(
             logits_output,
             sampling_info,
             return_logprob,
@@ -60,6 +95,12 @@ class ContractSampler(Sampler):
             positions,
             logprob_logits=logprob_logits,
         )
+        kernels = _logprob_kernels() if return_logprob else None
+        if kernels is not None:
+            greedy = sampling_info.is_all_greedy
+            temps = [1.0] * ids.shape[0] if greedy else sampling_info.temperatures.flatten().tolist()
+            logits_output.next_token_logprobs = kernel_token_logprobs(kernels, logprob_logits, ids, temps)
+        return ids
 
 
 def register_contract_sampler() -> None:

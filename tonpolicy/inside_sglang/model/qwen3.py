@@ -24,7 +24,7 @@ from tonpolicy.config import hf_qwen3
 from tonpolicy.config.dtypes import dtype_name
 from tonpolicy.config.hf_qwen3 import EMBED, FINAL_NORM, LAYER_PARAMS, LM_HEAD, SHARD_DIM, VOCAB
 from tonpolicy.contract.identity import runtime_identity
-from tonpolicy.inside_sglang.model.attention import PooledAttention
+from tonpolicy.inside_sglang.model.attention import pooled_attention
 from tonpolicy.inside_sglang.model.heads import ContractLogitsProcessor, contract_sampler_active
 from tonpolicy.inside_sglang.model.report import contract_from_env, write_report
 from tonpolicy.kernels import get_kernels, padded_vocab_size
@@ -92,7 +92,27 @@ class Qwen3ForCausalLM(nn.Module):
         self.logits_processor = ContractLogitsProcessor(config, self._logits)
         dtype = self.embed_tokens.dtype
         device = self.embed_tokens.device.type
+        self._rope_table = self._build_rope_table(config)
         write_report(contract, runtime_identity(self.kernels, dtype_name(dtype), device), self.tp_rank, self.tp_size)
+
+    def _build_rope_table(self, config) -> tuple[torch.Tensor, torch.Tensor] | None:  # noqa: ANN001
+        """The triton set's cos/sin for every position, built once (on the CPU, as the kernel set builds
+        them) and kept on the model's device: a forward then only gathers rows (the same values), with
+        no host work, so decode can run in CUDA graphs. The other sets build them per forward."""
+        if self.kernels.name != "triton":
+            return None
+        cfg = self.cfg
+        positions = torch.arange(max(cfg.max_position_embeddings, getattr(config, "max_position_embeddings", 0)))
+        cos, sin = self.kernels.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        return cos.to(self.embed_tokens.device), sin.to(self.embed_tokens.device)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope_table is None:
+            return self.kernels.rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        if self._rope_table[0].device != positions.device:
+            self._rope_table = tuple(t.to(positions.device) for t in self._rope_table)
+        index = positions.reshape(-1).long()
+        return self._rope_table[0].index_select(0, index), self._rope_table[1].index_select(0, index)
 
     # --- parallel pieces ---------------------------------------------------------------------
     def _gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -139,8 +159,8 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError("the tonpolicy contract model serves generation without pipeline parallelism")
         cfg, kern = self.cfg, self.kernels
         n, d = input_ids.numel(), cfg.head_dim
-        cos, sin = kern.rope_cos_sin(positions, d, cfg.rope_theta)
-        attend = PooledAttention(forward_batch, kern, d**-0.5)
+        cos, sin = self._rope(positions)
+        attend = pooled_attention(forward_batch, kern, d**-0.5)
         h = self.embed_tokens.index_select(0, input_ids) if input_embeds is None else input_embeds
         q_size, kv_size = self.q_heads * d, self.kv_heads * d
         for li, layer in enumerate(self.layers):
