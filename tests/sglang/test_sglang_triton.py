@@ -7,9 +7,11 @@ device table, the sampler's logprob by the set's own kernel. Each returned logpr
 for bit, tonpolicy's full forward of the same kernels in this test's own environment (`.venv`: torch
 2.13 CPU, Triton 3.6's interpreter), which tests/align/test_triton_parity.py proves equal to the
 Megatron trainer's at TP 1/2 and CP 2. A prompt whose prefix comes from the radix cache, and a batch of
-two decoding together, are in the check. Negative controls on the same served values: the `plain`
-kernels' forward, and torch's log_softmax of the triton set's own logits (SGLang's default recipe),
-both miss by a little. Tiny on purpose (1 layer, 3 requests x 4 tokens): the interpreter is slow.
+two decoding together, are in the check. Negative control: the `plain` kernels' forward misses the
+served values by a little; and SGLang's own logprob route (torch's log_softmax) differs from the set's
+kernel on the same logits, so the match is not an accident of the route. Tiny on purpose (1 layer,
+3 requests x 4 tokens): the interpreter is slow (about 2.5 min here on 2 loaded cores, most of it
+SGLang's start).
 On a GPU, experiments/gpu_check.sh runs the same through SGLang with CUDA graphs on.
 """
 
@@ -25,8 +27,7 @@ import torch
 from support.sglang_proc import SGLangServer, save_checkpoint, sglang_env_python
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.kernels import get_kernels
-from tonpolicy.kernels import pointwise
+from tonpolicy.kernels import get_kernels, pointwise
 from tonpolicy.model.checkpoint import load_hf
 from tonpolicy.model.qwen3 import Qwen3
 
@@ -46,12 +47,17 @@ def _generate(url: str, ids: list[int], seed: int) -> dict:
     return json.loads(urllib.request.urlopen(req, timeout=600).read())
 
 
-def _mismatch(model: Qwen3, prompt: list[int], out: dict, recipe=None) -> tuple[int, float]:  # noqa: ANN001
-    response = out["output_ids"]
-    served = torch.tensor([lp for lp, *_ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float32)
-    logits = model(torch.tensor(prompt + response))[len(prompt) - 1 : -1]
-    logprobs = recipe or model.kernels.logprobs
-    ours = logprobs(logits, torch.tensor(response), MODEL.vocab_size, TEMPERATURE)
+def _served(out: dict) -> torch.Tensor:
+    return torch.tensor([lp for lp, *_ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float32)
+
+
+def _logits(model: Qwen3, prompt: list[int], out: dict) -> torch.Tensor:
+    """The full forward of prompt + response: the logits that scored each response token."""
+    return model(torch.tensor(prompt + out["output_ids"]))[len(prompt) - 1 : -1]
+
+
+def _mismatch(served: torch.Tensor, ours: torch.Tensor) -> tuple[int, float]:
+    """(tokens whose fp32 bits differ, max |diff|)."""
     return int((ours.view(torch.int32) != served.view(torch.int32)).sum()), float((ours - served).abs().max())
 
 
@@ -79,9 +85,21 @@ def test_triton_set_inside_sglang_is_exact(tmp_path: Path) -> None:
     cfg, sd = load_hf(str(ckpt))
     triton_model = Qwen3(cfg, get_kernels("triton", attention_tile=64), torch.float32, sd)
     plain_model = Qwen3(cfg, get_kernels("plain"), torch.float32, sd)
-    exact = [_mismatch(triton_model, p, o) for p, o in zip(prompts, outs, strict=True)]
-    plain = [_mismatch(plain_model, p, o) for p, o in zip(prompts, outs, strict=True)]
-    recipe = [_mismatch(triton_model, p, o, pointwise.logprobs) for p, o in zip(prompts, outs, strict=True)]
+    exact, plain, recipe = [], [], []
+    for prompt, out in zip(prompts, outs, strict=True):
+        served, response = _served(out), torch.tensor(out["output_ids"])
+        logits = _logits(triton_model, prompt, out)
+        exact.append(_mismatch(served, triton_model.kernels.logprobs(logits, response, cfg.vocab_size, TEMPERATURE)))
+        # SGLang's own route: torch's log_softmax of the same logits (on every position's first 64 vocab
+        # ids). It differs from the set's kernel, so the served values do not equal the kernel's by accident.
+        ids = torch.arange(64).expand(len(response), -1)
+        wide = logits[:, None].expand(-1, 64, -1)
+        torch_route = pointwise.logprobs(wide, ids, cfg.vocab_size, TEMPERATURE)
+        recipe.append(_mismatch(torch_route, triton_model.kernels.logprobs(wide, ids, cfg.vocab_size, TEMPERATURE)))
+        plain_logits = _logits(plain_model, prompt, out)
+        plain.append(
+            _mismatch(served, plain_model.kernels.logprobs(plain_logits, response, cfg.vocab_size, TEMPERATURE))
+        )
     print(f"triton set in SGLang vs full forward: exact {exact}, plain kernels {plain}, torch recipe {recipe}")
     assert all(m == 0 and d == 0.0 for m, d in exact), exact
     assert sum(m for m, _ in plain) > 0 and 0 < max(d for _, d in plain) < 1e-3, plain
