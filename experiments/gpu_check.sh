@@ -34,11 +34,20 @@ timeout 240 python3 -m tonpolicy contract=qwen3_dense_triton_v1 trainer.device=c
 # `contract` set through cuBLAS: measured on an H200 to miss the gate, which is why `triton` exists).
 timeout 240 python3 -m tonpolicy trainer.device=cuda logger=none experiment.steps=2 \
   hydra.run.dir="$dest/run_embedded_cuda" 2>&1 | tail -5 | tee -a "$dest/gpu_check.log"
-# Real SGLang with tonpolicy's model package on CUDA (issue 9). Only where SGLang is installed: the lent
-# GPU image has none and its wheels exceed the carry limit. On a cluster with SGLang this is the check.
+# Real SGLang with tonpolicy's model package on CUDA (issues 9, 35). Only where SGLang is installed: the
+# lent GPU image has none and its wheels exceed the carry limit. On a cluster with SGLang this is the check.
+# gpu_sglang_check.py: the triton set inside SGLang, decode in CUDA graphs (buckets 1, 4, 8), every
+# logprob == the full forward, bf16 and fp32, plain kernels as the control; it writes $dest/gpu_sglang.json
+# either way (with "skipped" and why when SGLang is not importable).
+timeout 420 python3 experiments/gpu_sglang_check.py --out "$dest/gpu_sglang.json" 2>&1 | tail -6 \
+  | tee -a "$dest/gpu_check.log"
 if python3 -c "import sglang.srt.entrypoints.http_server" >/dev/null 2>&1; then
   TONPOLICY_SGLANG_PYTHON=python3 timeout 300 python3 -m tonpolicy rollout=sglang trainer.device=cuda parallel=tp1 \
     logger=none experiment.steps=3 hydra.run.dir="$dest/run_sglang_cuda" 2>&1 | tail -8 | tee -a "$dest/gpu_check.log"
+  # The triton set end to end through SGLang (graphs on): the gate must pass on every step (exit 0).
+  TONPOLICY_SGLANG_PYTHON=python3 timeout 300 python3 -m tonpolicy rollout=sglang contract=qwen3_dense_triton_v1 \
+    trainer.device=cuda parallel=tp1 logger=none experiment.steps=3 hydra.run.dir="$dest/run_sglang_triton_cuda" \
+    2>&1 | tail -8 | tee -a "$dest/gpu_check.log"
 else
   echo "rollout=sglang on CUDA: skipped, SGLang is not installed on this machine" | tee -a "$dest/gpu_check.log"
 fi
