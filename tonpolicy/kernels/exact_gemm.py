@@ -100,6 +100,13 @@ class _TextbookGrad(torch.autograd.Function):
         return da, db, None
 
 
+def _compiled():  # noqa: ANN202
+    """tonpolicy.kernels.exact_gemv: the compiled products for few rows (it imports this module)."""
+    from tonpolicy.kernels import exact_gemv
+
+    return exact_gemv
+
+
 def _tracked(*ts: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
@@ -111,6 +118,9 @@ def matmul_as(a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_dtype: t
     if _tracked(a, b):
         return _TextbookGrad.apply(a, b, lambda x, y: matmul_as(x, a_dtype, y, b_dtype))
     bits_a, bits_b, slices_a = contraction_bits(a_dtype, b_dtype, a.shape[-1])
+    out = _compiled().bmm(a, b, bits_a, bits_b, slices_a, per_row_b=False)  # few rows: one call, same bits
+    if out is not None:
+        return out
     qb, scale_b = quantize(b, -2, bits_b)
     return exact_matmul(a, qb, scale_b, bits_a, slices_a)
 
@@ -151,11 +161,16 @@ def quantized_weight(w: torch.Tensor, num_shards: int, x_dtype: torch.dtype):
 
 def linear_partials(x: torch.Tensor, w: torch.Tensor, num_shards: int) -> torch.Tensor:
     """fp32 partials [C, ..., N] of x [..., K] @ w[N, K].T over C equal canonical K-shards, each the
-    contract GEMM of its shard (its own row and column scales)."""
+    contract GEMM of its shard (its own row and column scales). Up to `exact_gemv.MAX_ROWS` untracked
+    rows take the compiled GEMV, which reads w in its own dtype (the same bits by construction)."""
     *lead, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or k % num_shards:
         raise ValueError(f"K={k} must match weight {tuple(w.shape)} and divide into {num_shards} shards")
+    if not _tracked(x, w) and x.numel() <= _compiled().MAX_ROWS * k:  # one stream's decode: the same bits
+        out = _compiled().linear_partials(x.reshape(-1, k), w, num_shards)
+        if out is not None:
+            return out.view(num_shards, *lead, n)
     x3 = x.reshape(-1, num_shards, k // num_shards).transpose(0, 1)  # [C, M, K/C]
     if _tracked(x, w):  # no cache: the weight's graph is needed
         out = matmul_as(x3, x.dtype, w.reshape(n, num_shards, k // num_shards).permute(1, 2, 0), w.dtype)
@@ -172,6 +187,9 @@ def pv_product(p: torch.Tensor, v: torch.Tensor, v_dtype: torch.dtype) -> torch.
     if _tracked(p, v):
         return _TextbookGrad.apply(p, v, lambda x, y: pv_product(x, y, v_dtype))
     bits_p, bits_v, slices_p = contraction_bits(torch.float32, v_dtype, p.shape[-1])
+    out = _compiled().bmm(p, v, bits_p, bits_v, slices_p, per_row_b=True)  # few rows: one call, same bits
+    if out is not None:
+        return out
     qv, v_scale = quantize(v, -1, bits_v)  # per key: v_scale [..., T, 1]
     pf = p.to(torch.float64) * v_scale.transpose(-1, -2)  # exact: powers of two
     return exact_matmul(pf, qv, torch.ones((), dtype=torch.float64), bits_p, slices_p)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tonpolicy.kernels import exact_gemm
+from tonpolicy.kernels import exact_gemm, exact_gemv
 
 
 def tiled_partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:
@@ -31,6 +31,10 @@ def tree_sum(partials: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> 
     """Sum along dim 0 in fp32 in a fixed pairwise tree: ((p0+p1)+(p2+p3)) for 4 partials; the fp32 sum
     rounded once to `out_dtype`."""
     tracked = torch.is_grad_enabled() and partials.requires_grad
+    if not tracked and partials.shape[0] > 1:  # decode sizes: one compiled call, the same fp32 adds
+        fast = exact_gemv.tree_sum(partials)
+        if fast is not None:
+            return fast.to(out_dtype)
     n = partials.shape[-1]
     rows = partials[0].numel() // max(n, 1)
     block = max(4, SUM_BLOCK // max(n, 1))
