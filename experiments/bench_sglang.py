@@ -206,7 +206,10 @@ def main() -> None:
     ap.add_argument("--cells", default="tiny:float32,large:bfloat16", help="model:dtype pairs (models: tiny, large)")
     ap.add_argument("--kinds", default=f"{STOCK},{CONTRACT}", help="servers; the first is the baseline")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one round, tiny fp32 (perf_report.py keeps the other rows)")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.cells = 1, "tiny:float32"
     sys.stdout.reconfigure(line_buffering=True)  # each cell's table as it is measured (runs take minutes)
     py = sglang_python(compose_config(["rollout=sglang"]))
     if subprocess.run([py, "-c", "import sglang"], capture_output=True).returncode != 0:

@@ -113,7 +113,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--merge", action="store_true", help="keep results/bench_step.json's other jobs (re-measure one job only)"
     )
+    ap.add_argument(
+        "--quick", action="store_true", help="one round of the default job (perf_report.py keeps the h1024 row)"
+    )
     a = ap.parse_args(argv)
+    if a.quick:
+        a.rounds, a.jobs, a.merge = 1, "default", True
     root = Path(tempfile.mkdtemp(prefix="bench_step_"))
     results: dict[str, Any] = {}
     checks = []

@@ -97,7 +97,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--model", default="qwen3_tiny")
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="6 steps (perf_report.py's re-measure)")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.steps = min(a.steps, 6)
     from tonpolicy.config.compose import compose_config
     from tonpolicy.model.checkpoint import init_state_dict, save_hf
 

@@ -54,6 +54,21 @@ class Check:
         return f"{self.name}: {self.measured:.2f} / {sign} {self.target:.2f}  {'pass' if self.passed else 'MISS'}"
 
 
+def machine() -> dict[str, Any]:
+    """What measured a row: the CPU (model name where the OS says it), cores, torch, AMX."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "amx": has_amx()}
+
+
 def report(bench: str, checks: list[Check], data: dict[str, Any]) -> Path:
     """Print every target and write results/<bench>.json (checks, raw numbers, machine)."""
     print(f"\n{bench}: targets (measured / target)")
@@ -61,16 +76,13 @@ def report(bench: str, checks: list[Check], data: dict[str, Any]) -> Path:
         print("  " + c.line())
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{bench}.json"
+    date, host = time.strftime("%Y-%m-%d %H:%M"), machine()
     body = {
         "bench": bench,
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "amx": has_amx(),
-        },
-        "checks": [asdict(c) | {"passed": c.passed} for c in checks],
+        "date": date,
+        "machine": host,
+        # Each row with its own machine and date: perf_report.py may carry rows a quick run did not measure.
+        "checks": [asdict(c) | {"passed": c.passed, "machine": host, "date": date} for c in checks],
         "data": data,
     }
     path.write_text(json.dumps(body, indent=2) + "\n")
