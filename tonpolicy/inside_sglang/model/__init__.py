@@ -10,9 +10,10 @@ server; every numerical op of the model is a call into the contract kernel set:
   canonical K-shard partials combined across ranks in the fixed tree, `kernels/row_parallel.py`);
 - `qwen3_moe.py`: Qwen3-MoE on the same pieces, its experts sharded over SGLang's TP group (and its
   `--ep-size`), routes fed to SGLang's routed-experts capturer;
-- `attention.py`: split-KV attention reading SGLang's own paged KV pool;
+- `attention.py`: split-KV attention reading SGLang's own paged KV pool (the `triton` set reads it
+  inside its kernel, and a decode step does no host work, so SGLang can capture it in CUDA graphs);
 - `heads.py`: the fp32 LM head over the TP-independent padded vocab, and the sampler that reports
-  fp32 log_softmax(logits / T) of the sampled token;
+  the kernel set's fp32 log_softmax(logits / T) of the sampled token;
 - `report.py`: the runtime identity each TP rank computes from the kernel set it built.
 
 The contract to run comes from the environment variable TONPOLICY_CONTRACT (JSON written by the
