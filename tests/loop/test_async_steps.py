@@ -180,15 +180,17 @@ class Server:
 class Worker:
     """Its logprobs are those of its weights' version (the number of updates, or a kept version's)."""
 
-    def __init__(self) -> None:
-        self.version, self.saved = 0, []
+    def __init__(self, minibatches: int = 1) -> None:
+        self.version, self.saved, self.minibatches, self.recomputes = 0, [], minibatches, 0
 
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
+        self.recomputes += 1
         return [torch.tensor(_lps(r, self.version), dtype=torch.float32) for r in responses]
 
     def ppo_step(self, prompts: Any, responses: Any, old_logprobs: Any, may_update: Any, **kw: Any) -> dict:
-        self.is_weights = kw["is_weights"]
-        ok = may_update(list(range(len(responses))), self.logprobs(prompts, responses))
+        self.behaviour, self.old = kw["behaviour_logprobs"], old_logprobs
+        first = list(range(len(responses) // self.minibatches))  # the first minibatch's samples
+        ok = may_update(first, [torch.tensor(_lps(responses[i], self.version)) for i in first])
         self.version += ok
         return {"grad_norm": 1.0, "update_successful": float(ok)}
 
@@ -232,12 +234,12 @@ def one_rank_group() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-def _run(tmp_path: Path, server: Server, steps: int = 4) -> tuple[list[dict], Worker]:
+def _run(tmp_path: Path, server: Server, steps: int = 4, minibatches: int = 1) -> tuple[list[dict], Worker]:
     cfg = Config(
         experiment=ExperimentConfig(prompts_per_step=2, samples_per_prompt=2, steps=steps, max_staleness=1),
-        trainer=TrainerConfig(tis_cap=2.0),
+        trainer=TrainerConfig(tis_cap=2.0, ppo_minibatches=minibatches),
     )
-    worker, logger = Worker(), Logger()
+    worker, logger = Worker(minibatches), Logger()
     loop = Loop(
         cfg, worker, Gate(0, "c"), DiskWeightSync(server, tmp_path), True, server, StepRecords(tmp_path, logger, None)
     )
@@ -266,8 +268,17 @@ def test_asynchronous_steps_train_one_version_stale_with_exact_behaviour_logprob
     assert records[0]["first_forward_ratio_current_max"] == 1.0 and records[0]["is_ratio_mean"] == 1.0
     # one version newer: the current policy gives each token 0.125 less, the weights e^-0.125
     assert records[1]["is_ratio_mean"] == pytest.approx(torch.exp(torch.tensor(-0.125)).item())
-    assert all(w.max() <= 2.0 for w in worker.is_weights)
+    # one update per step: the proximal logprobs are the first training forward's (no extra forward)
+    assert worker.old is None and worker.behaviour is not None and worker.recomputes == 3  # steps 1-3: version j-1 only
     assert server.loaded == ["step_1", "step_2", "step_3", "step_4"]
+
+
+def test_with_several_updates_a_proximal_forward_precedes_them(tmp_path: Path, one_rank_group: None) -> None:
+    records, worker = _run(tmp_path, Server(), steps=3, minibatches=2)
+    assert [r["mismatched_tokens"] for r in records] == [0] * 3 and [r["gate"] for r in records] == ["passed"] * 3
+    assert [r["recompute"] for r in records] == [True] * 3 and worker.old is not None
+    assert [r["staleness"] for r in records] == [{"0": 8}, {"1": 8}, {"1": 8}]
+    assert worker.recomputes == 3 + 2  # a proximal forward each step, and one under version 0, then 1
 
 
 def test_a_token_compared_under_the_wrong_version_fails_the_gate(tmp_path: Path, one_rank_group: None) -> None:

@@ -47,10 +47,10 @@ from tonpolicy.loop.faults import injected_fault, with_fault_advantages, with_fa
 from tonpolicy.loop.gate import Gate, Verdict, model_tokens, recomputes_logprobs, routing_agreement
 from tonpolicy.loop.producer import BatchProducer
 from tonpolicy.loop.records import MetricsLogger, StepRecords, write_status
-from tonpolicy.loop.staleness import async_metrics, logprobs_under_sampling_versions, token_versions
+from tonpolicy.loop.staleness import async_metrics, logprobs_under_sampling_versions, token_versions, with_current
 from tonpolicy.loop.weight_sync import WeightSync, policy_version, weight_sync_for
 from tonpolicy.model.tokenizer import load_tokenizer
-from tonpolicy.rl.objective import importance_weights, train_rollout_metrics
+from tonpolicy.rl.objective import train_rollout_metrics
 
 if TYPE_CHECKING:
     from tonpolicy.trainer.worker import TrainerWorker
@@ -87,7 +87,10 @@ def take_step(loop: Loop, step: int) -> Verdict:
     """One step; returns the gate's verdict (the failed check's, else the last check's)."""
     cfg, worker, gate = loop.cfg, loop.worker, loop.gate
     stale_ok = cfg.experiment.max_staleness
-    recompute = recomputes_logprobs(cfg) or stale_ok > 0  # asynchronous: the proximal forward
+    # Asynchronous steps need the proximal (current-policy) logprobs: with one update per step (the
+    # default) the first training forward is that forward; with several, a no-grad forward before them.
+    single_update = cfg.trainer.ppo_minibatches * cfg.trainer.ppo_epochs == 1
+    recompute = recomputes_logprobs(cfg) or (stale_ok > 0 and not single_update)
     t0 = time.monotonic()
     injected_fault(step)
     # 1. rollouts (asynchronous: the producer's batch, likely generated while the last step trained)
@@ -105,10 +108,12 @@ def take_step(loop: Loop, step: int) -> Verdict:
     first: Verdict | None = None
     old = batch.rollout_logprobs
     versions: list[list[int]] = []
+    sampled: list[torch.Tensor] = []
+    if stale_ok:  # the older versions' tokens under their kept weights (the current one's: proximal)
+        versions = token_versions(batch.weight_versions)
     if recompute:
         old = worker.logprobs(batch.prompts, batch.responses)
         if stale_ok:  # the trainer under each token's sampling version, against the rollout
-            versions = token_versions(batch.weight_versions)
             sampled = logprobs_under_sampling_versions(
                 loop.snapshots, batch.prompts, batch.responses, versions, step, old
             )
@@ -121,6 +126,8 @@ def take_step(loop: Loop, step: int) -> Verdict:
             first = broadcast(
                 gate.rollout_vs_recompute(batch.rollout_logprobs, old, batch.response_masks) if loop.rank0 else None
             )
+    elif stale_ok:  # the current version's tokens are filled in from the first training forward
+        sampled = logprobs_under_sampling_versions(loop.snapshots, batch.prompts, batch.responses, versions, step, None)
     verdict = first
     metrics: dict[str, Any] = {}
     checked: list[int] = []
@@ -132,26 +139,32 @@ def take_step(loop: Loop, step: int) -> Verdict:
 
         def may_update(samples: list[int], first_forward: list[torch.Tensor]) -> bool:
             ref = [old[i] for i in samples]
-            check = gate.recompute_vs_first_forward if recompute else gate.rollout_vs_first_forward
-            checks.append(check(ref, first_forward, _masks(batch, samples)))
+            if stale_ok and not recompute:  # every token against the version that sampled it, before any update
+                pairs = zip(samples, first_forward, strict=True)
+                under = [with_current(sampled[i], lp, versions[i], step) for i, lp in pairs]
+                checks.append(gate.rollout_vs_sampling_version(ref, under, _masks(batch, samples)))
+            else:
+                check = gate.recompute_vs_first_forward if recompute else gate.rollout_vs_first_forward
+                checks.append(check(ref, first_forward, _masks(batch, samples)))
             checked.extend(samples)
             seen.extend(first_forward)
             return checks[0].passed
 
-        weights = None
         if stale_ok:  # decoupled PPO: keep this version's weights for samples still in flight, then update
             loop.snapshots.keep(step)
-            weights = importance_weights(old, batch.rollout_logprobs, cfg.trainer.tis_cap)
         metrics = worker.ppo_step(
             batch.prompts,
             batch.responses,
-            old_logprobs=old,
+            # asynchronous: the proximal policy's (None: the first training forward's), the rollout's the
+            # behaviour policy's
+            old_logprobs=None if stale_ok and not recompute else old,
             rollout_logprobs=batch.rollout_logprobs,
             advantages=batch.advantages,
             loss_masks=batch.response_masks,  # a multi-turn task's: the environment's tokens carry no loss
             may_update=may_update,
             record_routes=cfg.model.is_moe and not recompute,
-            is_weights=weights,
+            behaviour_logprobs=batch.rollout_logprobs if stale_ok else None,
+            tis_cap=cfg.trainer.tis_cap,
         )
         verdict = checks[0]
         metrics.update(
@@ -164,8 +177,8 @@ def take_step(loop: Loop, step: int) -> Verdict:
         if stale_ok:
             metrics.update(
                 async_metrics(
-                    versions, step, old, batch.rollout_logprobs, dict(zip(checked, seen, strict=True)),
-                    cfg.trainer.tis_cap, batch.response_masks,
+                    versions, step, old if recompute else [lp.detach() for lp in seen], batch.rollout_logprobs,
+                    dict(zip(checked, seen, strict=True)), cfg.trainer.tis_cap, batch.response_masks,
                 ),
                 max_staleness=stale_ok,
                 trainer_policy_version=step,  # the weights this step trains (the samples' may be older)

@@ -44,16 +44,30 @@ def logprobs_under_sampling_versions(
     responses: list[list[int]],
     versions: list[list[int]],
     current: int,
-    proximal: list[torch.Tensor],
+    proximal: list[torch.Tensor] | None,
 ) -> list[torch.Tensor]:
-    """Each token's trainer logprob under the version that sampled it (collective: every rank, same order)."""
-    out = [p.detach().clone().float() for p in proximal]
+    """Each token's trainer logprob under the version that sampled it (collective: every rank, same order).
+    `proximal` None: the current version's tokens are left NaN, for `with_current` to fill from the first
+    training forward."""
+    if proximal is None:
+        out = [torch.full((len(r),), float("nan")) for r in responses]
+    else:
+        out = [p.detach().clone().float() for p in proximal]
     for v in sorted({v for sample in versions for v in sample} - {current}):
         idx = [i for i, sample in enumerate(versions) if v in sample]
         lps = snapshots.logprobs_under(v, [prompts[i] for i in idx], [responses[i] for i in idx])
         for i, lp in zip(idx, lps, strict=True):
             at = torch.tensor([x == v for x in versions[i]], dtype=torch.bool)
             out[i][at] = lp.float()[at]
+    return out
+
+
+def with_current(sampled: torch.Tensor, current_lp: torch.Tensor, versions: list[int], current: int) -> torch.Tensor:
+    """A sample's `sampled` logprobs with its current-version tokens taken from `current_lp` (the first
+    training forward's, detached: with one update per step it is the proximal forward, at no extra cost)."""
+    out = sampled.clone()
+    at = torch.tensor([v == current for v in versions], dtype=torch.bool)
+    out[at] = current_lp.detach().float()[at]
     return out
 
 

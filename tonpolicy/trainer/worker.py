@@ -20,7 +20,7 @@ from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
 from tonpolicy.kernels import INVARIANT_KERNEL_SETS, exact_gemm, get_kernels, logprob_temperature, padded_vocab_size
-from tonpolicy.rl.objective import PPOConfig, mean_loss, metrics, token_loss
+from tonpolicy.rl.objective import PPOConfig, importance_weights, mean_loss, metrics, token_loss
 from tonpolicy.trainer import routes, schedule
 from tonpolicy.trainer.model import build_gpt
 from tonpolicy.trainer.moe_weights import is_expert_param
@@ -173,13 +173,14 @@ class TrainerWorker:
         self,
         prompts: list[list[int]],
         responses: list[list[int]],
-        old_logprobs: list[torch.Tensor],
+        old_logprobs: list[torch.Tensor] | None,
         rollout_logprobs: list[torch.Tensor],
         advantages: list[float],
         loss_masks: list[torch.Tensor] | None = None,
         may_update: Callable[[list[int], list[torch.Tensor]], bool] | None = None,
         record_routes: bool = False,
-        is_weights: list[torch.Tensor] | None = None,
+        behaviour_logprobs: list[torch.Tensor] | None = None,
+        tis_cap: float | None = None,
     ) -> dict[str, Any]:
         """trainer.ppo_epochs x trainer.ppo_minibatches clipped policy-gradient updates (verl's and
         slime's loop): the samples split into ppo_minibatches contiguous minibatches (batch order, the same
@@ -198,8 +199,11 @@ class TrainerWorker:
         grad_norm is the first update's (before clipping); with more than one update, grad_norms and
         minibatch_losses list every update's.
 
-        `is_weights` (asynchronous steps' decoupled PPO): per sample, each token's importance weight
-        pi_proximal / pi_behaviour (truncated), multiplying its loss; None weighs every token 1."""
+        Decoupled PPO (asynchronous steps): `old_logprobs` are the proximal policy's (the current weights
+        before any update), or None for each sample's own first training forward (detached; one update
+        only: then no separate forward is needed, and under the contract they are the same bits); with
+        `behaviour_logprobs` (the rollout's) each token's loss is weighted by pi_proximal / pi_behaviour,
+        truncated at `tis_cap` (None: untruncated)."""
         if self.optimizer is None:
             self._setup_optimizer()
         self.model.train()
@@ -209,11 +213,17 @@ class TrainerWorker:
             raise ValueError(f"trainer.ppo_minibatches={k} must divide the batch's {n} samples")
         masks = loss_masks or [torch.ones(len(r)) for r in responses]
         advs = [torch.full((len(r),), float(a)) for r, a in zip(responses, advantages, strict=True)]
-        weights = is_weights or [torch.ones(len(r)) for r in responses]
-        extras = [
-            {"old": torch.as_tensor(o, dtype=torch.float32), "adv": a, "mask": m.float(), "w": w.float()}
-            for o, a, m, w in zip(old_logprobs, advs, masks, weights, strict=True)
+        if old_logprobs is None and k * t.ppo_epochs != 1:
+            raise ValueError("old_logprobs=None (the first training forward's) needs exactly one update per step")
+        extras: list[dict[str, torch.Tensor]] = [
+            {"adv": a, "mask": m.float()} for a, m in zip(advs, masks, strict=True)
         ]
+        for i, ex in enumerate(extras):
+            if old_logprobs is not None:
+                ex["old"] = torch.as_tensor(old_logprobs[i], dtype=torch.float32)
+            if behaviour_logprobs is not None:
+                ex["behav"] = torch.as_tensor(behaviour_logprobs[i], dtype=torch.float32)
+        self._tis_cap = tis_cap
         minibatches = [list(range(j, j + n // k)) for j in range(0, n, n // k)]
         first: dict[int, torch.Tensor] = {}  # each sample's first training forward (epoch 0)
         losses: list[float] = []
@@ -233,11 +243,11 @@ class TrainerWorker:
                 losses.append(
                     mean_loss(
                         lp,
-                        [e["old"] for e in ex],
+                        [e.get("old", x.detach()) for e, x in zip(ex, lp, strict=True)],
                         [e["adv"] for e in ex],
                         [e["mask"] for e in ex],
                         self.ppo,
-                        [e["w"] for e in ex],
+                        [self._is_weight(e, x) for e, x in zip(ex, lp, strict=True)] if "behav" in ex[0] else None,
                     )
                 )
                 if u == 0 and may_update is not None and not may_update(idx, lp):
@@ -253,7 +263,7 @@ class TrainerWorker:
         seen = sorted(first)
         out: dict[str, Any] = metrics(
             [first[i] for i in seen],
-            [extras[i]["old"] for i in seen],
+            [extras[i].get("old", first[i].detach()) for i in seen],
             [torch.as_tensor(rollout_logprobs[i], dtype=torch.float32) for i in seen],
             [advs[i] for i in seen],
             [masks[i] for i in seen],
@@ -263,6 +273,15 @@ class TrainerWorker:
         if k * t.ppo_epochs > 1:
             out.update(updates=len(norms), grad_norms=norms, minibatch_losses=losses)
         return out
+
+    def _token_loss(self, lp: torch.Tensor, ex: dict[str, torch.Tensor]) -> torch.Tensor:
+        """PPO's clipped loss per token; decoupled (asynchronous steps): weighted by pi_proximal / pi_behaviour."""
+        loss = token_loss(lp, ex["old"] if "old" in ex else lp.detach(), ex["adv"], self.ppo)
+        return loss * self._is_weight(ex, lp) if "behav" in ex else loss
+
+    def _is_weight(self, ex: dict[str, torch.Tensor], lp: torch.Tensor) -> torch.Tensor:
+        proximal = ex["old"] if "old" in ex else lp.detach()
+        return importance_weights([proximal], [ex["behav"]], self._tis_cap)[0]
 
     def _train_forward(
         self,
@@ -288,13 +307,7 @@ class TrainerWorker:
             lps, exs = schedule.local_logprobs(
                 mb, logits, self.model_cfg.vocab_size, self.temperature, self.logprob_kernels
             )
-            local = (
-                sum(
-                    (token_loss(lp, ex["old"], ex["adv"], self.ppo) * ex["w"] * ex["mask"]).sum()
-                    for lp, ex in zip(lps, exs, strict=True)
-                )
-                / total
-            )
+            local = sum((self._token_loss(lp, ex) * ex["mask"]).sum() for lp, ex in zip(lps, exs, strict=True)) / total
             # megatron's schedule multiplies this by CP and divides it by the microbatch count, and DDP
             # averages gradients over DP x CP: the update is the gradient of the minibatch's token mean.
             return local * n_mb * dp * mb.weight, {
