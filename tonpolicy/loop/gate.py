@@ -16,9 +16,10 @@ step: all of them with one PPO minibatch (the default), the first minibatch's wi
 updates, so its ratio is not 1 and nothing exact can be said of it there; only the recompute checks
 every sample before any update (the record's `gate_samples` says how many were checked).
 
-Asynchronous steps (experiment.max_staleness >= 1) replace the first check by rollout == the trainer
-under the version that sampled each token (the kept weights of that version; the current weights' no-grad
-forward for tokens of the current version), then the proximal forward == the first training forward.
+Asynchronous steps (experiment.max_staleness >= 1) check rollout == the trainer under the version that
+sampled each token (the kept weights of an older version; for the current version's tokens the first
+training forward, or with several updates per step a no-grad proximal forward, itself then checked ==
+the first training forward), before any update.
 
 For an MoE model it also measures (never fails on) `routing_agreement`: how often the trainer's
 recompute routed a token to the same experts as the rollout did.

@@ -18,12 +18,12 @@ A failed check ends the run with no update made (EXIT_GATE_FAILED); the verdict 
 
 Asynchronous steps (experiment.max_staleness=k >= 1; README "Asynchronous steps"): rank 0's producer
 thread (tonpolicy.loop.producer) generates batch j once the servers serve version >= j - k, so step 1
-takes a batch already generated while step j - 1 trained. Steps 2-3 become: the proximal forward (the
-current weights, no grad) and the trainer's logprobs under the version that sampled each token (the kept
-weights of older versions, tonpolicy.trainer.snapshots), compared with the rollout's bit for bit
-(`rollout_vs_sampling_version`); then decoupled PPO with the proximal logprobs as PPO's old ones and the
-rollout's as the behaviour policy (importance weights, trainer.tis_cap), whose first training forward
-must equal the proximal one (`recompute_vs_first_training_forward`).
+takes a batch already generated while step j - 1 trained. Steps 2-3 become: the trainer's logprobs
+under the version that sampled each token (a no-grad forward under the kept weights of each older
+version, tonpolicy.trainer.snapshots; the current version's from the first training forward, or with
+several updates per step from a no-grad proximal forward), compared with the rollout's bit for bit
+before any update (`rollout_vs_sampling_version`); then decoupled PPO with the proximal (current)
+logprobs as PPO's old ones and the rollout's as the behaviour policy (importance weights, trainer.tis_cap).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Asynchronous steps' exact behaviour logprobs (experiment.max_staleness=k >= 1).
 
 At step j the trainer holds policy version j; the batch's tokens were sampled by versions j - k .. j
-(tonpolicy.loop.producer). Before the update, every rank computes:
-  - the proximal logprobs: the current weights' no-grad forward of the whole batch (decoupled PPO's
-    "old" policy, the PPO ratio's denominator; under the contract the first training forward's bits);
-  - the trainer's logprobs under the version that sampled each token: the proximal ones for tokens of
-    version j, the kept weights of version v (tonpolicy.trainer.snapshots) for tokens of version v < j.
-The gate compares the latter with the rollout's, bit for bit. The rollout's logprobs are then decoupled
+(tonpolicy.loop.producer). Before the update, every rank computes the trainer's logprobs under the
+version that sampled each token: the kept weights of version v (tonpolicy.trainer.snapshots) for tokens
+of version v < j, the proximal logprobs for tokens of version j. The proximal logprobs (decoupled PPO's
+"old" policy, the PPO ratio's denominator: the current weights') are the first training forward's with
+one update per step, a no-grad forward before the updates with several. The gate compares these with
+the rollout's, bit for bit, before any update. The rollout's logprobs are then decoupled
 PPO's behaviour policy: each token's loss is weighted by pi_proximal / pi_behaviour (trainer.tis_cap
 truncates it).
 """
