@@ -188,7 +188,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results.setdefault(job, {"date": kept["date"], **body})
         own = {c.name for c in checks}
         fields = ("name", "measured", "target", "at_most")
-        checks += [Check(**{k: c[k] for k in fields}) for c in kept["checks"] if c["name"] not in own]
+        checks += [
+            Check(
+                **{k: c[k] for k in fields}, machine=c.get("machine", kept["machine"]), date=c.get("date", kept["date"])
+            )
+            for c in kept["checks"]
+            if c["name"] not in own
+        ]
     report("bench_step", checks, {"workload": vars(a), "jobs": results})
     return results
 

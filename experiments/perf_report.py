@@ -79,6 +79,7 @@ def table(results: dict[str, dict]) -> str:
             sign = "<=" if c["at_most"] else ">="
             result = "pass" if c["passed"] else "miss"
             on = f"{machine(c.get('machine', body['machine']))}, {c.get('date', body['date'])}"
+            on += " (not re-measured)" if c.get("carried") else ""
             rows.append(f"| {c['name']} | {c['measured']:.2f} | {sign} {c['target']:.2f} | {result} | {on} |")
     parts = [f"`experiments/{name}.py` (torch {b['machine']['torch']}; {b['date']})" for name, b in results.items()]
     note = "Measured by " + ", ".join(parts) + "."

@@ -44,6 +44,9 @@ class Check:
     measured: float
     target: float
     at_most: bool = True  # the measured value must be <= target (False: >=)
+    # A row carried from an earlier run keeps what measured it and when (None: this run, this host).
+    machine: dict[str, Any] | None = None
+    date: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -82,7 +85,9 @@ def report(bench: str, checks: list[Check], data: dict[str, Any]) -> Path:
         "date": date,
         "machine": host,
         # Each row with its own machine and date: perf_report.py may carry rows a quick run did not measure.
-        "checks": [asdict(c) | {"passed": c.passed, "machine": host, "date": date} for c in checks],
+        "checks": [
+            asdict(c) | {"passed": c.passed, "machine": c.machine or host, "date": c.date or date} for c in checks
+        ],
         "data": data,
     }
     path.write_text(json.dumps(body, indent=2) + "\n")
