@@ -114,9 +114,8 @@ def test_stock_sglang_is_close_but_not_exact(tmp_path: Path, sglang_py: str) -> 
 
 
 def _run(tmp_path: Path, *overrides: str):
-    proc, run_dir = run_job(
-        tmp_path, "rollout=sglang", "trainer.device=cpu", "experiment.steps=2", *overrides, timeout=900
-    )
+    steps = () if any(o.startswith("experiment.steps=") for o in overrides) else ("experiment.steps=2",)
+    proc, run_dir = run_job(tmp_path, "rollout=sglang", "trainer.device=cpu", *steps, *overrides, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return records(run_dir), summary(run_dir)
 
@@ -136,12 +135,20 @@ def test_multi_turn_run_through_real_sglang_is_exact_with_weight_sync(tmp_path: 
         assert r["max_abs_logprob_diff"] == 0.0 and r["cached_tokens"] > 0, r
 
 
-def test_rollout_tp_differs_from_trainer_layout(tmp_path: Path, sglang_py: str) -> None:
-    """SGLang at TP 2 against the trainer at ring CP 2 (TP 1): the same bits; weights synced over a
-    process group of the trainer's rank 0 and both SGLang TP ranks (SGLang's own endpoints)."""
-    recs, s = _run(tmp_path, "parallel=cp2_ring", "parallel.rollout_tp=2", "rollout.weight_sync=distributed")
+def test_rollout_tp_differs_from_trainer_layout_one_step_stale(tmp_path: Path, sglang_py: str) -> None:
+    """SGLang at TP 2 against the trainer at ring CP 2 (TP 1), asynchronous (experiment.max_staleness=1):
+    the same bits under the version that sampled each token, which SGLang labels itself
+    (meta_info.weight_versions); weights pushed over a process group of the trainer's rank 0 and both
+    SGLang TP ranks (SGLang's own endpoints), between the producer's requests."""
+    layout = ("parallel=cp2_ring", "parallel.rollout_tp=2", "rollout.weight_sync=distributed")
+    recs, s = _run(tmp_path, *layout, "experiment.max_staleness=1", "experiment.steps=3")
     assert s["mismatched_tokens"] == 0 and all(r["mismatched_tokens"] == 0 for r in recs), recs
-    assert len(recs) == 2 and all(r["grad_norm"] > 0 for r in recs)
+    assert len(recs) == 3 and all(r["grad_norm"] > 0 and r["gate"] == "passed" for r in recs)
+    assert [r["trainer_policy_version"] for r in recs] == [0, 1, 2]
+    for r in recs[1:]:  # the producer starts batch j while step j-1 trains: its first requests are stale
+        assert "1" in r["staleness"] and sum(r["staleness"].values()) == r["tokens_scored"], r
+        versions = {f"step_{r['step'] - 1}" if r["step"] > 1 else "default", f"step_{r['step']}"}
+        assert set(r["weight_versions"]) <= versions, r
 
 
 def test_off_policy_through_real_sglang_shows_the_mismatch(tmp_path: Path, sglang_py: str) -> None:
