@@ -36,7 +36,14 @@ def test_calculator_exact_zero_at_every_layout_with_prefix_reuse(tmp_path: Path)
 
 def test_calculator_off_policy_shows_the_mismatch(tmp_path: Path) -> None:
     """Negative control: plain kernels on both sides; the model tokens' mismatch is reported."""
-    proc, run_dir = run_job(tmp_path, "contract=off_policy", *MULTI_TURN, "experiment.steps=1")
+    proc, run_dir = run_job(tmp_path, "contract=off_policy", *MULTI_TURN, "experiment.steps=2")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    (rec,) = records(run_dir)
-    assert rec["tokens_scored"] == rec["model_tokens"] and rec["mismatched_tokens"] > 0, rec
+    for step, rec in enumerate(records(run_dir)):
+        assert rec["tokens_scored"] == rec["model_tokens"] and rec["mismatched_tokens"] > 0, rec
+        # the version that sampled each model token: the initial weights, then step 0's update
+        assert rec["weight_versions"] == {"step_1" if step else "default": rec["model_tokens"]}, rec
+    for step, line in enumerate((run_dir / "samples.jsonl").read_text().splitlines()):
+        sample = json.loads(line)
+        for versions, turns in zip(sample["weight_versions"], sample["turns"], strict=True):
+            want = [("step_1" if step else "default") if t["who"] == "model" else None for t in turns for _ in t["ids"]]
+            assert versions == want

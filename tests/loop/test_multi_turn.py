@@ -18,6 +18,7 @@ from tonpolicy.config.compose import compose_config
 from tonpolicy.contract.gate import bits_differ
 from tonpolicy.loop.batch import collect_batch
 from tonpolicy.loop.gate import Gate
+from tonpolicy.loop.weight_sync import sampled_versions
 from tonpolicy.model.tokenizer import TextTokenizer, save_tokenizer
 from tonpolicy.rl.multi_turn import Episode, calculator_reply, run_episodes, segments
 from tonpolicy.rl.task import CALL, DIGIT0, RESULT, SEP, reward
@@ -56,14 +57,16 @@ def test_calculator_environment_and_episode_bookkeeping() -> None:
     assert reward("calculator", prompt, [DIGIT0 + 4, DIGIT0 + 2], 1) == 0.0  # 4: same parity, wrong digit
 
     def generate(contexts: list[list[int]], turn: int) -> list[dict[str, Any]]:
-        return [{"output_ids": [CALL, 100 + turn], "output_logprobs": [-1.0, -2.0], "cached_tokens": turn}] * len(
-            contexts
-        )
+        out = {"output_ids": [CALL, 100 + turn], "output_logprobs": [-1.0, -2.0], "cached_tokens": turn}
+        return [out | {"weight_versions": [f"step_{turn}"] * 2}] * len(contexts)
 
     (ep,) = run_episodes("calculator", [prompt], 2, generate)
     assert ep.response == [CALL, 100, RESULT, DIGIT0 + 2, CALL, 101]
     assert ep.mask == [True, True, False, False, True, True]
     assert ep.logprobs == [-1.0, -2.0, 0.0, 0.0, -1.0, -2.0] and ep.cached_tokens == 1
+    # each model token carries the version that sampled it; the environment's were not sampled
+    assert ep.versions == ["step_0", "step_0", None, None, "step_1", "step_1"]
+    assert sampled_versions([ep.versions], [ep.mask]) == ["step_0", "step_0", "step_1", "step_1"]
     assert segments(ep.response, ep.mask) == [
         ("model", [CALL, 100]),
         ("env", [RESULT, 12]),
@@ -110,6 +113,9 @@ def test_token_in_token_out_with_prefix_reuse_over_http(tmp_path: Path, checkpoi
     # later turns reuse the earlier turns' K/V: at least the prompt of every sample
     assert all(o["cached_tokens"] >= len(p) for o, p in zip(rec.calls[1][1], batch.prompts, strict=True))
     assert batch.cached_tokens > 0
+    # the server's version of every model token (the initial weights), none at the environment's
+    for v, m in zip(batch.weight_versions, batch.response_masks, strict=True):
+        assert len(v) == len(m) and all((x == "default") if keep else x is None for x, keep in zip(v, m, strict=True))
 
     # Negative control: a client that decodes the conversation to text and encodes it again (as one that
     # keeps chat messages as text does) would send other ids: the placeholder <tN> of a sampled id

@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.launch.job import Fleet, JobFailed, supervise
@@ -76,6 +77,10 @@ def test_synchronous_steps_hold_every_token_to_the_last_push() -> None:
     sync.check_versions([["step_1"]])
     with pytest.raises(PolicyVersionError, match=r"\{'default': 1\}.*expected every token from 'step_1'"):
         sync.check_versions([["step_1", "default"]])
+    # a multi-turn batch: the environment's tokens (mask False) were not sampled and carry no version
+    sync.check_versions([["step_1", None, "step_1"]], 0, [torch.tensor([True, False, True])])
+    with pytest.raises(PolicyVersionError, match=r"\{None: 1\}"):
+        sync.check_versions([["step_1", None, None]], 0, [torch.tensor([True, False, True])])
 
 
 class _Replica:

@@ -105,6 +105,7 @@ def collect_episodes(cfg: Config, client: Any, prompts: list[list[int]], seeds: 
         advantages=grpo_advantages(rewards, e.samples_per_prompt),
         response_masks=[torch.tensor(ep.mask, dtype=torch.bool) for ep in episodes],
         cached_tokens=sum(ep.cached_tokens for ep in episodes),
+        weight_versions=[ep.versions for ep in episodes],  # the environment's tokens: None (not sampled)
     )
 
 

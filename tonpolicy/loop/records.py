@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from tonpolicy.files import write_json_atomic
 from tonpolicy.loop.batch import Batch
 from tonpolicy.loop.exit_codes import STATUS_FILE
-from tonpolicy.loop.weight_sync import policy_version
+from tonpolicy.loop.weight_sync import policy_version, sampled_versions
 from tonpolicy.rl.multi_turn import segments
 
 
@@ -45,7 +45,7 @@ class StepRecords:
 
     def write(self, record: dict[str, Any], batch: Batch) -> None:
         if batch.weight_versions is not None:  # tokens per weight version that sampled them
-            counts = Counter(v for sample in batch.weight_versions for v in sample)
+            counts = Counter(sampled_versions(batch.weight_versions, batch.response_masks))
             numbers = [policy_version(v) for v in counts]
             record = {
                 **record,

@@ -100,7 +100,7 @@ def take_step(loop: Loop, step: int) -> Verdict:
     batch = broadcast((batch if loop.producer is not None else make_batch(loop, step)) if loop.rank0 else None)
     t_rollout = time.monotonic() - t0
     if loop.rank0:  # every token sampled by the weights last pushed, or (asynchronous) at most k versions before
-        loop.weights.check_versions(batch.weight_versions, stale_ok)
+        loop.weights.check_versions(batch.weight_versions, stale_ok, batch.response_masks)
     if cfg.trainer.router_replay:  # the recompute and the training forward route as the rollout did
         worker.replay_routes(batch.routed_experts)
     # 2-3. the recompute and the gate's first check (rank 0's verdict, for every rank); without the

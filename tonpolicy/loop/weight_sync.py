@@ -180,6 +180,14 @@ def policy_version(weight_version: str | None) -> int | None:
     return None
 
 
+def sampled_versions(versions: list[list[str | None]], masks: list[Any] | None = None) -> list[str | None]:
+    """The weight versions of the sampled tokens: all of a sample's, or (a multi-turn batch, `masks` its
+    response masks) the model's only: the environment's replies were not sampled."""
+    if masks is None:
+        return [v for sample in versions for v in sample]
+    return [v for sample, mask in zip(versions, masks, strict=True) for v, m in zip(sample, mask, strict=True) if m]
+
+
 class WeightSync:
     """`export` runs on every rank after a passed gate (it gathers the weights), before the step record;
     `push` runs on rank 0 after it, and the server then serves the new weights; `close` at the end.
@@ -187,12 +195,15 @@ class WeightSync:
 
     version: str = INITIAL_WEIGHT_VERSION
 
-    def check_versions(self, versions: list[list[str | None]] | None, max_staleness: int = 0) -> None:
+    def check_versions(
+        self, versions: list[list[str | None]] | None, max_staleness: int = 0, masks: list[Any] | None = None
+    ) -> None:
         """Every token of the step was sampled by the weights last pushed (the trainer's current ones) or
         by one of the `max_staleness` versions before them. Synchronous steps (0): each replica's update
-        is acknowledged before the next step's requests, so every token is of the last push. Raises
+        is acknowledged before the next step's requests, so every token is of the last push. `masks`
+        (a multi-turn batch's response masks): only the model's tokens were sampled. Raises
         PolicyVersionError."""
-        if versions is None:  # a batch that does not carry them (a multi-turn task's)
+        if versions is None:  # a batch that does not carry them
             return
         current = policy_version(self.version)
         assert current is not None, self.version
@@ -201,7 +212,7 @@ class WeightSync:
             n = policy_version(v)
             return n is not None and current - max_staleness <= n <= current
 
-        wrong = Counter(v for sample in versions for v in sample if not allowed(v))
+        wrong = Counter(v for v in sampled_versions(versions, masks) if not allowed(v))
         if wrong:
             expected = (
                 f"every token from {self.version!r} (policy version {current})"

@@ -53,6 +53,7 @@ class Episode:
     response: list[int] = field(default_factory=list)  # every token after the prompt
     mask: list[bool] = field(default_factory=list)  # per response token: True = the model's
     logprobs: list[float] = field(default_factory=list)  # the rollout's; 0.0 at the environment's tokens
+    versions: list[str | None] = field(default_factory=list)  # the weight version that sampled it; env: None
     turns: list[list[int]] = field(default_factory=list)  # the model's turns
     cached_tokens: int = 0  # context tokens the server reused from its prefix cache, over all turns
 
@@ -61,13 +62,17 @@ class Episode:
         """What the next turn's request sends: token ids, exactly as sampled and replied."""
         return [*self.prompt, *self.response]
 
-    def add_model_turn(self, ids: list[int], logprobs: list[float]) -> None:
-        if len(ids) != len(logprobs):
-            raise ValueError(f"a turn of {len(ids)} tokens came with {len(logprobs)} logprobs")
+    def add_model_turn(self, ids: list[int], logprobs: list[float], versions: list[str | None] | None = None) -> None:
+        versions = [None] * len(ids) if versions is None else versions
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError(
+                f"a turn of {len(ids)} tokens came with {len(logprobs)} logprobs, {len(versions)} versions"
+            )
         self.turns.append(list(ids))
         self.response += ids
         self.mask += [True] * len(ids)
         self.logprobs += logprobs
+        self.versions += versions
 
     def add_env_turn(self, ids: list[int]) -> None:
         if len(ids) > MAX_ENV_REPLY_TOKENS:
@@ -75,6 +80,7 @@ class Episode:
         self.response += ids
         self.mask += [False] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.versions += [None] * len(ids)
 
 
 def run_episodes(
@@ -90,7 +96,8 @@ def run_episodes(
     for turn in range(max_turns):
         outs = generate([e.context for e in episodes], turn)
         for e, o in zip(episodes, outs, strict=True):
-            e.add_model_turn([int(t) for t in o["output_ids"]], [float(x) for x in o["output_logprobs"]])
+            ids, logprobs = [int(t) for t in o["output_ids"]], [float(x) for x in o["output_logprobs"]]
+            e.add_model_turn(ids, logprobs, o.get("weight_versions"))
             e.cached_tokens += int(o.get("cached_tokens") or 0)
             if turn + 1 < max_turns:
                 e.add_env_turn(reply(e.prompt, e.turns[-1]))
