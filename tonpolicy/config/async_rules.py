@@ -28,8 +28,8 @@ def check_staleness(cfg: Config, bad: Any) -> None:
     if cfg.task.name in MULTI_TURN_TASKS:
         bad(
             "experiment.max_staleness",
-            f"task {cfg.task.name} is multi-turn, whose batches carry no per-token weight versions: "
-            "asynchronous steps need them (use 0)",
+            f"task {cfg.task.name} is multi-turn: the check under each token's sampling version does not "
+            "yet skip the environment's tokens (use 0)",
         )
     if cfg.model.is_moe:
         bad(
