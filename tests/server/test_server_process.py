@@ -3,6 +3,9 @@ taken, a model that cannot be loaded, and a clean exit on SIGTERM."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 import socket
 from dataclasses import replace
 from pathlib import Path
@@ -75,3 +78,22 @@ def test_checkpoint_of_another_architecture_than_the_config_is_refused(tmp_path:
     code = srv.wait_exit(60)
     assert code == EXIT_LOAD_FAILED
     assert "another architecture" in srv.log() and "num_layers" in srv.log()
+
+
+def test_sigterm_received_by_any_thread_stops_an_idle_server(tmp_path: Path) -> None:
+    """The kernel hands a process's SIGTERM to any thread that does not block it; Python runs the
+    handler on the main thread, where the idle engine loop waits. Sent to each other thread in turn
+    (tgkill), it must still stop the server at once (an untimed wait there ignored it)."""
+    ck = save_checkpoint(tmp_path / "ck", seed=1)
+    srv = ServerProc(tmp_path, "term", ["--model-path", str(ck), "--kernels", "plain", *IDENTITY, "--num-threads", "1"])
+    try:
+        srv.start_healthy()
+        pid = srv.proc.pid
+        others = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        assert others, "the server runs no other thread: nothing to aim at"
+        assert ctypes.CDLL(None, use_errno=True).tgkill(pid, others[0], signal.SIGTERM) == 0
+        assert srv.proc.wait(timeout=5) == 0, srv.log()
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+        srv.wait_exit(10)

@@ -25,6 +25,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+IDLE_WAKE_S = 0.2  # how often an idle loop returns to the interpreter (for signal handlers)
+
 
 @dataclass(frozen=True)
 class BatchResult:
@@ -128,7 +130,7 @@ class EngineLoop:
     def _take(self, pending: deque[_Job | None]) -> None:
         """Move queued jobs to `pending`; block only when there is nothing else to do."""
         if not pending and not self.engine.has_work():
-            pending.append(self._queue.get())
+            pending.append(self._wait_for_job())
             if pending[0] is not None and pending[0].fn is None and self.batch_wait_s > 0:
                 time.sleep(self.batch_wait_s)
         while True:
@@ -136,6 +138,16 @@ class EngineLoop:
                 pending.append(self._queue.get_nowait())
             except queue.Empty:
                 return
+
+    def _wait_for_job(self) -> _Job | None:
+        """The next job, waiting in short slices: the server runs this loop on its main thread, and a
+        SIGTERM the kernel delivers to another thread only runs Python's handler once the main thread
+        is back in the interpreter (an untimed wait kept it blocked: the server ignored SIGTERM)."""
+        while True:
+            try:
+                return self._queue.get(timeout=IDLE_WAKE_S)
+            except queue.Empty:
+                continue
 
     def _admit(self, pending: deque[_Job | None]) -> bool:
         """Add pending jobs to the engine in arrival order, up to the first call (or stop) while
