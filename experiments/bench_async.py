@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf_targets import Check, report, with_launch_environment  # noqa: E402
+from perf_targets import Check, job_steps, report, with_launch_environment  # noqa: E402
 
 VARIANTS = {
     "r1_s0": [],
@@ -116,14 +116,12 @@ def run_job(variant: str, steps: int, root: Path, workload: str = "default") -> 
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(f"{variant} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    ends = [r["time"] for r in recs]
-    step_s = [b - a for a, b in zip(ends[1:], ends[2:], strict=False)]  # steps 2.. (0 and 1 warm up)
+    recs, step_s = job_steps(run_dir)
     return {
         "steps": steps,
         "step_s": step_s,
         "median_step_s": statistics.median(step_s),
-        "steps_per_s": len(step_s) / (ends[-1] - ends[1]),
+        "steps_per_s": len(step_s) / sum(step_s),  # steps 2.. over the time they took
         "rollout_s": statistics.median(r["rollout_s"] for r in recs[2:]),  # s1: the wait for the batch
         "reward": [r["reward_mean"] for r in recs],
         "mismatched_tokens": [r["mismatched_tokens"] for r in recs],

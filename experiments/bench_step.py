@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_models import CPU_1024  # noqa: E402
-from perf_targets import RESULTS, Check, report, with_launch_environment  # noqa: E402
+from perf_targets import RESULTS, Check, job_steps, report, with_launch_environment  # noqa: E402
 
 STEP_RATIO = 1.0  # end-to-end step, exact contract (no recompute) / off_policy (with the recompute)
 
@@ -91,9 +91,7 @@ def run_job(job: str, variant: str, root: Path) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(f"{job}/{variant} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    ends = [r["time"] for r in recs]
-    step_s = [b - a for a, b in zip(ends[1:], ends[2:], strict=False)]  # steps 2.. (0 and 1 warm up)
+    recs, step_s = job_steps(run_dir)
     return {
         "step_s": step_s,
         "median_step_s": statistics.median(step_s),

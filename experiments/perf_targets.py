@@ -57,6 +57,14 @@ class Check:
         return f"{self.name}: {self.measured:.2f} / {sign} {self.target:.2f}  {'pass' if self.passed else 'MISS'}"
 
 
+def job_steps(run_dir: Path) -> tuple[list[dict[str, Any]], list[float]]:
+    """A finished job's step records and its steps' seconds: the wall time between consecutive records,
+    from step 2 on (steps 0 and 1 warm up)."""
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ends = [r["time"] for r in recs]
+    return recs, [b - a for a, b in zip(ends[1:], ends[2:], strict=False)]
+
+
 def machine() -> dict[str, Any]:
     """What measured a row: the CPU (model name where the OS says it), cores, torch, AMX."""
     cpu = platform.processor() or platform.machine()

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from support.list_logger import Logger
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.schema import Config, ExperimentConfig, TrainerConfig
@@ -211,20 +212,6 @@ class Snapshots:
             return self.worker.logprobs(prompts, responses)
         finally:
             self.worker.version = current
-
-
-class Logger:
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def log(self, record: dict) -> None:
-        self.records.append(record)
-
-    def log_samples(self, samples: dict) -> None:
-        pass
-
-    def finish(self, exit_code: int) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from support.list_logger import Logger
 
 from tonpolicy.config.schema import Config, ExperimentConfig, TrainerConfig
 from tonpolicy.loop.gate import Gate
@@ -79,20 +80,6 @@ class Worker:
 
     def save_hf(self, path: Path) -> None:
         self.saved.append(path.name)
-
-
-class Logger:
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def log(self, record: dict) -> None:
-        self.records.append(record)
-
-    def log_samples(self, samples: dict) -> None:
-        pass
-
-    def finish(self, exit_code: int) -> None:
-        pass
 
 
 @pytest.fixture(scope="module", autouse=True)

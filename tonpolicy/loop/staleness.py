@@ -84,7 +84,8 @@ def async_metrics(
     pi_proximal / pi_behaviour (mean, max, truncated fraction), and the ratio first forward / rollout
     over the tokens of the current version (`first_forward`: sample -> its first training forward),
     exactly 1 under the contract."""
-    keep = [m.bool() if masks is not None else torch.ones(len(v), dtype=torch.bool) for v, m in _pairs(versions, masks)]
+    everything = [torch.ones(len(v), dtype=torch.bool) for v in versions]
+    keep = [m.bool() for m in masks] if masks is not None else everything
     w = torch.cat([torch.exp(p.float() - r.float())[k] for p, r, k in zip(proximal, rollout, keep, strict=True)])
     out: dict[str, Any] = {
         "staleness": staleness_histogram(versions, current),
@@ -104,7 +105,3 @@ def async_metrics(
         out["first_forward_ratio_current_min"] = float(current_ratios.min())
         out["first_forward_ratio_current_max"] = float(current_ratios.max())
     return out
-
-
-def _pairs(versions: list[list[int]], masks: list[torch.Tensor] | None) -> list[tuple[list[int], Any]]:
-    return list(zip(versions, masks if masks is not None else [None] * len(versions), strict=True))

@@ -28,6 +28,19 @@ class _LayerRef:
     layer_id: int
 
 
+def _query_plan(q_lens: torch.Tensor, seq_lens: torch.Tensor, max_q: int) -> tuple[torch.Tensor, ...]:
+    """Each request's new tokens as [B, Q] rows of the flat token batch: which are real (`query_valid`),
+    their row in the batch (`query_rows`; padding repeats the request's first) and their positions
+    (`query_pos`; padding below any key)."""
+    j = torch.arange(max_q, device=q_lens.device)
+    valid = j[None, :] < q_lens[:, None]
+    starts = torch.cumsum(q_lens, 0) - q_lens  # each request's first row in the flat token batch
+    rows = starts[:, None] + j[None, :]
+    prefix = (seq_lens - q_lens)[:, None]
+    positions = torch.where(valid, prefix + j[None, :], torch.full_like(rows, QUERY_PAD_POS))
+    return valid, torch.where(valid, rows, starts[:, None].expand(-1, max_q)), positions
+
+
 class PooledAttention:
     """Per-batch gather plan: built once per forward, used by every layer."""
 
@@ -48,13 +61,7 @@ class PooledAttention:
         slots = get_req_to_token_pool().req_to_token[fb.req_pool_indices.long(), :max_keys].long()
         self.slots = torch.where(self.key_valid, slots, torch.zeros_like(slots))
         self.key_pos = torch.where(self.key_valid, keys[None, :].expand(bsz, -1), torch.full_like(slots, KEY_PAD_POS))
-        j = torch.arange(max_q, device=dev)
-        self.query_valid = j[None, :] < q_lens[:, None]  # [B, Q]
-        starts = torch.cumsum(q_lens, 0) - q_lens  # each request's first row in the flat token batch
-        rows = starts[:, None] + j[None, :]
-        self.query_rows = torch.where(self.query_valid, rows, starts[:, None].expand(-1, max_q))
-        prefix = (seq_lens - q_lens)[:, None]
-        self.query_pos = torch.where(self.query_valid, prefix + j[None, :], torch.full_like(rows, QUERY_PAD_POS))
+        self.query_valid, self.query_rows, self.query_pos = _query_plan(q_lens, seq_lens, max_q)
         self.write_loc = KVWriteLoc.for_batch(fb)
 
     def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -96,13 +103,7 @@ class TritonPoolAttention:
             width = int(lens.max())
             q_lens = fb.extend_seq_lens.long()
             max_q = max(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu is not None else int(q_lens.max())
-            j = torch.arange(max_q, device=dev)
-            self.query_valid = j[None, :] < q_lens[:, None]  # [B, Q]
-            starts = torch.cumsum(q_lens, 0) - q_lens  # each request's first row in the flat token batch
-            rows = starts[:, None] + j[None, :]
-            self.query_rows = torch.where(self.query_valid, rows, starts[:, None].expand(-1, max_q))
-            prefix = (seq_lens - q_lens)[:, None]
-            self.query_pos = torch.where(self.query_valid, prefix + j[None, :], torch.full_like(rows, QUERY_PAD_POS))
+            self.query_valid, self.query_rows, self.query_pos = _query_plan(q_lens, seq_lens, max_q)
         # Built once per forward in the kernel's own types, so no layer converts or copies them again.
         self.slots = table[fb.req_pool_indices.long(), :width].long().contiguous()
         self.key_pos = torch.arange(width, device=dev).expand(bsz, -1).contiguous()
