@@ -206,6 +206,45 @@ class Qwen3(nn.Module):
         h = kern.rms_norm(h, self.model.norm.weight, cfg.rms_norm_eps)
         return kern.lm_head(h, self.lm_weight())
 
+    @torch.no_grad()
+    def forward_decode(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv: KVPool,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decode token per row from device tensors only: token ids, positions and KV slots [B],
+        rotary cos/sin [B, head_dim] of those positions. Writes each row's keys/values at (slot, position)
+        and attends over its slot's keys [0, position] (tiles past a row's position are skipped, so the
+        pool's capacity does not reach its bits). No host value changes from step to step, so a caller may
+        capture this in a CUDA graph. Returns fp32 logits [B, padded_vocab]; each row equals
+        `forward_segments`' decode row under a row-invariant kernel set."""
+        cfg, kern = self.cfg, self.kernels
+        n = ids.shape[0]
+        scale = cfg.head_dim**-0.5
+        h = self.model.embed_tokens.weight.index_select(0, ids)
+        for li, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            x = kern.rms_norm(h, layer.input_layernorm.weight, cfg.rms_norm_eps)
+            qkv_w = self.fused(f"{li}.qkv", [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            q, k, v = kern.linear(x, qkv_w).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q, k = kern.apply_rope_qk(
+                kern.rms_norm(q.reshape(n, cfg.num_attention_heads, cfg.head_dim), a.q_norm.weight, cfg.rms_norm_eps),
+                kern.rms_norm(k.reshape(n, cfg.num_kv_heads, cfg.head_dim), a.k_norm.weight, cfg.rms_norm_eps),
+                cos,
+                sin,
+            )
+            kv.write_tokens(li, slots, positions, k, v.reshape(n, cfg.num_kv_heads, cfg.head_dim), checked=True)
+            o = kern.attention_pooled(q[:, None], positions[:, None], kv.k[li], kv.v[li], slots, kv.capacity, scale)
+            h = h + kern.linear_k_sharded(o.reshape(n, cfg.q_size), a.o_proj.weight)
+            x = kern.rms_norm(h, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+            h = h + self._mlp(li, layer.mlp, x)
+        h = kern.rms_norm(h, self.model.norm.weight, cfg.rms_norm_eps)
+        return kern.lm_head(h, self.lm_weight())
+
     def _attend(
         self,
         li: int,

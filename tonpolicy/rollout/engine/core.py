@@ -38,6 +38,7 @@ import torch
 from tonpolicy.kernels import logprob_temperature
 from tonpolicy.model.kv_cache import KVPool
 from tonpolicy.model.qwen3 import Qwen3, Segment
+from tonpolicy.rollout.engine.graphs import DecodeGraphs
 from tonpolicy.rollout.engine.logits import make_generator, sample_token, score_logprobs, top_logprobs
 from tonpolicy.rollout.engine.requests import GenRequest, GenResult, TopLogprobs
 
@@ -77,6 +78,7 @@ class Engine:
         chunked_prefill_size: int | None = None,
         eos_token_id: int | None = None,
         prefix_cache: bool = True,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         if max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
@@ -97,6 +99,9 @@ class Engine:
         self.prefix_cache = prefix_cache
         # free slot -> the token ids whose K/V it holds at positions 0.. (oldest first: evicted first)
         self._prefixes: dict[int, list[int]] = {}
+        # Decode-only steps through padded static buffers (CUDA graphs on a GPU); mixed steps run eagerly.
+        self.decode_graphs = decode_graphs
+        self.graph_steps = 0  # engine steps that went through `decode_graphs`
 
     # --- incremental API ------------------------------------------------------------------------
     def check(self, req: GenRequest) -> None:
@@ -297,12 +302,14 @@ class Engine:
         rows: list[int] = []
         scored: list[tuple[_Running, int, int]] = []  # (request, flat row, prompt position it predicts)
         fed: list[tuple[_Running, int, int]] = []  # (request, first flat row, rows) of each segment
+        decode_only = True
         for r in running:
             prompt = r.req.prompt_ids
             if r.prefilled < len(prompt):
                 take = int(min(len(prompt) - r.prefilled, budget))
                 if take <= 0:
                     continue
+                decode_only = False
                 budget -= take
                 segments.append(Segment(take, start=r.prefilled, slot=r.slot))
                 fed.append((r, len(tokens), take))
@@ -328,12 +335,17 @@ class Engine:
         if want_routes:
             self.model.routes = {}  # the MoE model leaves each layer's routing of every row there
         try:
-            logits = self.model.forward_segments(
-                torch.tensor(tokens, dtype=torch.long),
-                segments,
-                pool,
-                torch.tensor(rows + [row for _, row, _ in scored], dtype=torch.long),
-            )
+            if decode_only and not want_routes and self.decode_graphs is not None:
+                assert pool is not None
+                logits = self.decode_graphs.run(tokens, [s.start for s in segments], [r.slot for r in samplers], pool)
+                self.graph_steps += 1
+            else:
+                logits = self.model.forward_segments(
+                    torch.tensor(tokens, dtype=torch.long),
+                    segments,
+                    pool,
+                    torch.tensor(rows + [row for _, row, _ in scored], dtype=torch.long),
+                )
             if want_routes:
                 self._keep_routes(fed, self.model.routes)
         finally:
