@@ -27,9 +27,18 @@ timeout 540 python3 -m torch.distributed.run --standalone --nproc-per-node 1 exp
 # The triton kernel set (issue 14): invariances of the compiled kernels, both engines bit for bit, timings.
 timeout 420 python3 -m torch.distributed.run --standalone --nproc-per-node 1 experiments/gpu_triton_check.py \
   --out "$dest/gpu_triton.json" 2>&1 | grep -v "Unknown MLP\|warn" | tee "$dest/gpu_triton.log"
-# One job end to end on the triton contract: the gate must pass (exit 0).
-timeout 240 python3 -m tonpolicy contract=qwen3_dense_triton_v1 trainer.device=cuda logger=none experiment.steps=3 \
-  hydra.run.dir="$dest/run_triton_cuda" 2>&1 | tail -6 | tee -a "$dest/gpu_check.log"
+# The embedded engine's decode in CUDA graphs (issue 35, item 2): per batch-size bucket, graph replay ==
+# eager == the Megatron trainer's full forward (bf16, fp32), plain control, capture time, tokens/s on/off.
+timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 1 experiments/gpu_graph_check.py \
+  --out "$dest/gpu_graph.json" 2>&1 | grep -v "Unknown MLP\|warn" | tee "$dest/gpu_graph.log"
+if python3 -c "import pytest" >/dev/null 2>&1; then
+  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/engine/test_decode_graphs_gpu.py 2>&1 | tail -4 \
+    | tee -a "$dest/gpu_graph.log"
+fi
+# One job end to end on the triton contract, decode in CUDA graphs: the gate must pass every step (exit 0).
+timeout 240 python3 -m tonpolicy contract=qwen3_dense_triton_v1 trainer.device=cuda rollout.cuda_graphs=true \
+  logger=none experiment.steps=3 hydra.run.dir="$dest/run_triton_cuda" 2>&1 | tail -6 | tee -a "$dest/gpu_check.log"
+echo "triton job with cuda graphs: exit ${PIPESTATUS[0]}" | tee -a "$dest/gpu_check.log"
 # The embedded engine follows trainer.device (issue 9): one job end to end on the GPU (the CPU-designed
 # `contract` set through cuBLAS: measured on an H200 to miss the gate, which is why `triton` exists).
 timeout 240 python3 -m tonpolicy trainer.device=cuda logger=none experiment.steps=2 \

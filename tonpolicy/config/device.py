@@ -13,3 +13,16 @@ def resolve_device(cfg: Config) -> str:
     import torch  # lazily: validation of an explicit device needs no torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cuda_graphs_on(cfg: Config) -> bool:
+    """Whether the embedded engine decodes in CUDA graphs: rollout.cuda_graphs, or where it is null,
+    on exactly where graphs apply (embedded engine, triton kernel set, CUDA, dense model)."""
+    if cfg.rollout.cuda_graphs is not None:
+        return bool(cfg.rollout.cuda_graphs)
+    return (
+        cfg.rollout.backend == "embedded"
+        and cfg.contract.kernels == "triton"
+        and not cfg.model.is_moe
+        and resolve_device(cfg) == "cuda"
+    )

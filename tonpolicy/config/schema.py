@@ -94,6 +94,11 @@ class RolloutConfig:
     port: int = 0  # 0 = pick a free port
     max_running_requests: int = 8
     chunked_prefill_size: int | None = None
+    # The embedded engine's decode steps in CUDA graphs, one per batch-size bucket up to
+    # max_running_requests (rollout/engine/graphs.py). null: on where they apply (embedded engine,
+    # triton kernel set, CUDA, dense model), off elsewhere; true where they cannot apply is refused.
+    # (rollout=sglang: SGLang's own decode graphs, rendered from the contract.)
+    cuda_graphs: bool | None = None
     health_timeout_s: float = 120.0
     # Once healthy, a server that answers no /health for this long is dead (hung, stopped): the
     # launcher ends the run with exit 4.

@@ -144,6 +144,7 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
     check_moe(cfg, bad)
     _check_router_replay(cfg, bad)
     check_staleness(cfg, bad)
+    _check_cuda_graphs(cfg, bad)
     if cfg.rollout.backend == "sglang":
         check_sglang(cfg, bad)
     if cfg.mode in ("run", "align"):
@@ -294,6 +295,35 @@ def _check_layout(cfg: Config, bad: Any) -> None:
                 "parallel.rollout_tp",
                 f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}",
             )
+
+
+def _check_cuda_graphs(cfg: Config, bad: Any) -> None:
+    """rollout.cuda_graphs: the embedded engine's decode graphs (null: on where they apply)."""
+    r, c = cfg.rollout, cfg.contract
+    if r.cuda_graphs is None:
+        return
+    if r.backend != "embedded":
+        bad(
+            "rollout.cuda_graphs",
+            "applies to the embedded engine; with rollout=sglang, SGLang's decode graphs follow the contract "
+            "(leave it null)",
+        )
+        return
+    if not r.cuda_graphs:
+        return
+    if resolve_device(cfg) != "cuda":
+        bad(
+            "rollout.cuda_graphs",
+            "CUDA graphs need a CUDA device: set trainer.device=cuda or rollout.cuda_graphs=false",
+        )
+    if c.kernels != "triton":
+        bad(
+            "rollout.cuda_graphs",
+            f"decode graphs need the triton kernel set (contract.kernels={c.kernels} sizes its work on the host): "
+            "use contract=qwen3_dense_triton_v1 or rollout.cuda_graphs=false",
+        )
+    if cfg.model.is_moe:
+        bad("rollout.cuda_graphs", "decode graphs are for dense models (expert routing is host-planned)")
 
 
 def _check_triton(cfg: Config, bad: Any) -> None:

@@ -19,7 +19,7 @@ import yaml
 from omegaconf.errors import OmegaConfBaseException
 
 from tonpolicy.config.compose import load_config
-from tonpolicy.config.device import resolve_device
+from tonpolicy.config.device import cuda_graphs_on, resolve_device
 from tonpolicy.config.dtypes import DTYPES
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.config.ranges import API_KEY_ENV
@@ -57,6 +57,8 @@ class ServerArgs:
     api_key: str | None = None
     # As SGLang's --disable-radix-cache: no prefix cache (every prompt is prefilled in full).
     disable_radix_cache: bool = False
+    # Decode steps in CUDA graphs per batch-size bucket (rollout.cuda_graphs; needs device cuda).
+    cuda_graphs: bool = False
 
 
 def args_from_config(cfg: Config) -> dict[str, Any]:
@@ -79,6 +81,7 @@ def args_from_config(cfg: Config) -> dict[str, Any]:
         "disable_radix_cache": r.disable_radix_cache,
         "random_seed": cfg.experiment.seed,
         "device": resolve_device(cfg),  # the engine follows the trainer
+        "cuda_graphs": cuda_graphs_on(cfg),
     }
     if r.chunked_prefill_size is not None:
         out["chunked_prefill_size"] = r.chunked_prefill_size
@@ -109,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version")
     p.add_argument("--num-threads", type=int, help="torch intra-op threads")
     p.add_argument("--device", choices=("cpu", "cuda"), help="where the engine runs (default cpu)")
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode in CUDA graphs per batch-size bucket (needs --device cuda)",
+    )
     p.add_argument("--log-requests", action="store_true", default=None, help="log every HTTP request")
     p.add_argument(
         "--disable-radix-cache", action="store_true", default=None, help="no prefix cache (as SGLang's flag)"

@@ -9,6 +9,7 @@ from tonpolicy.families import family, resolve
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model.checkpoint import load_hf, param_shapes
 from tonpolicy.rollout.engine import Engine
+from tonpolicy.rollout.engine.graphs import DecodeGraphs
 from tonpolicy.rollout.engine.requests import GenRequest
 from tonpolicy.rollout.server.args import ServerArgs
 from tonpolicy.rollout.wire.request import GenerateItem
@@ -30,11 +31,15 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
         if problems:
             raise RuntimeError("; ".join(problems))
     model = resolve(family(cfg.family).engine_model)(cfg, kernels, dtype, state_dict).to(args.device)
+    graphs = DecodeGraphs(model, args.max_running_requests, capture=True) if args.cuda_graphs else None
+    if graphs is not None:
+        print(f"tonpolicy rollout server: decode in CUDA graphs, batch-size buckets {graphs.buckets}", flush=True)
     engine = Engine(
         model,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         prefix_cache=not args.disable_radix_cache,
+        decode_graphs=graphs,
     )
     return engine, cfg
 
