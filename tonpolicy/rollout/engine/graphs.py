@@ -92,6 +92,7 @@ class DecodeGraphs:
         current step's rows, so warm-up and capture write exactly what this step writes."""
         g = self._graphs[size]
         t0 = time.perf_counter()
+        self._step(g, pool)  # on this stream first: weight caches (fused, lm_head) live on the stream that uses them
         torch.cuda.synchronize()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -103,7 +104,8 @@ class DecodeGraphs:
         if self._mem_pool is None:
             self._mem_pool = torch.cuda.graph_pool_handle()  # buckets share one memory pool
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mem_pool):
+        # thread_local: the server's HTTP thread may touch CUDA while the engine thread captures.
+        with torch.cuda.graph(graph, pool=self._mem_pool, capture_error_mode="thread_local"):
             g.logits = self._step(g, pool)
         g.graph = graph
         torch.cuda.synchronize()
@@ -122,6 +124,7 @@ class DecodeGraphs:
         key = (id(pool), pool.capacity, pool.slots, self._weights_key())
         if key != self._key:  # a new pool or new weights: the captured addresses are stale
             self._graphs, self._key, self._pool_ref = {}, key, pool
+            self._mem_pool = None  # and a fresh memory pool for the new captures
         pad = size - n
         host = torch.tensor([ids + ids[:1] * pad, positions + positions[:1] * pad, slots + slots[:1] * pad])
         g = self._graphs.get(size)
