@@ -164,6 +164,7 @@ def case(name: str, cfg: Any, dt: torch.dtype, dtype_name: str, root: Path, dev:
         out["capture_s"] = {str(k): v for k, v in graphs.capture_s.items()}
         out["replays_per_bucket"] = {str(k): v for k, v in graphs.replays.items()}
         out["host_tail_s_per_step"] = _host_tail(model, dev)
+        out["forward_ms_per_bucket"] = _forward_times(graphs, graph_engine._pool)
         out["ok"] = all(r.get("ok") for r in sizes.values()) and all(
             r.get("plain_control_mismatched", 0) > 0 for r in sizes.values() if r.get("tokens", 0) >= 16
         )
@@ -171,6 +172,29 @@ def case(name: str, cfg: Any, dt: torch.dtype, dtype_name: str, root: Path, dev:
         out["error"] = traceback.format_exc()[-4000:]
     out["wall_s"] = time.perf_counter() - t_case
     _write()
+
+
+def _forward_times(graphs: Any, pool: Any, reps: int = 20) -> dict[str, Any]:
+    """The model part of a decode step per bucket, eager (the same padded static-buffer call) vs graph
+    replay, in ms. Both rewrite the last step's keys/values with the same bits."""
+    out: dict[str, Any] = {}
+    for size, g in sorted(graphs._graphs.items()):
+        if g.graph is None:  # --smoke: no capture
+            continue
+        try:
+            times = {}
+            for kind, fn in (("eager", lambda g=g: graphs._step(g, pool)), ("graph", g.graph.replay)):
+                fn()
+                _sync()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                _sync()
+                times[kind] = (time.perf_counter() - t0) / reps * 1e3
+            out[str(size)] = {**times, "speedup": times["eager"] / times["graph"]}
+        except Exception as e:  # noqa: BLE001 - recorded per bucket
+            out[str(size)] = {"error": f"{type(e).__name__}: {e}"}
+    return out
 
 
 def _host_tail(model: Any, dev: str) -> float:
@@ -252,6 +276,7 @@ def main() -> None:
             f"  {name}: ok={part.get('ok')} capture_s={part.get('capture_s')}"
             f" host_tail_s={part.get('host_tail_s_per_step')}"
         )
+        print(f"    model forward ms per bucket (eager vs graph): {part.get('forward_ms_per_bucket')}")
         if "error" in part:
             print("    ERROR:", part["error"].strip().splitlines()[-1])
         for n, r in part.get("sizes", {}).items():

@@ -57,6 +57,7 @@ def test_buckets() -> None:
     assert buckets(1) == [1] and buckets(4) == [1, 2, 4] and buckets(6) == [1, 2, 4, 6]
 
 
+@pytest.mark.slow  # ~40-50 s: Triton's interpreter
 def test_padded_static_decode_is_bit_equal_to_eager_and_full_forward() -> None:
     eager, padded, engine, model = run("triton", torch.float32)
     graphs = engine.decode_graphs
