@@ -111,14 +111,17 @@ def _tracked(*ts: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
-def matmul_as(a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_dtype: torch.dtype) -> torch.Tensor:
+def matmul_as(
+    a: torch.Tensor, a_dtype: torch.dtype, b: torch.Tensor, b_dtype: torch.dtype, short_k: bool = False
+) -> torch.Tensor:
     """fp32 C = A @ B (A [..., M, K], B [..., K, N]): the contract GEMM, both operands quantized here;
     `a_dtype`/`b_dtype`: the dtypes the operands' values come from (an upcast bf16 operand is quantized
-    as bf16, so fp32 and bf16 callers agree). Differentiable (textbook gradient)."""
+    as bf16, so fp32 and bf16 callers agree). `short_k`: a short contraction (attention's scores over the
+    head dim), which the compiled product takes at any row count. Differentiable (textbook gradient)."""
     if _tracked(a, b):
-        return _TextbookGrad.apply(a, b, lambda x, y: matmul_as(x, a_dtype, y, b_dtype))
+        return _TextbookGrad.apply(a, b, lambda x, y: matmul_as(x, a_dtype, y, b_dtype, short_k))
     bits_a, bits_b, slices_a = contraction_bits(a_dtype, b_dtype, a.shape[-1])
-    out = _compiled().bmm(a, b, bits_a, bits_b, slices_a, per_row_b=False)  # few rows: one call, same bits
+    out = _compiled().bmm(a, b, bits_a, bits_b, slices_a, per_row_b=False, any_rows=short_k)  # same bits
     if out is not None:
         return out
     qb, scale_b = quantize(b, -2, bits_b)
@@ -176,7 +179,9 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, num_shards: int) -> torch.
         out = matmul_as(x3, x.dtype, w.reshape(n, num_shards, k // num_shards).permute(1, 2, 0), w.dtype)
     else:
         qb, scale, bits_a, slices_a = quantized_weight(w, num_shards, x.dtype)
-        out = exact_matmul(x3, qb, scale, bits_a, slices_a)
+        out = _compiled().linear_rows(x.reshape(-1, k), qb, scale, num_shards, bits_a, slices_a)  # the same bits
+        if out is None:
+            out = exact_matmul(x3, qb, scale, bits_a, slices_a)
     return out.view(num_shards, *lead, n)
 
 
@@ -187,7 +192,7 @@ def pv_product(p: torch.Tensor, v: torch.Tensor, v_dtype: torch.dtype) -> torch.
     if _tracked(p, v):
         return _TextbookGrad.apply(p, v, lambda x, y: pv_product(x, y, v_dtype))
     bits_p, bits_v, slices_p = contraction_bits(torch.float32, v_dtype, p.shape[-1])
-    out = _compiled().bmm(p, v, bits_p, bits_v, slices_p, per_row_b=True)  # few rows: one call, same bits
+    out = _compiled().bmm(p, v, bits_p, bits_v, slices_p, per_row_b=True, any_rows=True)  # over a key tile
     if out is not None:
         return out
     qv, v_scale = quantize(v, -1, bits_v)  # per key: v_scale [..., T, 1]

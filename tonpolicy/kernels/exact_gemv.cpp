@@ -169,7 +169,7 @@ static double quantize_line(const double* v, int64_t k, int bits, int slices, do
   double amax = 0.0;
   for (int64_t i = 0; i < k; i++) {
     double a = std::fabs(v[i]);
-    if (!(a <= amax)) amax = a;  // NaN sticks
+    if (a > amax || std::isnan(a)) amax = a;  // NaN sticks (a later number must not replace it)
   }
   if (!std::isfinite(amax)) return 0.0;
   int e = 0;
@@ -201,7 +201,7 @@ static void bmm_batch(const float* a, const float* b, int64_t m, int64_t k, int6
     for (int64_t i = 0; i < k; i++)
       for (int64_t j = 0; j < n; j++) {
         double v = std::fabs((double)b[i * n + j]);
-        if (!(v <= bu[j])) bu[j] = v;
+        if (v > bu[j] || std::isnan(v)) bu[j] = v;  // NaN sticks
       }
     for (int64_t j = 0; j < n; j++) {
       if (!std::isfinite(bu[j])) return;  // caller sees the flag below
@@ -215,7 +215,7 @@ static void bmm_batch(const float* a, const float* b, int64_t m, int64_t k, int6
       double amax = 0.0;
       for (int64_t j = 0; j < n; j++) {
         double v = std::fabs((double)b[i * n + j]);
-        if (!(v <= amax)) amax = v;
+        if (v > amax || std::isnan(v)) amax = v;  // NaN sticks
       }
       if (!std::isfinite(amax)) return;
       int e = 0;
@@ -269,27 +269,35 @@ static void bmm_batch(const float* a, const float* b, int64_t m, int64_t k, int6
   }
 }
 
+// Rows are taken 16 / slices at a time (the accumulators live in registers): a row's quantization and
+// sums depend on that row and B alone, so the chunking changes no bit.
 extern "C" int exact_bmm(const float* a, const float* b, int64_t batch, int64_t m, int64_t k, int64_t n, int bits_a,
                          int bits_b, int slices, int mode, float* out, int threads) {
-  const int R = (int)(m * slices);
-  if (R < 1 || R > 16) return 1;
-  const int64_t words = R * k + k + m + 3 * (n > k ? n : k) + 8;
+  if (m < 1 || slices < 1 || slices > 2) return 1;
+  const int64_t chunk = 16 / slices;
+  const int64_t rows = m < chunk ? m : chunk;
+  const int64_t words = rows * slices * k + k + rows + 3 * (n > k ? n : k) + 8;
   int bad = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && batch > 1) reduction(| : bad)
   {
     std::vector<double> buf(words);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < batch; t++) {
-      float* o = out + t * m * n;
-      o[0] = std::nanf("");  // a bmm_batch that stops early (NaN/inf operands) leaves this flag
-      switch (R) {
+      for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+        const int64_t mc = m - r0 < chunk ? m - r0 : chunk;
+        const float* ac = a + (t * m + r0) * k;
+        const float* bc = b + t * k * n;
+        float* o = out + (t * m + r0) * n;
+        o[0] = std::nanf("");  // a bmm_batch that stops early (NaN/inf operands) leaves this flag
+        switch ((int)(mc * slices)) {
 #define CASE(r) \
-  case r: bmm_batch<r>(a + t * m * k, b + t * k * n, m, k, n, bits_a, bits_b, slices, mode, o, buf.data()); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-        CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+  case r: bmm_batch<r>(ac, bc, mc, k, n, bits_a, bits_b, slices, mode, o, buf.data()); break;
+          CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+          CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 #undef CASE
+        }
+        if (std::isnan(o[0])) bad |= 1;
       }
-      if (std::isnan(o[0])) bad |= 1;
     }
   }
   return bad ? 2 : 0;
@@ -310,4 +318,45 @@ extern "C" void tree_sum_f32(const float* parts, int64_t c, int64_t len, float* 
     }
     out[i] = level[0];
   }
+}
+
+// A of exact_gemm.linear_partials' GEMM for many rows, as exact_gemm.quantize(x3, -1, bits_a, slices) with
+// x3 = x [rows, k] (dtype xdt) cut into `shards` K-shards: integers qa [shards][slices * rows][k / shards]
+// (slice 1's rows after slice 0's, as exact_matmul stacks them) and scales sa [shards][rows] = 2^(e - bits).
+// Returns 2 for a NaN or inf (the torch path decides what it gives).
+extern "C" int quantize_rows(const void* x, int xdt, int64_t rows, int64_t k, int64_t shards, int bits_a, int slices,
+                             double* qa, double* sa) {
+  const int64_t ks = k / shards;
+  std::vector<double> line(ks);
+  for (int64_t c = 0; c < shards; c++)
+    for (int64_t m = 0; m < rows; m++) {
+      const int64_t base = m * k + c * ks;
+      for (int64_t i = 0; i < ks; i++) line[i] = xdt == 0 ? load<0>(x, base + i) : load<1>(x, base + i);
+      const double s = quantize_line(line.data(), ks, bits_a, slices, qa + (c * slices * rows + m) * ks, rows * ks);
+      if (s == 0.0) return 2;
+      sa[c * rows + m] = s;
+    }
+  return 0;
+}
+
+// exact_matmul's scaling back of the integer products prod [shards][slices * rows][n]: (hi + lo * 2^-bits_a)
+// * sa[row] * sb[column], each one IEEE fp64 op in that order, then one rounding to fp32 (out [shards][rows][n]).
+extern "C" void scale_back(const double* prod, int64_t shards, int64_t rows, int64_t n, int slices, int bits_a,
+                           const double* sa, const double* sb, float* out) {
+  const double lo_scale = pow2(-bits_a);
+  for (int64_t c = 0; c < shards; c++)
+    for (int64_t m = 0; m < rows; m++) {
+      const double* hi = prod + (c * slices * rows + m) * n;
+      const double* lo = hi + rows * n;
+      const double* col = sb + c * n;
+      float* o = out + (c * rows + m) * n;
+      const double s = sa[c * rows + m];
+      for (int64_t j = 0; j < n; j++) {
+        double v = hi[j];
+        if (slices == 2) v = v + lo[j] * lo_scale;
+        v = v * s;
+        v = v * col[j];
+        o[j] = (float)v;
+      }
+    }
 }

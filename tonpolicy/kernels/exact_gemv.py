@@ -97,6 +97,10 @@ def kernel():  # noqa: ANN201
                     lib.exact_gemv.restype = lib.exact_bmm.restype = i32
                     lib.tree_sum_f32.argtypes = [vp, i64, i64, vp]
                     lib.tree_sum_f32.restype = None
+                    lib.quantize_rows.argtypes = [vp, i32, i64, i64, i64, i32, i32, vp, vp]
+                    lib.quantize_rows.restype = i32
+                    lib.scale_back.argtypes = [vp, i64, i64, i64, i32, i32, vp, vp, vp]
+                    lib.scale_back.restype = None
                 _lib.append(lib)
     return _lib[0]
 
@@ -142,11 +146,43 @@ def linear_partials(x2: torch.Tensor, w: torch.Tensor, num_shards: int) -> torch
     return out if rc == 0 else None
 
 
+def linear_rows(
+    x2: torch.Tensor, qb: torch.Tensor, scale_b: torch.Tensor, num_shards: int, bits_a: int, slices: int
+) -> torch.Tensor | None:
+    """exact_gemm.exact_matmul for x2 [M, K] (bf16 or fp32) cut into `num_shards` K-shards against the
+    cached integer weight qb [C, K/C, N] and its column scales [C, 1, N]: x's quantization and the scaling
+    back compiled (one call each, where the torch path runs ~12 ops), the fp64 GEMM the library's. The same
+    bits: the same quantization, exact integer sums in any order, the same IEEE ops scaling back. None
+    where this path does not apply (the caller runs exact_matmul)."""
+    m, k = x2.shape
+    if x2.dtype not in _DTYPES or x2.device.type != "cpu" or m == 0 or k == 0:
+        return None
+    lib = kernel()
+    if lib is None:
+        return None
+    x2, ks, n = x2.contiguous(), k // num_shards, qb.shape[-1]
+    qa = torch.empty(num_shards, slices * m, ks, dtype=torch.float64)
+    sa = torch.empty(num_shards, m, dtype=torch.float64)
+    xdt = _DTYPES[x2.dtype]
+    if lib.quantize_rows(x2.data_ptr(), xdt, m, k, num_shards, bits_a, slices, qa.data_ptr(), sa.data_ptr()):
+        return None  # a NaN or inf: the torch path decides what it gives
+    prod = torch.matmul(qa, qb)
+    sb = scale_b.reshape(num_shards, n).contiguous()
+    out = torch.empty(num_shards, m, n, dtype=torch.float32)
+    lib.scale_back(prod.data_ptr(), num_shards, m, n, slices, bits_a, sa.data_ptr(), sb.data_ptr(), out.data_ptr())
+    return out
+
+
 MAX_BMM_ROWS = 8  # rows x slices accumulators: up to 16
+# With `any_rows` (the attention's products: scores over the head dim, p @ v over a key tile) more rows are
+# taken 16 / slices at a time (the same bits: a row's result depends on that row and B alone) when the
+# contraction is at most this long; a longer one (A's quantized rows out of L1) or a linear's (whose fp64
+# GEMM on the cached integer weight is faster) is left to the library's GEMM.
+CHUNKED_MAX_K = 128
 
 
 def bmm(
-    a: torch.Tensor, b: torch.Tensor, bits_a: int, bits_b: int, slices: int, per_row_b: bool
+    a: torch.Tensor, b: torch.Tensor, bits_a: int, bits_b: int, slices: int, per_row_b: bool, any_rows: bool = False
 ) -> torch.Tensor | None:
     """fp32 C = A @ B for fp32 A [..., M, K], B [..., K, N] (the same leading dims), with the bits of
     exact_gemm: `per_row_b` False as `matmul_as` (B per column), True as `pv_product` (B per row, its
@@ -155,7 +191,10 @@ def bmm(
         return None
     *lead, m, k = a.shape
     n = b.shape[-1]
-    if not 1 <= m <= MAX_BMM_ROWS or b.shape[:-2] != a.shape[:-2] or b.shape[-2] != k or k == 0 or n == 0:
+    many = any_rows and k <= CHUNKED_MAX_K
+    if m < 1 or (m > MAX_BMM_ROWS and not many) or b.shape[:-2] != a.shape[:-2] or b.shape[-2] != k:
+        return None
+    if k == 0 or n == 0:
         return None
     lib = kernel()
     if lib is None:

@@ -7,12 +7,11 @@ l = last-dim sum of p over `tile` values, acc = p @ v. Partials are merged left 
 
 The GEMMs: a block of queries (rows ordered (query, head in group) under each KV head) gets its scores
 for all the key tiles it may see in one GEMM, [rows, D] x [D, tiles * T], and each tile's p @ v in one
-batched GEMM, [rows, T] x [T, D]. Each score's and each accumulator's bits were measured independent of
-the GEMM's row count (any multiple of 4: the `granule`; 1-3 rows take a gemv-like path with other bits),
-of its column count, of the batch count and of the thread count (tests/kernels/test_kernels_attention.py), so
-prefill, decode, chunked prefill, any batch and any block size give the same bits. With bf16/fp16 q and
-keys (exact products) the score GEMM's 1-3 row path gives the same bits too, so decode scores only its
-real query rows (`trim_rows`); p @ v still pads to the granule. A tile no query of a
+batched GEMM, [rows, T] x [T, D]. Both are the contract GEMM (exact_gemm): each score's and each
+accumulator's bits depend on its row and the keys alone, not on the GEMM's row count, column count, batch
+count or thread count (tests/kernels/test_kernels_attention.py), so prefill, decode, chunked prefill, any
+batch and any block size give the same bits; decode computes only its real query rows (`trim_rows`),
+scores and p @ v alike (queries are still padded to the `granule` for the plan). A tile no query of a
 block sees gives exactly (m=-inf, l=0, acc=0), and merging it is an exact no-op (up to the sign of an
 all-zero accumulator), so tiles past the last one a block may see are left out, as decode leaves out the
 tiles past its cache. `torch.exp` is used (its scalar-tail and vector paths agreed on millions of
@@ -291,22 +290,23 @@ def _block_partials(
     acc [n, B*Hkv, R', D] (R' = R, or in place the block's real rows). Spans of `keys.chunk` tiles give
     the same bits as one span (a score's bits do not depend on the GEMM's column count)."""
     rows_real = rows[:, : blk.real].contiguous() if blk.real < rows.shape[1] else rows
-    spans = [_span_partials(rows_real, keys, sp, scale, inplace, rows.shape[1], q_dtype) for sp in blk.spans]
+    spans = [_span_partials(rows_real, keys, sp, scale, inplace, q_dtype) for sp in blk.spans]
     if len(spans) == 1:
         return spans[0]
     return AttnPartial(*(torch.cat([getattr(p, f) for p in spans]) for f in ("m", "l", "acc")))
 
 
 def _span_partials(
-    rows: torch.Tensor, keys: Keys, sp: _Span, scale: float, inplace: bool, granule_rows: int, q_dtype: torch.dtype
+    rows: torch.Tensor, keys: Keys, sp: _Span, scale: float, inplace: bool, q_dtype: torch.dtype
 ) -> AttnPartial:
     """Scores of `rows` (every row of the GEMM a real query's: the score GEMM's row bits were measured
     independent of its row count down to 1 row, tests/kernels/test_kernels_attention.py), softmax partials, and
-    p @ v with p padded to `granule_rows` rows (that GEMM's row bits hold only for multiples of 4)."""
+    p @ v of the same rows (the contract GEMM gives a row the same bits at any row count: no padding)."""
     bh, r, d = rows.shape
     t, n = keys.tile, sp.b - sp.a
     k, v = keys.span(sp.a, sp.b)
-    s = exact_gemm.matmul_as(rows, q_dtype, k, keys.source_dtype).view(-1, keys.heads, r, n, t)  # [B, Hkv, R, n, T]
+    s = exact_gemm.matmul_as(rows, q_dtype, k, keys.source_dtype, short_k=True)  # over the head dim
+    s = s.view(-1, keys.heads, r, n, t)  # [B, Hkv, R, n, T]
     j = sp.mask_from
     if not inplace:
         s = s * scale
@@ -328,14 +328,8 @@ def _span_partials(
         p.exp_()[:, :, :, j:].mul_(sp.keep)
     l = p.sum(dim=-1)  # noqa: E741
     # Tile-major, so the merge reads each tile's partials contiguously.
-    if granule_rows == r:
-        p_tiles = p.permute(3, 0, 1, 2, 4).reshape(n * bh, r, t).contiguous()
-    else:  # zero rows pad the GEMM; their results are dropped
-        p_tiles = p.new_zeros(n, *p.shape[:2], granule_rows, t)
-        p_tiles[:, :, :, :r] = p.permute(3, 0, 1, 2, 4)
-        p_tiles = p_tiles.view(n * bh, granule_rows, t)
-    acc = exact_gemm.pv_product(p_tiles, v.reshape(n * bh, t, d), keys.source_dtype)
-    acc = acc.view(n, bh, granule_rows, d)[:, :, :r]
+    p_tiles = p.permute(3, 0, 1, 2, 4).reshape(n * bh, r, t)
+    acc = exact_gemm.pv_product(p_tiles, v.reshape(n * bh, t, d), keys.source_dtype).view(n, bh, r, d)
     return AttnPartial(m.permute(3, 0, 1, 2).reshape(n, bh, r), l.permute(3, 0, 1, 2).reshape(n, bh, r), acc)
 
 
@@ -400,7 +394,8 @@ def attention(
         plan = plan_attention(q.shape, q_pos, keys, granule, inplace, trim)
     if plan.whole:
         keys = keys.whole()  # upcast once, read by every block
-    rows = _query_rows(q, heads, plan.nqp)
+    # Trimmed, no block reads a padded query's rows (the last block always holds a real query): none are made.
+    rows = _query_rows(q, heads, nq if plan.trim else plan.nqp)
     out = []
     for blk in plan.blocks:
         r = rows[:, blk.q0 * g : blk.q1 * g].contiguous()

@@ -34,6 +34,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     # itself): fp32 temporaries that stay in cache instead of whole-tensor ones streamed through memory.
     n = gate.shape[-1]
     g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
+    if g2.shape[0] <= _BLOCK_ROWS:  # one block (decode): the same ops, rounded by `to` instead of a copy
+        g = g2.float()
+        t = torch.neg(g).exp_().add_(1.0)
+        torch.div(g, t, out=t)
+        return t.mul_(u2.float()).to(gate.dtype).view(gate.shape)
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     for a in range(0, g2.shape[0], _BLOCK_ROWS):
         g = g2[a : a + _BLOCK_ROWS].float()
