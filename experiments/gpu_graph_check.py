@@ -108,6 +108,14 @@ def case(name: str, cfg: Any, dt: torch.dtype, dtype_name: str, root: Path, dev:
             prefix_cache=False,
             decode_graphs=DecodeGraphs(plain, MAX_RUNNING, capture=False),
         )
+        # Speed reference: the plain kernels (cuBLAS, SDPA) through the same graph runner. Its attention
+        # gathers the whole pool per row, so this flatters the contract less than it flatters plain.
+        plain_graph_engine = Engine(
+            plain,
+            max_running_requests=MAX_RUNNING,
+            prefix_cache=False,
+            decode_graphs=DecodeGraphs(plain, MAX_RUNNING, capture=capture),
+        )
         sizes: dict[str, Any] = {}
         out["sizes"] = sizes
         for n in SIZES:
@@ -159,6 +167,13 @@ def case(name: str, cfg: Any, dt: torch.dtype, dtype_name: str, root: Path, dev:
             except Exception:  # noqa: BLE001 - recorded per batch size
                 row["error"] = traceback.format_exc()[-3000:]
                 row["ok"] = False
+            try:  # apart from the row's verdict: a speed reference only
+                plain_graph_engine.generate(reqs)  # captures this bucket
+                _, t_plain = _timed_generate(plain_graph_engine, reqs)
+                row["tokens_per_s_plain_graphs"] = row.get("tokens", 0) / t_plain
+                row["contract_over_plain_graphs_time"] = t_graph / t_plain
+            except Exception as e:  # noqa: BLE001 - recorded, not fatal
+                row["plain_graphs_error"] = f"{type(e).__name__}: {e}"[:500]
             _write()
         # The host tail outside the graph (sampling + logprob of the sampled token), one decode step of 8.
         out["capture_s"] = {str(k): v for k, v in graphs.capture_s.items()}
@@ -289,6 +304,9 @@ def main() -> None:
                 f" vs_trainer={r['mismatched_graph_vs_trainer']} plain_control={r['plain_control_mismatched']}"
                 f" tok/s graphs={r['tokens_per_s_graphs']:.0f} eager={r['tokens_per_s_eager']:.0f}"
                 f" ({r['speedup_graphs_over_eager']:.2f}x)"
+                f" plain graphs={r.get('tokens_per_s_plain_graphs', 0):.0f}"
+                f" contract/plain time={r.get('contract_over_plain_graphs_time', float('nan')):.2f}x"
+                f"{' ' + r['plain_graphs_error'] if 'plain_graphs_error' in r else ''}"
             )
     print(f"gpu_graph_check: all ok = {all(p.get('ok') for k, p in REPORT.items() if k not in ('env', 'wall_s'))}"
           f", wall {REPORT['wall_s']:.0f} s", flush=True)  # fmt: skip

@@ -179,7 +179,7 @@ def attention() -> dict:
         kern.attention_batched(qb, kb, vb, torch.stack([p512, p512]), torch.stack([p512, p512]), scale)[0], full[:nb]
     )
     parts = [
-        kern.attention_tile(q[:nb], k[t : t + 64], v[t : t + 64], p512, pos[t : t + 64], scale)
+        kern.attention_tile_partial(q[:nb], k[t : t + 64], v[t : t + 64], p512, pos[t : t + 64], scale)
         for t in range(0, nb, 64)
     ]
     acc = parts[0]
