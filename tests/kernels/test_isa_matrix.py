@@ -92,7 +92,8 @@ def test_library_gemms_fail_some_cell(cells: dict[str, dict]) -> None:
     assert any(c["old_mismatches"] + c["single_row_mismatches"] > 0 for c in cells.values()), cells
 
 
-@pytest.mark.parametrize("index", range(len(CELLS)), ids=[_name(c) for c in CELLS])
+# The uncapped host (cell 0) is left out: the suite runs these very tests in its own process.
+@pytest.mark.parametrize("index", range(1, len(CELLS)), ids=[_name(c) for c in CELLS[1:]])
 def test_kernel_invariance_tests_pass_under_the_cell(index: int) -> None:
     cell = CELLS[index]
     deselect = []
