@@ -89,6 +89,33 @@ def bench(fn, *args: Any, reps: int = 20, **kw: Any) -> float:  # noqa: ANN001
     return sorted(times)[len(times) // 2]
 
 
+def graph_bench(fn, *args: Any, calls: int = 20, reps: int = 10, **kw: Any) -> float:  # noqa: ANN001
+    """Median seconds per call with `calls` calls captured in one CUDA graph: what a decode step in a
+    graph pays, without the per-launch host overhead that `bench` includes."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch's graph notes ask
+        for _ in range(3):
+            fn(*args, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(*args, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -301,6 +328,37 @@ def timing() -> dict:
     return out
 
 
+@stage
+def graph_timing() -> dict:
+    """Decode-sized linears and decode attention with the launches inside a CUDA graph (contract vs
+    cuBLAS/SDPA, both captured): the cost a graph-replayed decode step pays per op."""
+    kern = get_kernels("triton", attention_tile=64)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    out: dict[str, Any] = {}
+    shapes = {"qkv": (2560, 6144), "o": (4096, 2560), "gate_up": (2560, 19456), "down": (9728, 2560)}
+    for m in (1, 8, 32, 128):
+        tot_c = tot_p = 0.0
+        for name, (k, n) in shapes.items():
+            x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
+            w = (torch.randn(n, k, device=DEV, generator=g) / 50).bfloat16()
+            tc, tp = graph_bench(kern.linear, x, w), graph_bench(F.linear, x, w)
+            out[f"linear_{name}_m{m}"] = {"contract_ms": tc * 1e3, "plain_ms": tp * 1e3, "ratio": tc / tp}
+            tot_c, tot_p = tot_c + tc, tot_p + tp
+        out[f"linear_layer_m{m}_ratio"] = tot_c / tot_p
+    hq, hkv, d, scale = 32, 8, 128, 128**-0.5
+    for b, ctx in ((1, 1024), (8, 1024), (32, 4096)):
+        kp = torch.randn(b, ctx, hkv, d, device=DEV, generator=g).bfloat16()
+        vp = torch.randn(b, ctx, hkv, d, device=DEV, generator=g).bfloat16()
+        qd = torch.randn(b, 1, hq, d, device=DEV, generator=g).bfloat16()
+        qpos = torch.full((b, 1), ctx - 1, device=DEV)
+        slots = torch.arange(b, device=DEV)
+        tc = graph_bench(kern.attention_pooled, qd, qpos, kp, vp, slots, ctx, scale)
+        kt, vt, qt = kp.transpose(1, 2), vp.transpose(1, 2), qd.transpose(1, 2)
+        tp = graph_bench(F.scaled_dot_product_attention, qt, kt, vt, scale=scale, enable_gqa=True)
+        out[f"attention_decode_b{b}_ctx{ctx}"] = {"contract_ms": tc * 1e3, "plain_ms": tp * 1e3, "ratio": tc / tp}
+    return out
+
+
 class _Patched:
     """Temporarily replace a module's tile constants (the tuning sweep only; the contract's are fixed)."""
 
@@ -389,7 +447,7 @@ def main() -> None:
     global OUT, SMOKE, S, DEV
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_triton.json")
-    ap.add_argument("--stages", default="linear,attention,timing,model,tune")
+    ap.add_argument("--stages", default="linear,attention,timing,graph_timing,model,tune")
     ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny shapes (script check)")
     a = ap.parse_args()
     OUT, SMOKE = Path(a.out), a.smoke
@@ -408,8 +466,10 @@ def main() -> None:
     }
     stages = a.stages.split(",")
     root = Path(tempfile.mkdtemp())
+    by_name = {"linear": linear, "attention": attention, "timing": timing, "graph_timing": graph_timing}
+    by_name |= {"model": lambda: model(root), "tune": tune}
     for name in stages:  # timing before model: a timeout then costs the slower stage
-        {"linear": linear, "attention": attention, "model": lambda: model(root), "timing": timing, "tune": tune}[name]()
+        by_name[name]()
     print("gpu_triton_check:", {k: v.get("ok") for k, v in REPORT.items() if k != "env"}, flush=True)
     dist.destroy_process_group()
 
