@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -291,72 +292,55 @@ def model(root: Path) -> dict:
     return out
 
 
-@stage
-def timing() -> dict:
+def _op_ratios(timer: Callable, seed: int, rows: tuple, prefill: tuple, decode: tuple) -> dict:
+    """Contract / plain time per op, both timed by `timer`: the four linears of a Qwen3-4B layer at each
+    M in `rows`, causal prefill attention over each length in `prefill`, pooled decode attention for each
+    (batch, context) in `decode`."""
     kern = get_kernels("triton", attention_tile=64)
-    g = torch.Generator(device=DEV).manual_seed(2)
+    g = torch.Generator(device=DEV).manual_seed(seed)
     out: dict[str, Any] = {}
     shapes = {"qkv": (2560, 6144), "o": (4096, 2560), "gate_up": (2560, 19456), "down": (9728, 2560)}
-    for m in (4096, 1, 32, 128):
+    for m in rows:
         tot_c = tot_p = 0.0
         for name, (k, n) in shapes.items():
             x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
             w = (torch.randn(n, k, device=DEV, generator=g) / 50).bfloat16()
-            tc = bench(kern.linear, x, w)
-            tp = bench(F.linear, x, w)
+            tc, tp = timer(kern.linear, x, w), timer(F.linear, x, w)
             out[f"linear_{name}_m{m}"] = {"contract_ms": tc * 1e3, "plain_ms": tp * 1e3, "ratio": tc / tp}
             tot_c, tot_p = tot_c + tc, tot_p + tp
         out[f"linear_layer_m{m}_ratio"] = tot_c / tot_p
     hq, hkv, d, scale = 32, 8, 128, 128**-0.5
-    for n in (4096,):
+    for n in prefill:
         q, k, v = (torch.randn(n, h, d, device=DEV, generator=g).bfloat16() for h in (hq, hkv, hkv))
         pos = torch.arange(n, device=DEV)
         sq, sk, sv = (t.transpose(0, 1)[None] for t in (q, k, v))
-        tc = bench(kern.attention, q, k, v, pos, pos, scale)
-        tp = bench(F.scaled_dot_product_attention, sq, sk, sv, is_causal=True, scale=scale, enable_gqa=True)
+        tc = timer(kern.attention, q, k, v, pos, pos, scale)
+        tp = timer(F.scaled_dot_product_attention, sq, sk, sv, is_causal=True, scale=scale, enable_gqa=True)
         out[f"attention_prefill_{n}"] = {"contract_ms": tc * 1e3, "plain_ms": tp * 1e3, "ratio": tc / tp}
-    for b, ctx in ((32, 4096), (8, 1024)):
+    for b, ctx in decode:
         kp = torch.randn(b, ctx, hkv, d, device=DEV, generator=g).bfloat16()
         vp = torch.randn(b, ctx, hkv, d, device=DEV, generator=g).bfloat16()
         qd = torch.randn(b, 1, hq, d, device=DEV, generator=g).bfloat16()
         qpos = torch.full((b, 1), ctx - 1, device=DEV)
         slots = torch.arange(b, device=DEV)
-        tc = bench(kern.attention_pooled, qd, qpos, kp, vp, slots, ctx, scale)
+        tc = timer(kern.attention_pooled, qd, qpos, kp, vp, slots, ctx, scale)
         kt, vt, qt = kp.transpose(1, 2), vp.transpose(1, 2), qd.transpose(1, 2)
-        tp = bench(F.scaled_dot_product_attention, qt, kt, vt, scale=scale, enable_gqa=True)
+        tp = timer(F.scaled_dot_product_attention, qt, kt, vt, scale=scale, enable_gqa=True)
         out[f"attention_decode_b{b}_ctx{ctx}"] = {"contract_ms": tc * 1e3, "plain_ms": tp * 1e3, "ratio": tc / tp}
     return out
+
+
+@stage
+def timing() -> dict:
+    """Eager launches (CUDA events around each call)."""
+    return _op_ratios(bench, 2, (4096, 1, 32, 128), (4096,), ((32, 4096), (8, 1024)))
 
 
 @stage
 def graph_timing() -> dict:
     """Decode-sized linears and decode attention with the launches inside a CUDA graph (contract vs
     cuBLAS/SDPA, both captured): the cost a graph-replayed decode step pays per op."""
-    kern = get_kernels("triton", attention_tile=64)
-    g = torch.Generator(device=DEV).manual_seed(3)
-    out: dict[str, Any] = {}
-    shapes = {"qkv": (2560, 6144), "o": (4096, 2560), "gate_up": (2560, 19456), "down": (9728, 2560)}
-    for m in (1, 8, 32, 128):
-        tot_c = tot_p = 0.0
-        for name, (k, n) in shapes.items():
-            x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
-            w = (torch.randn(n, k, device=DEV, generator=g) / 50).bfloat16()
-            tc, tp = graph_bench(kern.linear, x, w), graph_bench(F.linear, x, w)
-            out[f"linear_{name}_m{m}"] = {"contract_ms": tc * 1e3, "plain_ms": tp * 1e3, "ratio": tc / tp}
-            tot_c, tot_p = tot_c + tc, tot_p + tp
-        out[f"linear_layer_m{m}_ratio"] = tot_c / tot_p
-    hq, hkv, d, scale = 32, 8, 128, 128**-0.5
-    for b, ctx in ((1, 1024), (8, 1024), (32, 4096)):
-        kp = torch.randn(b, ctx, hkv, d, device=DEV, generator=g).bfloat16()
-        vp = torch.randn(b, ctx, hkv, d, device=DEV, generator=g).bfloat16()
-        qd = torch.randn(b, 1, hq, d, device=DEV, generator=g).bfloat16()
-        qpos = torch.full((b, 1), ctx - 1, device=DEV)
-        slots = torch.arange(b, device=DEV)
-        tc = graph_bench(kern.attention_pooled, qd, qpos, kp, vp, slots, ctx, scale)
-        kt, vt, qt = kp.transpose(1, 2), vp.transpose(1, 2), qd.transpose(1, 2)
-        tp = graph_bench(F.scaled_dot_product_attention, qt, kt, vt, scale=scale, enable_gqa=True)
-        out[f"attention_decode_b{b}_ctx{ctx}"] = {"contract_ms": tc * 1e3, "plain_ms": tp * 1e3, "ratio": tc / tp}
-    return out
+    return _op_ratios(graph_bench, 3, (1, 8, 32, 128), (), ((1, 1024), (8, 1024), (32, 4096)))
 
 
 class _Patched:
