@@ -262,8 +262,9 @@ def test_attention_backward_matches_reference():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pooled_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
     """`attention_pooled` plans once for the positions and slots of a decode step and reuses the plan for
-    every layer's pools; a call with other positions (even in the same tensor, changed in place) or
-    other slots plans anew, so each call gives the bits of a fresh kernel set."""
+    every layer's pools; a call with other positions (even in the same tensor, changed in place) plans
+    anew, and other slots (or the same tensor's slots changed in place) read their own slots with the
+    plan of their geometry, so each call gives the bits of a fresh kernel set."""
     hq, hkv, d, cap = 8, 4, 32, 128
     pools = [
         (randn(3, hkv, d, cap, dtype=dtype, seed=s), randn(3, hkv, cap, d, dtype=dtype, seed=s + 1)) for s in (1, 3)
@@ -280,9 +281,12 @@ def test_pooled_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
     assert torch.equal(shared.attention_pooled(q, q_pos, *pools[1], slots, 92, d**-0.5), fresh)
     stale = get_kernels("invariant").attention_pooled(q, q_pos - 1, *pools[1], slots, 92, d**-0.5)
     assert not torch.equal(stale, fresh)  # the check can fail: the positions change the result
-    other = torch.tensor([1, 2])
+    other = torch.tensor([2, 0])  # not a run of slots: gathered by index
     fresh = get_kernels("invariant").attention_pooled(q, q_pos, *pools[1], other, 92, d**-0.5)
     assert torch.equal(shared.attention_pooled(q, q_pos, *pools[1], other, 92, d**-0.5), fresh)
+    assert not torch.equal(shared.attention_pooled(q, q_pos, *pools[1], slots, 92, d**-0.5), fresh)  # slots matter
+    slots.copy_(other)  # the first slot tensor, changed in place to the other's values
+    assert torch.equal(shared.attention_pooled(q, q_pos, *pools[1], slots, 92, d**-0.5), fresh)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -332,7 +336,7 @@ def test_trimmed_decode_rows_give_the_padded_bits(dtype, monkeypatch):
         kern = get_kernels("invariant")
         for nq in (1, 2, 3):
             trimmed = _pooled(kern, q[-nq:], kk, v, pos, d**-0.5)
-            assert kern._pooled[2].trim  # the trimmed path was taken
+            assert all(plan.trim for _, plan in kern._pooled.values())  # the trimmed path was taken
             monkeypatch.setattr(invariant_attention, "trim_rows", lambda *a: False)
             padded = _pooled(get_kernels("invariant"), q[-nq:], kk, v, pos, d**-0.5)
             monkeypatch.undo()

@@ -44,8 +44,9 @@ class InvariantKernels:
         # "bfloat16": with bf16 operands the LM head's fp32 result is rounded to bf16 (as stock SGLang's
         # bf16 logits), then fp32.
         self.logits_dtype = logits_dtype
-        # The last `attention_pooled` call's geometry, key template (no pools held) and plan.
-        self._pooled: tuple[tuple, invariant_attention.PooledKeyTiles, invariant_attention.Plan] | None = None
+        # `attention_pooled`'s key templates (no pools held) and plans by geometry: a step's per-segment
+        # calls (prefix-cached prompts: one call per segment and layer) alternate between a few geometries.
+        self._pooled: dict[tuple, tuple[invariant_attention.PooledKeyTiles, invariant_attention.Plan]] = {}
         # The last `attention_batched` call's geometry and plan (every layer of a forward shares it).
         self._batched: tuple[tuple, invariant_attention.Plan] | None = None
 
@@ -169,15 +170,22 @@ class InvariantKernels:
             )
         tiles = -(-num_keys // t)
         # Every layer of a decode step asks with the same positions and slots: one plan for them all
-        # (keyed on the values, so a caller may pass new tensors or reuse its own).
+        # (keyed on the values, so a caller may pass new tensors or reuse its own). The plan depends on
+        # the slot count, not on which slots: another slot set reuses it with its own template.
         inplace = not (torch.is_grad_enabled() and q.requires_grad)
         trim = invariant_attention.trim_rows(q.dtype, k_pool.dtype, inplace)
-        geometry = (q.shape, k_pool.shape[:3], tiles, inplace, trim, q_pos.shape, value_key(q_pos), slots.tolist())
-        if self._pooled is None or self._pooled[0] != geometry:
+        geometry = (q.shape, k_pool.shape[:3], tiles, inplace, trim, q_pos.shape, value_key(q_pos), len(slots))
+        hit = self._pooled.get(geometry)
+        if hit is None:
             template = invariant_attention.PooledKeyTiles(k_pool, v_pool, slots, tiles, t).over(None, None)
             plan = invariant_attention.plan_attention(q.shape, q_pos, template, self.row_tile, inplace, trim)
-            self._pooled = (geometry, template, plan)
-        _, template, plan = self._pooled
+            if len(self._pooled) >= POOLED_PLANS:
+                self._pooled.clear()  # a new phase of the run: its geometries refill the cache
+            hit = self._pooled[geometry] = (template, plan)
+        template, plan = hit
+        if template.slot_index is not slots or template.slots != slots.tolist():  # the caller's tensor, as it is now
+            template = template.with_slots(slots)
+            self._pooled[geometry] = (template, plan)
         return invariant_attention.attention(q, q_pos, template.over(k_pool, v_pool), scale, self.row_tile, plan)
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -215,6 +223,10 @@ class InvariantKernels:
     # --- logprobs -------------------------------------------------------------------------------
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
         return pointwise.logprobs(logits, tokens, vocab_size, temperature)
+
+
+# Geometries `attention_pooled` keeps plans for (a step's prefill segments of a few lengths and starts).
+POOLED_PLANS = 64
 
 
 def value_key(t: torch.Tensor) -> bytes:

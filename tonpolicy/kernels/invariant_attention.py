@@ -161,6 +161,14 @@ class PooledKeyTiles:
         first = self.slots[0]
         self.run = self.slots == list(range(first, first + len(self.slots)))
 
+    def with_slots(self, slots: torch.Tensor) -> PooledKeyTiles:
+        """The same geometry over other pool slots (as many): positions and span sizes unchanged."""
+        other = copy.copy(self)
+        other.slots, other.slot_index = slots.tolist(), slots
+        first = other.slots[0]
+        other.run = other.slots == list(range(first, first + len(other.slots)))
+        return other
+
     def over(self, k_pool: torch.Tensor | None, v_pool: torch.Tensor | None) -> PooledKeyTiles:
         """The same slots and tiles of another layer's pools (shapes equal): no geometry recomputed."""
         other = copy.copy(self)
@@ -217,7 +225,7 @@ class _Block:
 class Plan:
     """What an attention call computes where: everything that depends only on the positions and the key
     set's geometry, not on q/k/v values, so calls with the same geometry (every layer of a decode step)
-    share one (`InvariantKernels.attention_pooled` keeps the last)."""
+    share one (`InvariantKernels.attention_pooled` keeps them by geometry)."""
 
     nqp: int  # queries padded so that a block's row count is a multiple of the granule
     blocks: list[_Block]
