@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--merge", action="store_true", help="keep results/bench_step.json's other jobs (re-measure one job only)"
     )
     ap.add_argument(
-        "--quick", action="store_true", help="one round of the default job (perf_report.py keeps the h1024 row)"
+        "--quick", action="store_true", help="three rounds of the default job (perf_report.py keeps the h1024 row)"
     )
     a = ap.parse_args(argv)
     if a.quick:
-        a.rounds, a.jobs, a.merge = 1, "default", True
+        a.rounds, a.jobs, a.merge = 3, "default", True  # one round swings 0.74-1.15x on a quiet host
     root = Path(tempfile.mkdtemp(prefix="bench_step_"))
     results: dict[str, Any] = {}
     checks = []
