@@ -17,7 +17,6 @@ Every target of issue 13 is printed as measured / target; results/bench_engine.j
 from __future__ import annotations
 
 import argparse
-import collections
 import random
 import statistics
 import time
@@ -25,6 +24,7 @@ from dataclasses import replace
 
 import torch
 from bench_models import CPU_1024
+from op_timer import timed_ops
 from perf_targets import CONTEXT_RATIO, ENGINE_RATIO, MEMORY_RATIO, Check, report, with_launch_environment
 
 from tonpolicy.config.model import ModelConfig
@@ -79,26 +79,8 @@ KERNEL_OPS = (
 
 def breakdown(model: Qwen3, reqs: list[GenRequest]) -> dict[str, float]:
     """Where the time goes: the share of one generate() call's wall time inside each kernel op."""
-    kern = model.kernels
-    spent: collections.Counter[str] = collections.Counter()
-    saved = {n: getattr(kern, n) for n in KERNEL_OPS}
-
-    def timed(name: str, fn):  # noqa: ANN001, ANN202
-        def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            t0 = time.perf_counter()
-            out = fn(*a, **k)
-            spent[name] += time.perf_counter() - t0
-            return out
-
-        return run
-
-    for n, fn in saved.items():
-        setattr(kern, n, timed(n, fn))
-    try:
+    with timed_ops(model.kernels, KERNEL_OPS) as spent:
         total = _time(model, reqs)
-    finally:
-        for n in saved:
-            delattr(kern, n)  # back to the class methods
     spent["other (engine, sampling, glue)"] = total - sum(spent.values())
     return {n: t / total for n, t in spent.most_common()}
 

@@ -16,12 +16,12 @@ op of one set of rollouts (as bench_engine.py's breakdown).
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import statistics
 import time
 
 import torch
+from op_timer import timed_ops
 
 import tonpolicy
 from tonpolicy.config.model import ModelConfig
@@ -64,24 +64,8 @@ def rollout_s(engine: Engine, step: int) -> float:
 
 def profile(engine: Engine, repeats: int) -> dict[str, float]:
     """ms per rollout inside each kernel op (the rest: the model's glue, sampling, the engine)."""
-    kern, spent = engine.model.kernels, collections.Counter()
-
-    def timed(name: str, fn):  # noqa: ANN001, ANN202
-        def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            t0 = time.perf_counter()
-            out = fn(*a, **k)
-            spent[name] += time.perf_counter() - t0
-            return out
-
-        return run
-
-    for n in OPS:
-        setattr(kern, n, timed(n, getattr(kern, n)))
-    try:
+    with timed_ops(engine.model.kernels, OPS) as spent:
         total = sum(rollout_s(engine, 500 + i) for i in range(repeats))
-    finally:
-        for n in OPS:
-            delattr(kern, n)
     out = {n: spent[n] / repeats * 1e3 for n in OPS}
     out["other"] = total / repeats * 1e3 - sum(out.values())
     return out

@@ -239,6 +239,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="tiny,wide")
     a = ap.parse_args()
     OUT = Path(a.out)
+    from bench_models import WIDE_4L
+
     from tonpolicy.config.model import ModelConfig
 
     if a.smoke:
@@ -258,15 +260,7 @@ def main() -> None:
     }
     shapes = {
         "tiny": ModelConfig(),
-        "wide": ModelConfig(
-            num_layers=4,
-            hidden_size=1024,
-            num_attention_heads=16,
-            num_kv_heads=8,
-            head_dim=64,
-            intermediate_size=3072,
-            vocab_size=32000,
-        ),
+        "wide": WIDE_4L,
     }
     dtypes = (("bfloat16", torch.bfloat16), ("float32", torch.float32))
     root = Path(tempfile.mkdtemp())

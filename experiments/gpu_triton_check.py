@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_models import WIDE_4L  # noqa: E402
+from gpu_op_timing import bench, graph_bench, op_ratios  # noqa: E402
 
 from tonpolicy.align import harness  # noqa: E402
 from tonpolicy.kernels import get_kernels  # noqa: E402
@@ -73,48 +75,6 @@ def stage(fn):  # noqa: ANN001, ANN201
         OUT.write_text(json.dumps(REPORT, indent=2, default=str))
 
     return run
-
-
-def bench(fn, *args: Any, reps: int = 20, **kw: Any) -> float:  # noqa: ANN001
-    """Median seconds per call fn(*args, **kw) (CUDA events), after warm-up."""
-    for _ in range(3):
-        fn(*args, **kw)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(*args, **kw)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def graph_bench(fn, *args: Any, calls: int = 20, reps: int = 10, **kw: Any) -> float:  # noqa: ANN001
-    """Median seconds per call with `calls` calls captured in one CUDA graph: what a decode step in a
-    graph pays, without the per-launch host overhead that `bench` includes."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch's graph notes ask
-        for _ in range(3):
-            fn(*args, **kw)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn(*args, **kw)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def _sync() -> None:
@@ -246,15 +206,7 @@ def model(root: Path) -> dict:
     from tonpolicy.trainer.worker import TrainerWorker
 
     out: dict[str, Any] = {}
-    cfg = ModelConfig(
-        num_layers=4,
-        hidden_size=1024,
-        num_attention_heads=16,
-        num_kv_heads=8,
-        head_dim=64,
-        intermediate_size=3072,
-        vocab_size=32000,
-    )
+    cfg = WIDE_4L
     dtypes = (("bfloat16", torch.bfloat16), ("float32", torch.float32))
     if SMOKE:
         cfg, dtypes = ModelConfig(num_layers=2), dtypes[1:]
@@ -292,55 +244,17 @@ def model(root: Path) -> dict:
     return out
 
 
-def _op_ratios(timer: Callable, seed: int, rows: tuple, prefill: tuple, decode: tuple) -> dict:
-    """Contract / plain time per op, both timed by `timer`: the four linears of a Qwen3-4B layer at each
-    M in `rows`, causal prefill attention over each length in `prefill`, pooled decode attention for each
-    (batch, context) in `decode`."""
-    kern = get_kernels("triton", attention_tile=64)
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    out: dict[str, Any] = {}
-    shapes = {"qkv": (2560, 6144), "o": (4096, 2560), "gate_up": (2560, 19456), "down": (9728, 2560)}
-    for m in rows:
-        tot_c = tot_p = 0.0
-        for name, (k, n) in shapes.items():
-            x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
-            w = (torch.randn(n, k, device=DEV, generator=g) / 50).bfloat16()
-            tc, tp = timer(kern.linear, x, w), timer(F.linear, x, w)
-            out[f"linear_{name}_m{m}"] = {"contract_ms": tc * 1e3, "plain_ms": tp * 1e3, "ratio": tc / tp}
-            tot_c, tot_p = tot_c + tc, tot_p + tp
-        out[f"linear_layer_m{m}_ratio"] = tot_c / tot_p
-    hq, hkv, d, scale = 32, 8, 128, 128**-0.5
-    for n in prefill:
-        q, k, v = (torch.randn(n, h, d, device=DEV, generator=g).bfloat16() for h in (hq, hkv, hkv))
-        pos = torch.arange(n, device=DEV)
-        sq, sk, sv = (t.transpose(0, 1)[None] for t in (q, k, v))
-        tc = timer(kern.attention, q, k, v, pos, pos, scale)
-        tp = timer(F.scaled_dot_product_attention, sq, sk, sv, is_causal=True, scale=scale, enable_gqa=True)
-        out[f"attention_prefill_{n}"] = {"contract_ms": tc * 1e3, "plain_ms": tp * 1e3, "ratio": tc / tp}
-    for b, ctx in decode:
-        kp = torch.randn(b, ctx, hkv, d, device=DEV, generator=g).bfloat16()
-        vp = torch.randn(b, ctx, hkv, d, device=DEV, generator=g).bfloat16()
-        qd = torch.randn(b, 1, hq, d, device=DEV, generator=g).bfloat16()
-        qpos = torch.full((b, 1), ctx - 1, device=DEV)
-        slots = torch.arange(b, device=DEV)
-        tc = timer(kern.attention_pooled, qd, qpos, kp, vp, slots, ctx, scale)
-        kt, vt, qt = kp.transpose(1, 2), vp.transpose(1, 2), qd.transpose(1, 2)
-        tp = timer(F.scaled_dot_product_attention, qt, kt, vt, scale=scale, enable_gqa=True)
-        out[f"attention_decode_b{b}_ctx{ctx}"] = {"contract_ms": tc * 1e3, "plain_ms": tp * 1e3, "ratio": tc / tp}
-    return out
-
-
 @stage
 def timing() -> dict:
     """Eager launches (CUDA events around each call)."""
-    return _op_ratios(bench, 2, (4096, 1, 32, 128), (4096,), ((32, 4096), (8, 1024)))
+    return op_ratios(bench, 2, (4096, 1, 32, 128), (4096,), ((32, 4096), (8, 1024)))
 
 
 @stage
 def graph_timing() -> dict:
     """Decode-sized linears and decode attention with the launches inside a CUDA graph (contract vs
     cuBLAS/SDPA, both captured): the cost a graph-replayed decode step pays per op."""
-    return _op_ratios(graph_bench, 3, (1, 8, 32, 128), (), ((1, 1024), (8, 1024), (32, 4096)))
+    return op_ratios(graph_bench, 3, (1, 8, 32, 128), (), ((1, 1024), (8, 1024), (32, 4096)))
 
 
 class _Patched:
