@@ -23,7 +23,7 @@ PROMPT = [3, 11, 12, 13, 14, 15, 4]
 _MODELS: dict[tuple[str, torch.dtype], Qwen3] = {}
 
 
-def _model(kernels: str = "invariant", dtype: torch.dtype = torch.bfloat16) -> Qwen3:
+def _model(kernels: str = "ordered", dtype: torch.dtype = torch.bfloat16) -> Qwen3:
     if (kernels, dtype) not in _MODELS:
         _MODELS[(kernels, dtype)] = Qwen3(CFG, get_kernels(kernels), dtype)
     return _MODELS[(kernels, dtype)]

@@ -19,7 +19,7 @@ def test_plan_mode_writes_plan_and_script(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = tonpolicy(
         "mode=plan",
-        "contract=qwen3_dense_v1",
+        "contract=qwen3_dense_v2",
         "model=qwen3_4b",
         "parallel=tp2_pp2",
         f"hydra.run.dir={run_dir}",

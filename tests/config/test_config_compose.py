@@ -10,7 +10,7 @@ from tonpolicy.config.compose import compose_config, group_options
 from tonpolicy.config.schema import GROUPS, Config
 from tonpolicy.config.validate import ConfigError, validate
 
-MOE_CONTRACTS = ("qwen3_moe_v1",)
+MOE_CONTRACTS = ("qwen3_moe_v2",)
 
 
 def test_every_group_has_options() -> None:
@@ -52,17 +52,17 @@ def test_every_layout_with_every_model(layout: str) -> None:
 
 def test_a_moe_profile_brings_its_contract() -> None:
     cfg = compose_config(["model=qwen3_moe_tiny"])
-    assert (cfg.contract.name, cfg.model.family) == ("qwen3_moe_v1", "qwen3_moe")
+    assert (cfg.contract.name, cfg.model.family) == ("qwen3_moe_v2", "qwen3_moe")
     assert compose_config(["model=qwen3_moe_tiny", "contract=off_policy"]).contract.name == "off_policy"
     with pytest.raises(ConfigError, match="contract.family"):
-        validate(compose_config(["model=qwen3_moe_tiny", "contract=qwen3_dense_v1"]))
+        validate(compose_config(["model=qwen3_moe_tiny", "contract=qwen3_dense_v2"]))
     with pytest.raises(ConfigError, match="contract.family"):
-        validate(compose_config(["contract=qwen3_moe_v1"]))
+        validate(compose_config(["contract=qwen3_moe_v2"]))
 
 
 def test_defaults() -> None:
     cfg = compose_config()
-    assert (cfg.contract.name, cfg.model.name, cfg.parallel.name) == ("qwen3_dense_v1", "qwen3_tiny", "tp1")
+    assert (cfg.contract.name, cfg.model.name, cfg.parallel.name) == ("qwen3_dense_v2", "qwen3_tiny", "tp1")
     assert cfg.rollout.host == "127.0.0.1"
     assert cfg.logger.mode == "offline"
     assert cfg.model.vocab_size % 128 != 0

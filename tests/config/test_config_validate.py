@@ -27,14 +27,14 @@ CASES = [
         ["parallel=tp2", "trainer.nproc_per_node=4"],
         ["trainer.nproc_per_node=4: nnodes*nproc_per_node must equal tp*pp*cp*dp=2"],
     ),
-    (["model.family=llama"], ["contract.family='qwen3': contract qwen3_dense_v1 is for family 'qwen3'"]),
+    (["model.family=llama"], ["contract.family='qwen3': contract qwen3_dense_v2 is for family 'qwen3'"]),
     (
         ["contract.supported_cp_types=[ulysses]", "parallel=cp2_ring"],
-        ["contract qwen3_dense_v1 supports CP types ['ulysses']"],
+        ["contract qwen3_dense_v2 supports CP types ['ulysses']"],
     ),
     (
         ["contract.supported_rollout_backends=[sglang]"],
-        ["rollout.backend='embedded': contract qwen3_dense_v1 supports rollout backends"],
+        ["rollout.backend='embedded': contract qwen3_dense_v2 supports rollout backends"],
     ),
     (["experiment.temperature=0"], ["experiment.temperature=0.0: must be finite and >= 1e-06"]),
     (["experiment.max_new_tokens=0"], ["experiment.max_new_tokens=0: must be a positive integer"]),

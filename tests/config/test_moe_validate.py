@@ -34,7 +34,7 @@ def test_every_moe_rule_at_once() -> None:
     assert "model.mlp_only_layers=[1, 7]: layers [7] are outside [0, model.num_layers=4)" in text
     assert "parallel.ep=3: must divide model.num_experts=8" in text
     assert "parallel.rollout_tp=5: must divide model.moe_intermediate_size=96" in text
-    assert "trainer.moe_capacity_factor=1.25: contract qwen3_moe_v1 is dropless" in text
+    assert "trainer.moe_capacity_factor=1.25: contract qwen3_moe_v2 is dropless" in text
 
 
 def test_ep_is_carved_out_of_data_parallel_ranks() -> None:

@@ -35,4 +35,4 @@ def test_run_dir_follows_the_resolved_layout(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr[-2000:]
     (run_dir,) = (tmp_path / "outputs").glob("*/*")
-    assert run_dir.name.endswith("_qwen3_dense_v1_tp2"), run_dir
+    assert run_dir.name.endswith("_qwen3_dense_v2_tp2"), run_dir

@@ -93,7 +93,7 @@ def mismatches(kernels: str, dtype: torch.dtype, seed: int) -> tuple[int, int, i
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(3))
 def test_contract_requests_joining_mid_decode_are_bitwise(dtype, seed):
-    bad_full, bad_alone, joined = mismatches("invariant", dtype, seed)
+    bad_full, bad_alone, joined = mismatches("ordered", dtype, seed)
     assert joined > 0, "the workload never added a request while another was decoding"
     assert bad_full == 0 and bad_alone == 0
 
@@ -106,7 +106,7 @@ def test_plain_requests_joining_mid_decode_mismatch():
     assert sum(b[0] + b[1] for b in bad) > 0
 
 
-@pytest.mark.parametrize("kernels", ["invariant", "plain"])
+@pytest.mark.parametrize("kernels", ["ordered", "plain"])
 def test_adding_between_steps_is_the_generate_schedule(kernels):
     """Same batches step for step, so even `plain` agrees bit for bit: one scheduling path."""
     m = model(kernels, torch.bfloat16)
@@ -119,7 +119,7 @@ def test_adding_between_steps_is_the_generate_schedule(kernels):
 
 
 def test_handles_lifecycle_and_pool_reuse():
-    m = model("invariant", torch.bfloat16)
+    m = model("ordered", torch.bfloat16)
     eng = Engine(m, max_running_requests=2)
     long = eng.add(GenRequest([5, 6, 7], 12, seed=1))
     assert eng.has_work() and eng.step() == [] and eng.step() == []

@@ -15,7 +15,7 @@ from tonpolicy.rollout.engine.loop import EngineLoop
 
 def test_calls_wait_for_in_flight_requests_and_keep_arrival_order() -> None:
     with num_threads(1):
-        engine = Engine(Qwen3(ModelConfig(), get_kernels("invariant"), torch.bfloat16), max_running_requests=4)
+        engine = Engine(Qwen3(ModelConfig(), get_kernels("ordered"), torch.bfloat16), max_running_requests=4)
         loop = EngineLoop(engine, batch_wait_s=0)
         loop.tag = "v1"
         loop.start()
@@ -53,7 +53,7 @@ def test_one_failing_request_fails_only_its_own_job(monkeypatch) -> None:  # noq
 
     monkeypatch.setattr(engine_module, "sample_token", sample_token)
     with num_threads(1):
-        engine = Engine(Qwen3(ModelConfig(), get_kernels("invariant"), torch.bfloat16), max_running_requests=8)
+        engine = Engine(Qwen3(ModelConfig(), get_kernels("ordered"), torch.bfloat16), max_running_requests=8)
         loop = EngineLoop(engine, batch_wait_s=0.05)
         loop.start()
         innocent = loop.generate([GenRequest([1, 2, 3], 6, seed=1), GenRequest([7, 8], 6, seed=2)])
@@ -76,7 +76,7 @@ def test_run_steps_the_engine_in_the_calling_thread_until_stop_is_requested() ->
     import time
 
     with num_threads(1):
-        engine = Engine(Qwen3(ModelConfig(), get_kernels("invariant"), torch.bfloat16), max_running_requests=4)
+        engine = Engine(Qwen3(ModelConfig(), get_kernels("ordered"), torch.bfloat16), max_running_requests=4)
         loop = EngineLoop(engine, batch_wait_s=0)
         steppers: set[str] = set()
         real_step = engine.step

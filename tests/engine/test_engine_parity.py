@@ -82,7 +82,7 @@ def mismatches(kernels: str, dtype: torch.dtype, seed: int, n: int = 8) -> tuple
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(6))
 def test_contract_engine_bitwise(dtype, seed):
-    bad_full, bad_alone, tokens = mismatches("invariant", dtype, seed)
+    bad_full, bad_alone, tokens = mismatches("ordered", dtype, seed)
     assert tokens > 0
     assert bad_full == 0 and bad_alone == 0
 
@@ -95,7 +95,7 @@ def test_plain_engine_mismatches():
 
 
 def test_contract_engine_two_threads_equal_one():
-    m = model("invariant", torch.bfloat16)
+    m = model("ordered", torch.bfloat16)
     reqs, cap, chunk = workload(11, 4)
     one = Engine(m, max_running_requests=cap, chunked_prefill_size=chunk).generate(reqs)
     with num_threads(2):

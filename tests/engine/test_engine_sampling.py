@@ -19,7 +19,7 @@ PROMPT = [5, 17, 300, 42, 1999, 7, 8]
 
 @pytest.fixture(scope="module")
 def m() -> Qwen3:
-    return Qwen3(CFG, get_kernels("invariant"), torch.bfloat16)
+    return Qwen3(CFG, get_kernels("ordered"), torch.bfloat16)
 
 
 @pytest.fixture(autouse=True)

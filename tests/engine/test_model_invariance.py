@@ -20,7 +20,7 @@ def _model(kernels: str, dtype: torch.dtype) -> Qwen3:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefix_and_segment_batches(dtype):
-    m = _model("invariant", dtype)
+    m = _model("ordered", dtype)
     cfg = m.cfg
     rng = random.Random(0)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in (45, 70, 13)]

@@ -78,7 +78,7 @@ def _seqs() -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_routes_weights_and_logits_batch_invariant(dtype):
-    m = _model("invariant", dtype)
+    m = _model("ordered", dtype)
     seqs = _seqs()
     refs = []
     for s in seqs:
@@ -119,7 +119,7 @@ def test_engine_concurrency_and_chunking_do_not_move_bits(dtype):
     prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (30, 9, 21, 40, 17)]
     runs = []
     for running, chunk in ((1, None), (4, 16), (5, 7)):
-        engine = Engine(_model("invariant", dtype), max_running_requests=running, chunked_prefill_size=chunk)
+        engine = Engine(_model("ordered", dtype), max_running_requests=running, chunked_prefill_size=chunk)
         res = engine.generate([GenRequest(p, 12, temperature=0.9, seed=i) for i, p in enumerate(prompts)])
         runs.append([(r.output_ids, r.output_logprobs) for r in res])
     assert all(len(ids) == 12 for ids, _ in runs[0])
@@ -169,7 +169,7 @@ def test_engine_reports_each_fed_positions_routes():
 
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (20, 7, 33)]
-    m = _model("invariant", torch.float32)
+    m = _model("ordered", torch.float32)
     tables = []
     for running in (1, 3):
         engine = Engine(m, max_running_requests=running, chunked_prefill_size=9)
@@ -203,6 +203,6 @@ def test_engine_reports_each_fed_positions_routes():
         from tonpolicy.config.model import ModelConfig
         from tonpolicy.model import Qwen3
 
-        Engine(Qwen3(ModelConfig(), get_kernels("invariant"), torch.float32), max_running_requests=1).check(
+        Engine(Qwen3(ModelConfig(), get_kernels("ordered"), torch.float32), max_running_requests=1).check(
             GenRequest([1, 2], 2, return_routed_experts=True)
         )

@@ -70,7 +70,7 @@ def decode_vs_prefill_kv(kernels: str, dtype: torch.dtype) -> tuple[int, int]:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kv_written_by_decode_equals_prefill(dtype: torch.dtype) -> None:
-    positions, diff = decode_vs_prefill_kv("invariant", dtype)
+    positions, diff = decode_vs_prefill_kv("ordered", dtype)
     assert positions == 19 and diff == 0
 
 
@@ -91,8 +91,8 @@ def second_turn(kernels: str, dtype: torch.dtype, cache: bool) -> tuple[list[int
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_second_turn_logprobs_equal_with_cache_on_and_off(dtype: torch.dtype) -> None:
-    ids_on, lps_on, cached = second_turn("invariant", dtype, cache=True)
-    ids_off, lps_off, none = second_turn("invariant", dtype, cache=False)
+    ids_on, lps_on, cached = second_turn("ordered", dtype, cache=True)
+    ids_off, lps_off, none = second_turn("ordered", dtype, cache=False)
     assert cached == len(PROMPT) + 11 and none == 0  # turn 1's prompt and fed outputs came from the cache
     assert ids_on == ids_off
     assert not bits_differ(lps_on, lps_off).any()
@@ -109,7 +109,7 @@ def test_second_turn_logprobs_differ_under_plain_kernels() -> None:
 
 
 def test_cache_hits_only_prefixes_and_is_forgotten_on_weight_updates() -> None:
-    m = model("invariant", torch.bfloat16)
+    m = model("ordered", torch.bfloat16)
     eng = Engine(m, max_running_requests=2)
     out = eng.generate([request(PROMPT, 4)])[0].output_ids
     # a prompt that diverges after 3 tokens reuses 3; the whole cached prompt is capped at len - 1

@@ -25,8 +25,8 @@ def _qkv(n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tile", [32, 16])
-def test_prefill_decode_chunked_equal(dtype, tile):
-    k = get_kernels("invariant", attention_tile=tile)
+def test_prefill_decode_chunked_equal(dtype, tile, kernel_set):
+    k = get_kernels(kernel_set, attention_tile=tile)
     rng = random.Random(tile)
     for ci, (hq, hkv, d) in enumerate(HEADS):
         n = rng.choice([47, 100, 131]) if ci else 161
@@ -49,7 +49,7 @@ def test_prefill_decode_chunked_equal(dtype, tile):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_query_block_size_is_a_speed_knob(dtype, monkeypatch):
+def test_query_block_size_is_a_speed_knob(dtype, monkeypatch, kernel_set):
     """Query rows per attention GEMM change no bit as long as every GEMM has a multiple of 4 rows (the
     `row_tile` granule), which is why decode pads one query only to 4 rows, and why the query block is
     sized for speed and memory. Negative control: GEMMs of 1-2 rows (granule 1, no GQA group) take
@@ -59,7 +59,7 @@ def test_query_block_size_is_a_speed_knob(dtype, monkeypatch):
         n = 70
         q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=hq)
         pos = torch.arange(n)
-        k = get_kernels("invariant")
+        k = get_kernels(kernel_set)
         ref = k.attention(q, kk, v, pos, pos, d**-0.5)
         for budget in (1, 1 << 12, 1 << 16, 1 << 30):  # blocks of 1-2 queries .. all queries at once
             monkeypatch.setattr(invariant_attention, "SCORE_BUDGET", budget)
@@ -69,8 +69,8 @@ def test_query_block_size_is_a_speed_knob(dtype, monkeypatch):
             assert torch.equal(one, ref[i : i + 1])
     monkeypatch.undo()
     q, kk, v = _qkv(n, 4, 4, 64, torch.float32, seed=9)
-    ref = get_kernels("invariant").attention(q, kk, v, pos, pos, 0.125)
-    ungrouped = get_kernels("invariant", row_tile=1)
+    ref = get_kernels(kernel_set).attention(q, kk, v, pos, pos, 0.125)
+    ungrouped = get_kernels(kernel_set, row_tile=1)
     assert torch.equal(ungrouped.attention(q, kk, v, pos, pos, 0.125), ref)  # blocks of 32 rows: same bits
     alone = [
         ungrouped.attention(q[i : i + 1], kk[: i + 1], v[: i + 1], pos[i : i + 1], pos[: i + 1], 0.125)
@@ -95,7 +95,7 @@ def _pooled(kern, q, kk, v, pos, scale):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize(("span_elements", "stage_keys"), [(None, None), (None, 1), (1, None), (3 * 32 * 64, 1)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pooled_path_equals_batched_path(dtype, span_elements, stage_keys, monkeypatch):
+def test_pooled_path_equals_batched_path(dtype, span_elements, stage_keys, monkeypatch, kernel_set):
     """Keys read from a head-layout KV pool (the engine's decode and chunked prefill) and keys given
     token-major (prefill, the trainer, the SGLang package) give the same bits, for random shapes, thread
     counts, and chunks of queries at the end of the keys; also when decode reads the pool in spans of
@@ -114,16 +114,16 @@ def test_pooled_path_equals_batched_path(dtype, span_elements, stage_keys, monke
         q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=trial)
         q = q[n - nq :]
         pos = torch.arange(n)
-        k = get_kernels("invariant")
+        k = get_kernels(kernel_set)
         with num_threads(rng.choice([1, 2])):
             batched = k.attention(q, kk, v, pos[n - nq :], pos, d**-0.5)
             assert torch.equal(_pooled(k, q, kk, v, pos, d**-0.5), batched), (hq, hkv, d, n, nq)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_batched_decode_equals_alone(dtype):
+def test_batched_decode_equals_alone(dtype, kernel_set):
     """Sequences of different lengths share one batched call (keys padded past each length)."""
-    k = get_kernels("invariant")
+    k = get_kernels(kernel_set)
     hq, hkv, d = 8, 4, 32
     lens = [1, 5, 31, 32, 33, 77, 130]
     nk = 160
@@ -140,10 +140,10 @@ def test_batched_decode_equals_alone(dtype):
 
 @pytest.mark.parametrize("slots", [[0, 1, 2], [2, 0, 1]])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pooled_decode_of_several_slots_equals_each_alone(dtype, slots):
+def test_pooled_decode_of_several_slots_equals_each_alone(dtype, slots, kernel_set):
     """One decode call over several pool slots (a run of slots, read as a view, or any order, gathered)
     gives each slot the bits of its own call."""
-    k = get_kernels("invariant")
+    k = get_kernels(kernel_set)
     hq, hkv, d, cap = 8, 4, 32, 128
     lens = [5, 77, 128]
     k_pool = randn(3, hkv, d, cap, dtype=dtype, seed=4)
@@ -157,11 +157,11 @@ def test_pooled_decode_of_several_slots_equals_each_alone(dtype, slots):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tile_merge_equals_attention(dtype):
+def test_tile_merge_equals_attention(dtype, kernel_set):
     """attention == finalize(left-to-right merge of attention_tile over key tiles, one tile at a time).
     This is what ring CP does with tiles of remote chunks (chunk boundaries on tile boundaries)."""
     tile = 32
-    k = get_kernels("invariant", attention_tile=tile)
+    k = get_kernels(kernel_set, attention_tile=tile)
     for ci, (hq, hkv, d) in enumerate(HEADS):
         n = 150
         q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=ci + 5)
@@ -180,8 +180,8 @@ def test_tile_merge_equals_attention(dtype):
         assert torch.equal(k.finalize(state, dtype), full)
 
 
-def test_masked_tile_is_exact_noop():
-    k = get_kernels("invariant")
+def test_masked_tile_is_exact_noop(kernel_set):
+    k = get_kernels(kernel_set)
     q, kk, v = _qkv(40, 8, 4, 32, torch.float32, seed=3)
     pos = torch.arange(40)
     a = k.attention_tile_partial(q, kk[:32], v[:32], pos, pos[:32], 0.2)
@@ -193,8 +193,8 @@ def test_masked_tile_is_exact_noop():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_thread_invariance(dtype):
-    k = get_kernels("invariant")
+def test_attention_thread_invariance(dtype, kernel_set):
+    k = get_kernels(kernel_set)
     q, kk, v = _qkv(200, 16, 2, 128, dtype, seed=4)
     pos = torch.arange(200)
     with num_threads(1):
@@ -207,8 +207,8 @@ def test_attention_thread_invariance(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_contract_attention_is_accurate(dtype):
-    k = get_kernels("invariant")
+def test_contract_attention_is_accurate(dtype, kernel_set):
+    k = get_kernels(kernel_set)
     q, kk, v = _qkv(70, 8, 4, 32, dtype, seed=6)
     pos = torch.arange(70)
     got = k.attention(q, kk, v, pos, pos, 32**-0.5).double()
@@ -234,16 +234,16 @@ def test_plain_attention_prefill_differs_from_decode():
     assert mismatches > 0
 
 
-def test_query_seeing_no_key_gives_zero_not_nan():
-    k = get_kernels("invariant")
+def test_query_seeing_no_key_gives_zero_not_nan(kernel_set):
+    k = get_kernels(kernel_set)
     q, kk, v = _qkv(5, 8, 4, 32, torch.float32, seed=1)
     out = k.attention(q, kk, v, torch.tensor([-1, 0, 1, 2, 3]), torch.arange(5), 0.2)
     assert torch.all(out[0] == 0) and not torch.isnan(out).any()
 
 
-def test_attention_backward_matches_reference():
+def test_attention_backward_matches_reference(kernel_set):
     """The trainer differentiates through the contract attention (skipped tiles included)."""
-    k = get_kernels("invariant")
+    k = get_kernels(kernel_set)
     for n in (5, 70):
         q, kk, v = (t.requires_grad_() for t in _qkv(n, 8, 4, 32, torch.float32, seed=n))
         pos = torch.arange(n)
@@ -260,7 +260,7 @@ def test_attention_backward_matches_reference():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pooled_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
+def test_pooled_plan_is_shared_only_by_calls_of_the_same_geometry(dtype, kernel_set):
     """`attention_pooled` plans once for the positions and slots of a decode step and reuses the plan for
     every layer's pools; a call with other positions (even in the same tensor, changed in place) plans
     anew, and other slots (or the same tensor's slots changed in place) read their own slots with the
@@ -271,18 +271,18 @@ def test_pooled_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
     ]
     q = randn(2, 1, hq, d, dtype=dtype, seed=7)
     q_pos, slots = torch.tensor([[40], [90]]), torch.tensor([0, 2])
-    shared = get_kernels("invariant")
+    shared = get_kernels(kernel_set)
     calls = [(pools[0], 91), (pools[1], 91)]  # two layers of one step
     for (kp, vp), n in calls:
-        fresh = get_kernels("invariant").attention_pooled(q, q_pos, kp, vp, slots, n, d**-0.5)
+        fresh = get_kernels(kernel_set).attention_pooled(q, q_pos, kp, vp, slots, n, d**-0.5)
         assert torch.equal(shared.attention_pooled(q, q_pos, kp, vp, slots, n, d**-0.5), fresh)
     q_pos.add_(1)  # the next step, in the same tensor
-    fresh = get_kernels("invariant").attention_pooled(q, q_pos, *pools[1], slots, 92, d**-0.5)
+    fresh = get_kernels(kernel_set).attention_pooled(q, q_pos, *pools[1], slots, 92, d**-0.5)
     assert torch.equal(shared.attention_pooled(q, q_pos, *pools[1], slots, 92, d**-0.5), fresh)
-    stale = get_kernels("invariant").attention_pooled(q, q_pos - 1, *pools[1], slots, 92, d**-0.5)
+    stale = get_kernels(kernel_set).attention_pooled(q, q_pos - 1, *pools[1], slots, 92, d**-0.5)
     assert not torch.equal(stale, fresh)  # the check can fail: the positions change the result
     other = torch.tensor([2, 0])  # not a run of slots: gathered by index
-    fresh = get_kernels("invariant").attention_pooled(q, q_pos, *pools[1], other, 92, d**-0.5)
+    fresh = get_kernels(kernel_set).attention_pooled(q, q_pos, *pools[1], other, 92, d**-0.5)
     assert torch.equal(shared.attention_pooled(q, q_pos, *pools[1], other, 92, d**-0.5), fresh)
     assert not torch.equal(shared.attention_pooled(q, q_pos, *pools[1], slots, 92, d**-0.5), fresh)  # slots matter
     slots.copy_(other)  # the first slot tensor, changed in place to the other's values
@@ -290,7 +290,7 @@ def test_pooled_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_batched_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
+def test_batched_plan_is_shared_only_by_calls_of_the_same_geometry(dtype, kernel_set):
     """`attention_batched` (prefill, the trainer) keeps the plan of its last positions for every layer of
     a forward; other positions (even in the same tensor, changed in place), other shapes, or a call that
     is differentiated plan anew: each call gives the bits (and gradients) of a fresh kernel set."""
@@ -303,22 +303,22 @@ def test_batched_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
         q, k, v = (t[None].expand(2, *t.shape) for t in qkv)
         return kern.attention_batched(q, k, v, q_pos, k_pos, d**-0.5)
 
-    shared = get_kernels("invariant")
+    shared = get_kernels(kernel_set)
     for qkv in layers:  # two layers of one forward
-        assert torch.equal(call(shared, qkv, pos, pos), call(get_kernels("invariant"), qkv, pos, pos))
+        assert torch.equal(call(shared, qkv, pos, pos), call(get_kernels(kernel_set), qkv, pos, pos))
     k_pos = pos.clone()
     pos[:, :10] = pos[:, 60:].clone()  # queries moved, in the same tensor: some now see more keys
-    fresh = call(get_kernels("invariant"), layers[0], pos, k_pos)
+    fresh = call(get_kernels(kernel_set), layers[0], pos, k_pos)
     assert torch.equal(call(shared, layers[0], pos, k_pos), fresh)
-    assert not torch.equal(call(get_kernels("invariant"), layers[0], k_pos, k_pos), fresh)  # positions matter
+    assert not torch.equal(call(get_kernels(kernel_set), layers[0], k_pos, k_pos), fresh)  # positions matter
     q, k, v = (t[None, :40].clone() for t in layers[1])
     short = torch.arange(40)[None]
     assert torch.equal(
         shared.attention_batched(q, k, v, short, short, d**-0.5),
-        get_kernels("invariant").attention_batched(q, k, v, short, short, d**-0.5),
+        get_kernels(kernel_set).attention_batched(q, k, v, short, short, d**-0.5),
     )
     grads = []
-    for kern in (shared, get_kernels("invariant")):
+    for kern in (shared, get_kernels(kernel_set)):
         qg = q.clone().float().requires_grad_()
         kern.attention_batched(qg, k.float(), v.float(), short, short, d**-0.5).sum().backward()
         grads.append(qg.grad)
@@ -326,18 +326,18 @@ def test_batched_plan_is_shared_only_by_calls_of_the_same_geometry(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_trimmed_decode_rows_give_the_padded_bits(dtype, monkeypatch):
+def test_trimmed_decode_rows_give_the_padded_bits(dtype, monkeypatch, kernel_set):
     """Decode queries (1-3 rows per KV head) scored from their real rows only give the bits of the padded
     computation, pooled and batched, one query or a few, GQA or not, fp32 and bf16."""
     for hq, hkv, d in HEADS:
         n = 75
         q, kk, v = _qkv(n, hq, hkv, d, dtype, seed=hq + d)
         pos = torch.arange(n)
-        kern = get_kernels("invariant")
+        kern = get_kernels(kernel_set)
         for nq in (1, 2, 3):
             trimmed = _pooled(kern, q[-nq:], kk, v, pos, d**-0.5)
             assert all(plan.trim for _, plan in kern._pooled.values())  # the trimmed path was taken
             monkeypatch.setattr(invariant_attention, "trim_rows", lambda *a: False)
-            padded = _pooled(get_kernels("invariant"), q[-nq:], kk, v, pos, d**-0.5)
+            padded = _pooled(get_kernels(kernel_set), q[-nq:], kk, v, pos, d**-0.5)
             monkeypatch.undo()
             assert torch.equal(trimmed, padded), (hq, hkv, d, nq)

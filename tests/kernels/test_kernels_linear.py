@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from support.kernel_utils import DTYPES, num_threads, randn
+from support.kernel_utils import CONTRACT_SETS, DTYPES, num_threads, randn
 
 from tonpolicy.kernels import get_kernels, padded_vocab_size
 from tonpolicy.kernels.invariant_linear import SUM_BLOCK, _tree, tree_sum
@@ -17,9 +17,9 @@ SHAPES = [(128, 256), (128, 2048), (384, 128), (1024, 1024), (1024, 3072), (3072
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_row_invariance(dtype):
+def test_linear_row_invariance(dtype, kernel_set):
     """A row's result never depends on which other rows share the call, nor where it sits."""
-    k = get_kernels("invariant")
+    k = get_kernels(kernel_set)
     rng = random.Random(0)
     for si, (kk, n) in enumerate(SHAPES):
         x = randn(300, kk, dtype=dtype, seed=si)
@@ -35,9 +35,9 @@ def test_linear_row_invariance(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_column_shards(dtype):
+def test_linear_column_shards(dtype, kernel_set):
     """Column-parallel shards (any TP dividing the width) equal the matching columns bitwise."""
-    k = get_kernels("invariant")
+    k = get_kernels(kernel_set)
     for si, (kk, n) in enumerate(SHAPES):
         x = randn(37, kk, dtype=dtype, seed=si)
         w = randn(n, kk, dtype=dtype, seed=50 + si, std=kk**-0.5)
@@ -52,10 +52,10 @@ def test_linear_column_shards(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_parallel_canonical_shards(dtype):
+def test_row_parallel_canonical_shards(dtype, kernel_set):
     """TP ranks computing their canonical K-shards, gathered in rank order and tree-combined, give the
     TP=1 bits (also for the fp32 logits path)."""
-    k = get_kernels("invariant", canonical_shards=4)
+    k = get_kernels(kernel_set, canonical_shards=4)
     for si, (kk, n) in enumerate(SHAPES):
         x = randn(23, kk, dtype=dtype, seed=si)
         w = randn(n, kk, dtype=dtype, seed=70 + si, std=kk**-0.5)
@@ -101,7 +101,7 @@ def _row_parallel_rank(cases: list[tuple[str, torch.dtype, int]]) -> list[bool]:
     tp, rank = dist.get_world_size(), dist.get_rank()
     ok = []
     for kernel_set, dtype, shards in cases:
-        k = get_kernels(kernel_set, canonical_shards=shards) if kernel_set == "invariant" else get_kernels(kernel_set)
+        k = get_kernels(kernel_set, canonical_shards=shards) if kernel_set != "plain" else get_kernels(kernel_set)
         same = True
         for si, (kk, n) in enumerate(SHAPES[:4]):
             x = randn(19, kk, dtype=dtype, seed=si)
@@ -123,15 +123,16 @@ def test_row_parallel_combine_across_gloo_ranks(tp):
     bits across ranks."""
     from tonpolicy.trainer.process_groups import spawn
 
-    cases = [("invariant", d, 4) for d in DTYPES] + [("invariant", torch.float32, 8), ("plain", torch.float32, 4)]
+    cases = [(s, d, 4) for s in CONTRACT_SETS for d in DTYPES]
+    cases += [("ordered", torch.float32, 8), ("plain", torch.float32, 4)]
     assert spawn(_row_parallel_rank, tp, cases) == [True] * (len(cases) - 1) + [False]
 
 
-def test_fold_partials_splits_the_tree_at_power_of_two_groups():
+def test_fold_partials_splits_the_tree_at_power_of_two_groups(kernel_set):
     """A rank's `fold_partials` (its subtree of the pairwise tree) stands in for its partials in
     `combine_partials`, for 8 shards over 2, 4 and 8 ranks; 3 shards per rank do not split the tree (None).
     Negative control: a left-to-right sum of the same partials (another order) differs from the tree."""
-    k = get_kernels("invariant")
+    k = get_kernels(kernel_set)
     parts = randn(8, 64, 512, dtype=torch.float32, seed=5) * randn(8, 1, 1, dtype=torch.float32, seed=6).exp()
     whole = k.combine_partials(parts, torch.float32)
     for ranks in (2, 4, 8):
@@ -167,16 +168,16 @@ def test_tree_sum_in_row_blocks_keeps_the_bits(dtype):
             assert not torch.equal(left, whole), c
 
 
-def test_combine_tree_order():
-    k = get_kernels("invariant")
+def test_combine_tree_order(kernel_set):
+    k = get_kernels(kernel_set)
     p = torch.tensor([[1e8], [1.0], [-1e8], [1.0]], dtype=torch.float32)
     # ((1e8 + 1) + (-1e8 + 1)) in fp32 = 1e8 - 1e8 = 0 exactly; a left fold would give 1.0.
     assert k.combine_partials(p, torch.float32).item() == 0.0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_thread_invariance(dtype):
-    k = get_kernels("invariant")
+def test_linear_thread_invariance(dtype, kernel_set):
+    k = get_kernels(kernel_set)
     for si, (kk, n) in enumerate(SHAPES):
         x = randn(70, kk, dtype=dtype, seed=si)
         w = randn(n, kk, dtype=dtype, seed=10 + si, std=kk**-0.5)
@@ -189,8 +190,8 @@ def test_linear_thread_invariance(dtype):
         assert torch.equal(a, b) and torch.equal(a1, b1) and torch.equal(a1, a[5:6])
 
 
-def test_linear_accuracy_fp32_accumulation():
-    k = get_kernels("invariant")
+def test_linear_accuracy_fp32_accumulation(kernel_set):
+    k = get_kernels(kernel_set)
     x = randn(9, 1024, dtype=torch.bfloat16, seed=1)
     w = randn(512, 1024, dtype=torch.bfloat16, seed=2, std=0.03)
     exact = x.double() @ w.double().T
@@ -218,9 +219,9 @@ def test_padded_vocab_size():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_autograd_and_weight_updates(dtype):
+def test_linear_autograd_and_weight_updates(dtype, kernel_set):
     """The trainer differentiates through the contract linear; no stale copy survives a weight update."""
-    k = get_kernels("invariant")
+    k = get_kernels(kernel_set)
     for m in (3, 40, 300):
         x = randn(m, 128, dtype=dtype, seed=1).requires_grad_()
         w = randn(64, 128, dtype=dtype, seed=2, std=0.1).requires_grad_()
@@ -245,9 +246,9 @@ def test_linear_autograd_and_weight_updates(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_weights_equal_separate(dtype):
+def test_fused_weights_equal_separate(dtype, kernel_set):
     """The model runs Q/K/V and gate/up as one wide linear; each block equals its own linear."""
-    k = get_kernels("invariant")
+    k = get_kernels(kernel_set)
     layouts = [
         (128, [256, 128, 128]),
         (128, [384, 384]),
@@ -264,9 +265,9 @@ def test_fused_weights_equal_separate(dtype):
             assert torch.equal(fused, torch.cat([k.linear(x, w) for w in ws], dim=-1)), (kk, widths, m)
 
 
-def test_linear_qwen3_4b_shapes():
+def test_linear_qwen3_4b_shapes(kernel_set):
     """Row, TP-shard and thread invariance at Qwen3-4B widths (hidden 2560, intermediate 9728)."""
-    k = get_kernels("invariant")
+    k = get_kernels(kernel_set)
     for kk, n in [(2560, 9728), (9728, 2560), (2560, 4096)]:
         x = randn(40, kk, dtype=torch.bfloat16, seed=kk)
         w = randn(n, kk, dtype=torch.bfloat16, seed=n, std=kk**-0.5)
@@ -284,10 +285,10 @@ def test_linear_qwen3_4b_shapes():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_operand_layout_invariance(dtype):
+def test_linear_operand_layout_invariance(dtype, kernel_set):
     """Column-major (transposed-storage) inputs or weights give the same bits: operands are normalised
     to row-major, because a transposed GEMM operand selects a different kernel."""
-    k = get_kernels("invariant")
+    k = get_kernels(kernel_set)
     x = randn(21, 256, dtype=dtype, seed=1)
     w = randn(384, 256, dtype=dtype, seed=2, std=0.06)
     ref = k.linear(x, w)
@@ -297,9 +298,9 @@ def test_linear_operand_layout_invariance(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_long_prefill_rows(dtype):
+def test_linear_long_prefill_rows(dtype, kernel_set):
     """A 1100-row prefill gives every row the bits of that row alone or in any slice, at 1 thread too."""
-    k = get_kernels("invariant")
+    k = get_kernels(kernel_set)
     x = randn(1100, 1024, dtype=dtype, seed=5)
     w = randn(1024, 1024, dtype=dtype, seed=6, std=1 / 32)
     full = k.linear(x, w)
@@ -310,11 +311,11 @@ def test_linear_long_prefill_rows(dtype):
         assert torch.equal(k.linear_k_sharded(x[500:1100], w), sharded[500:1100])
 
 
-def test_bf16_logits_option():
+def test_bf16_logits_option(kernel_set):
     """logits_dtype=bfloat16: the LM head is the bf16 linear, upcast (no fp32 weight copy); the default
     fp32 head differs from it by bf16 rounding, and its vocab shards still equal its columns."""
-    k16 = get_kernels("invariant", logits_dtype="bfloat16")
-    k32 = get_kernels("invariant")
+    k16 = get_kernels(kernel_set, logits_dtype="bfloat16")
+    k32 = get_kernels(kernel_set)
     x = randn(9, 256, dtype=torch.bfloat16, seed=1)
     w = randn(2004, 256, dtype=torch.bfloat16, seed=2, std=1 / 16)
     logits = k16.lm_head(x, w)

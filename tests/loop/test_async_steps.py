@@ -132,7 +132,7 @@ def test_decoupled_ppo_weighs_each_token_by_the_truncated_importance_ratio() -> 
     [
         (["experiment.max_staleness=-1"], "experiment.max_staleness=-1: must be >= 0"),
         (["experiment.max_staleness=1", "task=calculator"], "task calculator is multi-turn"),
-        (["experiment.max_staleness=1", "model=qwen3_moe_tiny", "contract=qwen3_moe_v1"], "MoE model's routes"),
+        (["experiment.max_staleness=1", "model=qwen3_moe_tiny", "contract=qwen3_moe_v2"], "MoE model's routes"),
         (["experiment.max_staleness=1", "trainer.recompute_logprobs=false"], "trainer.recompute_logprobs=False"),
         (["trainer.tis_cap=0.5"], "trainer.tis_cap=0.5: must be a finite number >= 1"),
     ],

@@ -31,13 +31,13 @@ def test_exact_zero_passes_both_checks() -> None:
 
 
 def test_one_flipped_bit_fails_the_first_check_by_name() -> None:
-    gate, lps = Gate(0, "qwen3_dense_v1"), _logprobs()
+    gate, lps = Gate(0, "qwen3_dense_v2"), _logprobs()
     verdict = gate.rollout_vs_recompute(lps, _one_bit_flipped(lps))
     assert verdict.failed and verdict.failed_check == ROLLOUT_VS_RECOMPUTE == "rollout_vs_recompute"
     assert verdict.report.mismatched_tokens == 1 and 0 < verdict.report.max_abs_logprob_diff < 1e-5
     message = gate.failure_message(verdict, 7)
     assert message.startswith("parity gate failed at step 7: 1 of 20 tokens differ between rollout and trainer")
-    assert message.endswith("contract qwen3_dense_v1, gate.fail_on_mismatch=True; no update was made")
+    assert message.endswith("contract qwen3_dense_v2, gate.fail_on_mismatch=True; no update was made")
 
 
 def test_signed_zero_is_a_mismatch() -> None:

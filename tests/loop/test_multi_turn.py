@@ -84,7 +84,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def rollout(tmp: Path, ck: Path, name: str, *flags: str) -> tuple[Any, Recording]:
-    srv = ServerProc(tmp, name, ["--model-path", str(ck), "--kernels", "invariant", "--dtype", DTYPE, *IDENTITY,
+    srv = ServerProc(tmp, name, ["--model-path", str(ck), "--kernels", "ordered", "--dtype", DTYPE, *IDENTITY,
                                  "--num-threads", "1", "--max-running-requests", "4", *flags])  # fmt: skip
     try:
         client = Recording(srv.start_healthy())
@@ -165,7 +165,7 @@ def test_bad_turn_settings_are_refused_naming_the_key() -> None:
     for overrides, key in [
         (["task=constant", "task.max_turns=2"], "task.max_turns"),
         (["task=calculator", "task.max_turns=0"], "task.max_turns"),
-        (["task=calculator", "model=qwen3_moe_tiny", "contract=qwen3_moe_v1"], "task.name"),
+        (["task=calculator", "model=qwen3_moe_tiny", "contract=qwen3_moe_v2"], "task.name"),
     ]:
         with pytest.raises(ConfigError) as e:
             validate(compose_config(overrides), check_hf=False)

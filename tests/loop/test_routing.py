@@ -163,7 +163,7 @@ def _problems(overrides: list[str]) -> str:
 
 def test_router_replay_is_for_the_off_policy_control_of_an_moe_model() -> None:
     text = _problems(["model=qwen3_moe_tiny", "trainer.router_replay=true"])
-    assert "trainer.router_replay=True: contract qwen3_moe_v1 promises exact zero" in text
+    assert "trainer.router_replay=True: contract qwen3_moe_v2 promises exact zero" in text
     assert "would hide a routing disagreement" in text
     assert "is dense: there are no routes to replay" in _problems(["contract=off_policy", "trainer.router_replay=true"])
     validate(

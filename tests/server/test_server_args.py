@@ -20,7 +20,7 @@ def _write_resolved(tmp_path: Path, overrides: list[str]) -> tuple[Path, object]
 
 
 def test_resolved_config_gives_contract_identity_and_engine_settings(tmp_path: Path) -> None:
-    path, cfg = _write_resolved(tmp_path, ["contract=qwen3_dense_v1", "rollout.max_running_requests=5"])
+    path, cfg = _write_resolved(tmp_path, ["contract=qwen3_dense_v2", "rollout.max_running_requests=5"])
     a = parse_server_args(["--config", str(path), "--port", "0", "--port-file", str(tmp_path / "port")])
     ident = identity(cfg.contract)
     assert (a.contract_name, a.contract_version, a.contract_fingerprint) == (
@@ -36,7 +36,7 @@ def test_resolved_config_gives_contract_identity_and_engine_settings(tmp_path: P
 
 
 def test_off_policy_config_has_another_fingerprint(tmp_path: Path) -> None:
-    on, _ = _write_resolved(tmp_path, ["contract=qwen3_dense_v1"])
+    on, _ = _write_resolved(tmp_path, ["contract=qwen3_dense_v2"])
     on_args = parse_server_args(["--config", str(on)])
     off, _ = _write_resolved(tmp_path, ["contract=off_policy"])
     off_args = parse_server_args(["--config", str(off)])

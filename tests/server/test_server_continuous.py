@@ -24,7 +24,7 @@ def batches_run(client: RolloutClient) -> int:
 
 def test_short_request_overtakes_a_long_one_in_flight(tmp_path: Path) -> None:
     ckpt = save_checkpoint(tmp_path / "ckpt", seed=1)
-    args = ["--model-path", str(ckpt), "--kernels", "invariant", "--dtype", DTYPE, *IDENTITY]
+    args = ["--model-path", str(ckpt), "--kernels", "ordered", "--dtype", DTYPE, *IDENTITY]
     srv = ServerProc(tmp_path, "cb", [*args, "--num-threads", "1", "--max-running-requests", "4"])
     client = srv.start_healthy()
     try:

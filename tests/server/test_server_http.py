@@ -38,7 +38,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, ckpts: dict[str, Path]) -> Iterator[ServerProc]:
     tmp = tmp_path_factory.mktemp("server")
-    args = ["--model-path", str(ckpts["a"]), "--kernels", "invariant", "--dtype", DTYPE, *IDENTITY]
+    args = ["--model-path", str(ckpts["a"]), "--kernels", "ordered", "--dtype", DTYPE, *IDENTITY]
     # Token ids only, as the run plan starts it (the text API: tests/server/test_server_text_api.py).
     srv = ServerProc(tmp, "main", [*args, "--num-threads", "1", "--max-running-requests", "4", "--skip-tokenizer-init"])
     srv.start_healthy()
@@ -82,12 +82,12 @@ def test_health_info_and_cache_endpoints(client: RolloutClient, server: ServerPr
     assert info["tonpolicy_contract"] == {"name": "test_contract", "version": 1, "fingerprint": "f" * 64}
     reported = client.contract()  # GET /tonpolicy/contract: the label plus what the server built
     assert {k: reported[k] for k in ("name", "version", "fingerprint")} == info["tonpolicy_contract"]
-    assert reported["runtime"]["kernels"] == get_kernels("invariant").describe()
+    assert reported["runtime"]["kernels"] == get_kernels("ordered").describe()
     assert reported["runtime"]["dtype"] == DTYPE and reported["runtime"]["build"]["device"] == "cpu"
     for key in ("model_path", "dtype", "host", "port", "tp_size", "max_running_requests", "version"):
         assert key in info, key  # SGLang ServerArgs names
     assert info["port"] == server.port and info["host"] == "127.0.0.1" and info["dtype"] == DTYPE
-    assert info["max_running_requests"] == 4 and info["kernels"] == "invariant"
+    assert info["max_running_requests"] == 4 and info["kernels"] == "ordered"
     model = client.model_info()
     assert set(model) >= {
         "model_path",

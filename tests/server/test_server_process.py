@@ -24,7 +24,7 @@ from tonpolicy.rollout.server.app import EXIT_BIND_FAILED, EXIT_LOAD_FAILED
 
 
 def _resolved_config(tmp_path: Path) -> tuple[Path, object]:
-    cfg = compose_config(["contract=qwen3_dense_v1"])
+    cfg = compose_config(["contract=qwen3_dense_v2"])
     path = tmp_path / "resolved_config.yaml"
     path.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     return path, cfg

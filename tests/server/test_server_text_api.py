@@ -44,7 +44,7 @@ def url(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def model(ckpt: Path) -> Qwen3:
     cfg, sd = load_hf(ckpt)
-    return Qwen3(cfg, get_kernels("invariant"), getattr(torch, DTYPE), sd)
+    return Qwen3(cfg, get_kernels("ordered"), getattr(torch, DTYPE), sd)
 
 
 def call(url: str, path: str, body: Any = None) -> tuple[int, Any]:

@@ -21,7 +21,7 @@ LONG = ([5, 17, 300, 42, 7], {"max_new_tokens": 200, "sampling_seed": 1})  # ~1.
 
 def test_an_update_during_a_request_waits_and_each_token_names_its_version(tmp_path: Path) -> None:
     a, b = save_checkpoint(tmp_path / "a", seed=1), save_checkpoint(tmp_path / "b", seed=2)
-    args = ["--model-path", str(a), "--kernels", "invariant", "--dtype", DTYPE, *IDENTITY, "--num-threads", "1"]
+    args = ["--model-path", str(a), "--kernels", "ordered", "--dtype", DTYPE, *IDENTITY, "--num-threads", "1"]
     srv = ServerProc(tmp_path, "versions", args)
     client = srv.start_healthy()
     try:

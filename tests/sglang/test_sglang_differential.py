@@ -91,7 +91,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory: pytest.TempPathFactory, ckpt: Path, sglang_py: str) -> Iterator[list[dict[str, Any]]]:
     ident = identity(compose_config([f"contract.dtype={DTYPE}"]).contract)
-    args = ["--model-path", str(ckpt), "--dtype", DTYPE, "--kernels", "invariant", "--max-running-requests", "32",
+    args = ["--model-path", str(ckpt), "--dtype", DTYPE, "--kernels", "ordered", "--max-running-requests", "32",
             "--chunked-prefill-size", "64", "--contract-name", ident.name, "--contract-version", str(ident.version),
             "--contract-fingerprint", ident.fingerprint]  # fmt: skip
     srv = ServerProc(tmp_path_factory.mktemp("embedded"), "embedded", args, python=sglang_py)

@@ -46,7 +46,7 @@ def fp32_server(tmp_path_factory: pytest.TempPathFactory, sglang_py: str) -> Ite
 def _package_gives_the_contract_bits(
     sglang_py: str, server: SGLangServer, ckpt: Path, dtype: str, rollout_tp: int, temperature: float
 ) -> None:
-    result = check_parity(sglang_py, server, ckpt, "invariant", temperature)
+    result = check_parity(sglang_py, server, ckpt, "ordered", temperature)
     reported = server.client.contract()
     assert result["tokens"] == 20 * 20 and result["mismatched"] == 0 and result["max_abs_diff"] == 0.0, result
     assert result["cached_tokens"] > 0, "the radix cache served no prefix: the check lost its point"
@@ -76,7 +76,7 @@ def test_trainer_refuses_a_server_built_differently(fp32_server: tuple[SGLangSer
     SGLang's (2.14.1), so a trainer there is refused; one with the server's identity is accepted."""
     server, _ = fp32_server
     cfg = compose_config(["rollout=sglang", "trainer.device=cpu", "contract.dtype=float32"])
-    ours = runtime_identity(get_kernels("invariant"), cfg.contract.dtype, "cpu")
+    ours = runtime_identity(get_kernels("ordered"), cfg.contract.dtype, "cpu")
     theirs = server.client.contract()["runtime"]
     refusal = handshake(cfg, server.client, ours)
     accepted = handshake(cfg, server.client, theirs)
@@ -106,7 +106,7 @@ def test_stock_sglang_is_close_but_not_exact(tmp_path: Path, sglang_py: str) -> 
     server = SGLangServer(tmp_path, "stock", ckpt, ["contract=off_policy", "contract.dtype=float32"])
     try:
         client = server.start_healthy()
-        result = check_parity(sglang_py, server, ckpt, "invariant", 1.0)
+        result = check_parity(sglang_py, server, ckpt, "ordered", 1.0)
         assert client.contract() is None  # stock SGLang reports no tonpolicy contract
     finally:
         server.stop()

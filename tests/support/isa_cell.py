@@ -47,7 +47,7 @@ def _library_gemms() -> list[tuple]:
 
 def gemm_hash() -> str:
     h = hashlib.sha256()
-    k = get_kernels("invariant")
+    k = get_kernels("ordered")
     for dt in (torch.float32, torch.bfloat16):
         # integer draws scaled by a power of two: the same values under every cap (randn is not: its
         # vectorised Box-Muller follows the CPU capability)

@@ -27,7 +27,7 @@ def save_checkpoint(path: Path, seed: int, cfg: ModelConfig | None = None) -> Pa
     return path
 
 
-def local_engine(checkpoint: Path, kernels: str = "invariant") -> Engine:
+def local_engine(checkpoint: Path, kernels: str = "ordered") -> Engine:
     """The same engine the server runs, built in this process, to compare answers against."""
     cfg, sd = load_hf(checkpoint)
     return Engine(Qwen3(cfg, get_kernels(kernels), getattr(torch, DTYPE), sd), max_running_requests=8)

@@ -27,7 +27,7 @@ def rollouts(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         checkpoints[name] = str(root / name)
         save_hf(init_state_dict(cfg, dtype, 11), cfg, checkpoints[name])
-        for contract, kernels in (("exact", "invariant"), ("off_policy", "plain")):
+        for contract, kernels in (("exact", "ordered"), ("off_policy", "plain")):
             # 4 prompts of lengths 40, 37, 34, 31 (ring pads them to 2*CP*tile), 12 new tokens each.
             out[(name, contract)] = harness.rollout(checkpoints[name], kernels, 4, 40, 12, TEMPERATURE)
     return checkpoints, out

@@ -42,7 +42,7 @@ def test_rollout_logprobs_as_old_ratio_one_minibatches_and_a_planted_mismatch(tm
     cfg = ModelConfig()
     ck = str(tmp_path / "fp32")
     save_hf(init_state_dict(cfg, torch.float32, 11), cfg, ck)
-    ro = harness.rollout(ck, "invariant", 4, 24, 8, T)
+    ro = harness.rollout(ck, "ordered", 4, 24, 8, T)
     ro_off = harness.rollout(ck, "plain", 4, 24, 8, T)
     planted = dict(ro, logprobs=[torch.as_tensor(x, dtype=torch.float32).clone() for x in ro["logprobs"]])
     planted["logprobs"][0].view(torch.int32)[0] ^= 1

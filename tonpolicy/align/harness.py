@@ -22,14 +22,14 @@ from tonpolicy.contract.gate import compare_logprobs
 from tonpolicy.trainer.process_groups import Layout
 
 CONTRACTS = {
-    "exact": dict(name="qwen3_dense_v1", kernels="invariant", exact_zero=True),
+    "exact": dict(name="qwen3_dense_v2", version=2, kernels="ordered", exact_zero=True),
     "off_policy": dict(name="off_policy", kernels="plain", exact_zero=False),
     # GPU (or Triton's interpreter in tests); not part of the default job lists.
     "triton": dict(name="qwen3_dense_triton_v1", kernels="triton", exact_zero=True, attention_tile=64),
 }
 CPU_CONTRACTS = ("exact", "off_policy")
 # The exact contract of each model family (the same kernel set and parameters; the name says whose).
-FAMILY_CONTRACTS = {"qwen3": "qwen3_dense_v1", "qwen3_moe": "qwen3_moe_v1"}
+FAMILY_CONTRACTS = {"qwen3": "qwen3_dense_v2", "qwen3_moe": "qwen3_moe_v2"}
 
 
 def make_config(
@@ -93,7 +93,7 @@ def checkpoints_and_rollouts(
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         cks[name] = str(Path(root) / f"{prefix}{name}")
         save_hf(init_state_dict(cfg, dtype, seed), cfg, cks[name])
-        for contract, kernels in (("exact", "invariant"), ("off_policy", "plain")):
+        for contract, kernels in (("exact", CONTRACTS["exact"]["kernels"]), ("off_policy", "plain")):
             ros[(name, contract)] = rollout(cks[name], kernels, n, prompt_len, max_new_tokens, temperature)
     return cks, ros
 

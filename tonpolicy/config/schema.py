@@ -34,12 +34,12 @@ class SGLangSettings:
 
 @dataclass
 class ContractConfig:
-    name: str = "qwen3_dense_v1"
-    version: int = 1
+    name: str = "qwen3_dense_v2"
+    version: int = 2
     family: str = "qwen3"
     # Promise of the contract: rollout and trainer logprobs are bitwise equal.
     exact_zero: bool = True
-    kernels: str = "invariant"  # "invariant" | "triton" | "plain" (the negative control)
+    kernels: str = "ordered"  # "ordered" (v2) | "invariant" (v1) | "triton" | "plain" (the negative control)
     dtype: str = "bfloat16"  # "bfloat16" | "float32": weights and activations
     accumulate_dtype: str = "float32"  # matmuls, norms' statistics, softmax, logprobs
     attention_tile: int = 32  # split-KV key tile shared by prefill, decode and ring CP

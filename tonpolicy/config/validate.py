@@ -21,13 +21,13 @@ from tonpolicy.config.schema import Config, value_at
 from tonpolicy.config.sglang_rules import check_sglang
 from tonpolicy.config.sizes import microbatches_per_replica, seq_pad_multiple, world_size
 from tonpolicy.families import ANY_FAMILY, FAMILIES
-from tonpolicy.kernels import INVARIANT_KERNEL_SETS, LOGITS_DTYPES
+from tonpolicy.kernels import BF16_LOGITS_KERNEL_SETS, INVARIANT_KERNEL_SETS, LOGITS_DTYPES
 
 # Values that were renamed, so an old config is told the new name.
 RENAMED = {("contract.kernels", "contract"): "invariant", ("contract.kernels", "default"): "plain"}
 KNOWN = {
     "mode": ("plan", "run", "align"),
-    "contract.kernels": ("invariant", "triton", "plain"),
+    "contract.kernels": ("ordered", "invariant", "triton", "plain"),
     "model.family": tuple(FAMILIES),
     "contract.family": (*FAMILIES, ANY_FAMILY),
     "contract.dtype": ("bfloat16", "float32"),
@@ -364,7 +364,7 @@ def _check_contract(cfg: Config, bad: Any) -> None:
         bad("contract.sglang.rl_on_policy_target", "released SGLang accepts only 'fsdp' (or null to omit the flag)")
     if c.logits_dtype not in LOGITS_DTYPES:
         bad("contract.logits_dtype", f"must be one of {list(LOGITS_DTYPES)}")
-    elif c.logits_dtype == "bfloat16" and (c.kernels != "invariant" or c.dtype != "bfloat16"):
+    elif c.logits_dtype == "bfloat16" and (c.kernels not in BF16_LOGITS_KERNEL_SETS or c.dtype != "bfloat16"):
         bad("contract.logits_dtype", "bfloat16 logits are a choice of the contract kernels on a bfloat16 model")
     if c.kernels == "invariant" and c.row_tile >= 1:
         # Measured on CPU GEMMs: any multiple-of-4 row count gives the same row bits, 1-3 rows do not.

@@ -9,9 +9,10 @@ from tonpolicy.config.schema import ContractConfig
 from tonpolicy.contract.identity import build_info, kernel_params
 from tonpolicy.cpu_numerics import describe_host
 from tonpolicy.kernels.host_check import Failure, Shapes, probe_cached
+from tonpolicy.kernels.ordered_gemm import OrderedKernelsUnavailable
 
 # Kernel sets whose invariances are probed on a CPU (the triton set runs on GPUs; default promises none).
-PROBED_KERNEL_SETS = ("invariant",)
+PROBED_KERNEL_SETS = ("ordered", "invariant")
 
 
 def kernel_problems(model: ModelConfig, kernels: str, params: dict, dtype: str) -> list[str]:
@@ -29,7 +30,11 @@ def kernel_problems(model: ModelConfig, kernels: str, params: dict, dtype: str) 
         canonical_shards=params.get("canonical_shards", 4),
         attention_tile=params.get("attention_tile", 32),
     )
-    return failure_lines(probe_cached(kernels, tuple(sorted(params.items())), shapes))
+    try:
+        failures = probe_cached(kernels, tuple(sorted(params.items())), shapes)
+    except OrderedKernelsUnavailable as e:  # contract v2 on a host that cannot build its kernels
+        return [str(e)]
+    return failure_lines(failures)
 
 
 def host_problems(model: ModelConfig, contract: ContractConfig) -> list[str]:

@@ -1,9 +1,11 @@
 """The host check: before a job starts, probe on this host every invariance the contract kernels rely on,
 at the job's shapes, in well under a second.
 
-The GEMMs are exact by construction (tonpolicy.kernels.exact_gemm); what the check proves for them is
-the one premise of that construction (the library's fp64 GEMM is IEEE: integers below 2^53 sum
-exactly), and it probes the rest of the kernel set, whose elementwise and fixed-length row ops run
+The GEMMs are exact by construction (tonpolicy.kernels.exact_gemm, v1) or own their order
+(tonpolicy.kernels.ordered_gemm, v2); what the check proves for them is the one premise of that
+construction (v1: the library's fp64 GEMM is IEEE, integers below 2^53 sum exactly; v2: the compiled
+path, the pair instruction where the CPU has it, equals the chain's scalar definition), and it probes
+the rest of the kernel set, whose elementwise and fixed-length row ops run
 through torch's vectorised code: a row's bits must not depend on the row count, its position, the column
 shard, the canonical K-shards or the thread count; attention's prefill must equal its decode.
 `TONPOLICY_HOST_CHECK_FAIL=<property>` makes that property fail (for tests of the refusal path).
@@ -70,6 +72,21 @@ def _fp64_exact(k: int) -> bool:
     return True
 
 
+def _ordered_definition(k: int, dtype: torch.dtype) -> bool:
+    """The ordered GEMM's compiled path (the pair instruction, or its FMA emulation) equals the scalar
+    definition, flushed subnormals and signed zeros included."""
+    from tonpolicy.kernels import ordered_gemm
+
+    x = _randn((5, k), dtype, k + 7)
+    w = _randn((33, k), dtype, k + 8, k**-0.5)
+    x[1, : min(k, 8)] = 1e-39  # subnormal operands read as zero
+    x[2] = -0.0
+    w[3, : min(k, 8)] = 3e-38  # products below the normal range flush
+    fast = ordered_gemm.linear_partials(x, w, 1)
+    ref = ordered_gemm.reference_linear_partials(x, w, 1)
+    return torch.equal(fast.view(torch.int32), ref.view(torch.int32))
+
+
 def _rows_invariant(fn, x: torch.Tensor) -> bool:  # noqa: ANN001
     """fn's row results of slices of x equal the same rows of fn(x)."""
     full = fn(x)
@@ -98,7 +115,11 @@ def probe(kernels, s: Shapes) -> list[Failure]:  # noqa: ANN001
     c = s.canonical_shards
     contractions = sorted({s.hidden, s.intermediate // c, s.hidden // c, s.head_dim, 2 * s.hidden, s.attention_tile})
     for k in contractions:
-        check("gemm.fp64_exact", f"K={k}", _fp64_exact(k), "fp64 GEMM of integers below 2^53 is not exact")
+        if kernels.name == "ordered":
+            ok = _ordered_definition(k, dtype)
+            check("gemm.ordered_chain", f"K={k}", ok, "the compiled GEMM differs from the chain's scalar definition")
+        else:
+            check("gemm.fp64_exact", f"K={k}", _fp64_exact(k), "fp64 GEMM of integers below 2^53 is not exact")
     threads = torch.get_num_threads()
     for k, n, name in ((s.hidden, s.intermediate, "gate_up"), (s.intermediate, s.hidden, "down")):
         n = min(n, COLS)

@@ -24,6 +24,8 @@ class InvariantKernels:
     # Keys pooled per KV head in their GEMM layout ([D, keys] keys, [keys, D] values): decode upcasts the
     # visible prefix row by row, where the token layout cost a transposing copy of every key per step.
     kv_pool_layout = "head"
+    # The attention's two GEMMs (scores, p @ v).
+    products = invariant_attention.EXACT
 
     def __init__(
         self,
@@ -147,7 +149,7 @@ class InvariantKernels:
         if self._batched is None or self._batched[0] != geometry:
             plan = invariant_attention.plan_attention(q.shape, q_pos, keys, self.row_tile, inplace, trim)
             self._batched = (geometry, plan)
-        return invariant_attention.attention(q, q_pos, keys, scale, self.row_tile, self._batched[1])
+        return invariant_attention.attention(q, q_pos, keys, scale, self.row_tile, self._batched[1], self.products)
 
     def attention_pooled(
         self,
@@ -186,7 +188,8 @@ class InvariantKernels:
         if template.slot_index is not slots or template.slots != slots.tolist():  # the caller's tensor, as it is now
             template = template.with_slots(slots)
             self._pooled[geometry] = (template, plan)
-        return invariant_attention.attention(q, q_pos, template.over(k_pool, v_pool), scale, self.row_tile, plan)
+        keys = template.over(k_pool, v_pool)
+        return invariant_attention.attention(q, q_pos, keys, scale, self.row_tile, plan, self.products)
 
     def kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """Keys/values are cached in the model dtype (what the projections produced); each tile is
@@ -199,7 +202,7 @@ class InvariantKernels:
         if k.shape[0] != self.attention_tile:
             raise ValueError(f"attention_tile_partial takes exactly {self.attention_tile} keys, got {k.shape[0]}")
         keys = invariant_attention.key_tiles(k[None], v[None], k_pos[None], self.attention_tile)
-        return invariant_attention.tile_partial(q, q_pos, keys, scale, self.row_tile)
+        return invariant_attention.tile_partial(q, q_pos, keys, scale, self.row_tile, self.products)
 
     def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:
         return invariant_attention.merge(a, b)

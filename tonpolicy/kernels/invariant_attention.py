@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -221,6 +223,22 @@ class _Block:
     real: int
 
 
+class Products(NamedTuple):
+    """The attention's two GEMMs under a contract: `scores(rows, q_dtype, k, k_dtype)` (rows [B, R, D] x k
+    [B, D, N] over the head dim) and `pv(p, v, v_dtype)` (p [B, R, T] x v [B, T, D] over a key tile), both
+    fp32; the dtypes name where the (upcast) values come from."""
+
+    scores: Callable[[torch.Tensor, torch.dtype, torch.Tensor, torch.dtype], torch.Tensor]
+    pv: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+
+# Contract v1's: the exact fixed-point products.
+EXACT = Products(
+    scores=lambda rows, q_dtype, k, k_dtype: exact_gemm.matmul_as(rows, q_dtype, k, k_dtype, short_k=True),
+    pv=exact_gemm.pv_product,
+)
+
+
 @dataclass
 class Plan:
     """What an attention call computes where: everything that depends only on the positions and the key
@@ -292,20 +310,32 @@ def _query_rows(q: torch.Tensor, heads: int, nqp: int) -> torch.Tensor:
 
 
 def _block_partials(
-    rows: torch.Tensor, keys: Keys, blk: _Block, scale: float, inplace: bool, q_dtype: torch.dtype
+    rows: torch.Tensor,
+    keys: Keys,
+    blk: _Block,
+    scale: float,
+    inplace: bool,
+    q_dtype: torch.dtype,
+    products: Products,
 ) -> AttnPartial:
     """Partials of query rows [B*Hkv, R, D] over the block's key tiles, tile-major: m/l [n, B*Hkv, R'],
     acc [n, B*Hkv, R', D] (R' = R, or in place the block's real rows). Spans of `keys.chunk` tiles give
     the same bits as one span (a score's bits do not depend on the GEMM's column count)."""
     rows_real = rows[:, : blk.real].contiguous() if blk.real < rows.shape[1] else rows
-    spans = [_span_partials(rows_real, keys, sp, scale, inplace, q_dtype) for sp in blk.spans]
+    spans = [_span_partials(rows_real, keys, sp, scale, inplace, q_dtype, products) for sp in blk.spans]
     if len(spans) == 1:
         return spans[0]
     return AttnPartial(*(torch.cat([getattr(p, f) for p in spans]) for f in ("m", "l", "acc")))
 
 
 def _span_partials(
-    rows: torch.Tensor, keys: Keys, sp: _Span, scale: float, inplace: bool, q_dtype: torch.dtype
+    rows: torch.Tensor,
+    keys: Keys,
+    sp: _Span,
+    scale: float,
+    inplace: bool,
+    q_dtype: torch.dtype,
+    products: Products,
 ) -> AttnPartial:
     """Scores of `rows` (every row of the GEMM a real query's: the score GEMM's row bits were measured
     independent of its row count down to 1 row, tests/kernels/test_kernels_attention.py), softmax partials, and
@@ -313,7 +343,7 @@ def _span_partials(
     bh, r, d = rows.shape
     t, n = keys.tile, sp.b - sp.a
     k, v = keys.span(sp.a, sp.b)
-    s = exact_gemm.matmul_as(rows, q_dtype, k, keys.source_dtype, short_k=True)  # over the head dim
+    s = products.scores(rows, q_dtype, k, keys.source_dtype)  # over the head dim
     s = s.view(-1, keys.heads, r, n, t)  # [B, Hkv, R, n, T]
     j = sp.mask_from
     if not inplace:
@@ -337,7 +367,7 @@ def _span_partials(
     l = p.sum(dim=-1)  # noqa: E741
     # Tile-major, so the merge reads each tile's partials contiguously.
     p_tiles = p.permute(3, 0, 1, 2, 4).reshape(n * bh, r, t)
-    acc = exact_gemm.pv_product(p_tiles, v.reshape(n * bh, t, d), keys.source_dtype).view(n, bh, r, d)
+    acc = products.pv(p_tiles, v.reshape(n * bh, t, d), keys.source_dtype).view(n, bh, r, d)
     return AttnPartial(m.permute(3, 0, 1, 2).reshape(n, bh, r), l.permute(3, 0, 1, 2).reshape(n, bh, r), acc)
 
 
@@ -390,10 +420,18 @@ def key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int) 
 
 
 def attention(
-    q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float, granule: int, plan: Plan | None = None
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: Keys,
+    scale: float,
+    granule: int,
+    plan: Plan | None = None,
+    products: Products | None = None,
 ) -> torch.Tensor:
     """q [B, Nq, Hq, D] at positions q_pos [B, Nq] over `keys` (from `key_tiles` or `PooledKeyTiles`)
-    -> [B, Nq, Hq, D] in q.dtype. `plan`: from `plan_attention` for these positions and key geometry."""
+    -> [B, Nq, Hq, D] in q.dtype. `plan`: from `plan_attention` for these positions and key geometry;
+    `products`: the contract's two GEMMs (v1's exact products by default)."""
+    products = products or EXACT
     b, nq, hq, d = q.shape
     heads, g = keys.heads, hq // keys.heads
     inplace = in_place(q, keys)
@@ -407,23 +445,26 @@ def attention(
     out = []
     for blk in plan.blocks:
         r = rows[:, blk.q0 * g : blk.q1 * g].contiguous()
-        parts = _block_partials(r, keys, blk, scale, inplace, q.dtype)
+        parts = _block_partials(r, keys, blk, scale, inplace, q.dtype, products)
         out.append(finalize(merge_tiles(parts, inplace), q.dtype))
     o = torch.cat(out, dim=1) if len(out) > 1 else out[0]  # [B*Hkv, Nq'*G, D]: real rows, or all
     nr = o.shape[1] // g
     return o.view(b, heads, nr, g, d).permute(0, 2, 1, 3, 4).reshape(b, nr, hq, d)[:, :nq]
 
 
-def tile_partial(q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float, granule: int) -> AttnPartial:
+def tile_partial(
+    q: torch.Tensor, q_pos: torch.Tensor, keys: Keys, scale: float, granule: int, products: Products | None = None
+) -> AttnPartial:
     """The partial of q [Nq, Hq, D] over one key tile (ring context parallelism merges these):
     m/l [Nq, Hq], acc [Nq, Hq, D]."""
+    products = products or EXACT
     nq, hq, _ = q.shape
     heads, g = keys.heads, hq // keys.heads
     inplace = in_place(q, keys)
     plan = plan_attention(q[None].shape, q_pos[None], keys, granule, inplace)
     rows = _query_rows(q[None], heads, plan.nqp)
     parts = [  # one key tile: every block's one span covers it, seen or not
-        _block_partials(rows[:, blk.q0 * g : blk.q1 * g].contiguous(), keys, blk, scale, inplace, q.dtype)
+        _block_partials(rows[:, blk.q0 * g : blk.q1 * g].contiguous(), keys, blk, scale, inplace, q.dtype, products)
         for blk in plan.blocks
     ]
     m, l, acc = (torch.cat([getattr(p, f)[0] for p in parts], dim=1) for f in ("m", "l", "acc"))  # noqa: E741

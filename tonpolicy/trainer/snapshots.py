@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tonpolicy.kernels import exact_gemm
+from tonpolicy.kernels import weights_updated
 
 
 class PolicySnapshots:
@@ -53,4 +53,4 @@ class PolicySnapshots:
     def _load(params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         for p, v in zip(params, values, strict=True):
             p.data.copy_(v)
-        exact_gemm.weights_updated()  # `.data` writes bump no version: forget the quantized weights
+        weights_updated()  # `.data` writes bump no version: forget the cached weights

@@ -19,7 +19,13 @@ from tonpolicy.config.model import check_same_architecture
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
-from tonpolicy.kernels import INVARIANT_KERNEL_SETS, exact_gemm, get_kernels, logprob_temperature, padded_vocab_size
+from tonpolicy.kernels import (
+    INVARIANT_KERNEL_SETS,
+    get_kernels,
+    logprob_temperature,
+    padded_vocab_size,
+    weights_updated,
+)
 from tonpolicy.rl.objective import PPOConfig, importance_weights, mean_loss, metrics, token_loss
 from tonpolicy.trainer import routes, schedule
 from tonpolicy.trainer.model import build_gpt
@@ -255,7 +261,7 @@ class TrainerWorker:
                     ok = False
                     break
                 updated, grad_norm, _ = self.optimizer.step()
-                exact_gemm.weights_updated()  # the optimizer writes the params through `.data`
+                weights_updated()  # the optimizer writes the params through `.data`
                 ok = ok and bool(updated)
                 norms.append(float(grad_norm))
         finally:

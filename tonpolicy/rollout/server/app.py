@@ -2,7 +2,7 @@
 
     python -m tonpolicy.rollout.server --config resolved_config.yaml [--port 0 --port-file PATH]
     python -m tonpolicy.rollout.server --model-path CKPT --kernels contract --dtype bfloat16 \\
-        --contract-name qwen3_dense_v1 --contract-version 1 --contract-fingerprint SHA256
+        --contract-name qwen3_dense_v2 --contract-version 2 --contract-fingerprint SHA256
 
 Endpoints: SGLang's native ones (tonpolicy.rollout.server.native_routes: `POST|PUT /generate`, `GET /health`
 (and `/health_generate`), `GET /get_server_info` (`/server_info`), `GET /get_model_info`

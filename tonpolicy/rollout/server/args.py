@@ -37,7 +37,7 @@ class ServerArgs:
     # The run's model profile; a checkpoint must match its architecture. None: ModelConfig() when
     # there is no checkpoint, the checkpoint's own config.json otherwise.
     model: ModelConfig | None = None
-    kernels: str = "invariant"
+    kernels: str = "ordered"
     kernel_params: dict[str, Any] = field(default_factory=dict)
     dtype: str = "bfloat16"
     max_running_requests: int = 8
