@@ -12,20 +12,17 @@ Its bits equal exact_gemm's by construction, not by measurement:
   one rounding to fp32.
 tests/kernels/test_exact_gemv.py checks bit equality against exact_gemm on many shapes and dtypes.
 
-exact_gemv.cpp is compiled once per (source, compiler, CPU flags) with g++ into TONPOLICY_KERNEL_CACHE
-(default ~/.cache/tonpolicy/kernels; ~1 s) and loaded with ctypes. Without g++, or with
-TONPOLICY_EXACT_GEMV=0, `linear_partials` returns None and exact_gemm's torch path runs: the same bits.
+exact_gemv.cpp is compiled once per (source, compiler, flags, CPU flags) with g++ into
+TONPOLICY_KERNEL_CACHE (default ~/.cache/tonpolicy/kernels; ~1 s; tonpolicy.kernels.native_build) and loaded
+with ctypes. Without g++, or with TONPOLICY_EXACT_GEMV=0, `linear_partials` returns None and exact_gemm's
+torch path runs: the same bits.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -33,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tonpolicy.kernels import exact_gemm
+from tonpolicy.kernels import exact_gemm, native_build
 
 MAX_ROWS = 4  # rows x slices accumulators live in registers: up to 8
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -59,27 +56,13 @@ def _cpu_flags() -> str:
 
 def library_path() -> Path | None:
     """The compiled kernel for this source, compiler and CPU (built on first use), or None."""
-    cxx = os.environ.get("CXX") or shutil.which("g++")
-    if not cxx:
+    try:
+        return native_build.build("exact_gemv", SOURCE_FILE, FLAGS, extra_key=[_cpu_flags(), platform.machine()])
+    except native_build.NoCompilerError:
         return None
-    source = SOURCE_FILE.read_text()
-    tag = hashlib.sha256("\0".join([source, cxx, *FLAGS, _cpu_flags(), platform.machine()]).encode()).hexdigest()
-    cache = Path(os.environ.get("TONPOLICY_KERNEL_CACHE", Path.home() / ".cache" / "tonpolicy" / "kernels"))
-    lib = cache / f"exact_gemv_{tag[:16]}.so"
-    if lib.exists():
-        return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        src = Path(tmp) / "exact_gemv.cpp"
-        src.write_text(source)
-        out = Path(tmp) / lib.name
-        done = subprocess.run([cxx, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
-        if done.returncode:
-            msg = f"exact_gemv: {cxx} failed, the torch path runs (same bits):\n{done.stderr[-2000:]}"
-            warnings.warn(msg, stacklevel=2)
-            return None
-        os.replace(out, lib)  # atomic: concurrent builders each publish a whole file
-    return lib
+    except native_build.NativeBuildError as e:
+        warnings.warn(f"exact_gemv: the build failed, the torch path runs (same bits):\n{e}", stacklevel=2)
+        return None
 
 
 def kernel():  # noqa: ANN201
