@@ -10,7 +10,7 @@ from tonpolicy.config.compose import compose_config, group_options
 from tonpolicy.config.schema import GROUPS, Config
 from tonpolicy.config.validate import ConfigError, validate
 
-MOE_CONTRACTS = ("qwen3_moe_v2",)
+MOE_CONTRACTS = ("qwen3_moe_v1", "qwen3_moe_v2")
 
 
 def test_every_group_has_options() -> None:

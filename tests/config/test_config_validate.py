@@ -177,7 +177,7 @@ CASES = [
         ],
     ),
     (
-        ["contract.row_tile=6", "contract.prefill_row_tile=500"],
+        ["contract=qwen3_dense_v1", "contract.row_tile=6", "contract.prefill_row_tile=500"],
         [
             "contract.row_tile=6: must be a multiple of 4 (GEMMs of 1-3 rows take another path, other bits)",
             "contract.prefill_row_tile=500: must be a multiple of contract.row_tile=6",
