@@ -17,6 +17,7 @@ import pytest
 from support.e2e_common import records
 
 from tonpolicy.cpu_numerics import ISA_VARIABLES, cpu_info
+from tonpolicy.kernels import ordered_gemm
 
 pytestmark = pytest.mark.slow  # a fresh interpreter per instruction-set cell
 
@@ -37,6 +38,9 @@ if "avx512_bf16" in FLAGS:
     CELLS.append({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"})
 if "amx_tile" in FLAGS:
     CELLS.append({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"})
+# Contract v2's own paths (the pair instruction, its AVX-512 and AVX2 emulations) on this CPU, each forced.
+ORDERED_CELLS = [{ordered_gemm.ISA_ENV: path} for path in ordered_gemm.isa_paths()]
+CELLS += ORDERED_CELLS
 # Cells that also run a 2-step default job; every cell runs the kernel invariance tests. The uncapped
 # host's job is the e2e tests' own, so the jobs run where dispatch is capped: no vector ISA, an AVX2 laptop.
 DEEP = [1, 6]
@@ -49,7 +53,7 @@ KERNEL_TESTS = [
 
 
 def _env(cell: dict[str, str]) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if k not in ISA_VARIABLES}
+    base = {k: v for k, v in os.environ.items() if k not in ISA_VARIABLES and k != ordered_gemm.ISA_ENV}
     return base | cell | {"PYTHONPATH": str(TESTS)}
 
 
@@ -83,6 +87,15 @@ def test_contract_gemm_bits_are_the_same_in_every_cell(cells: dict[str, dict]) -
     assert len(set(hashes.values())) == 1, hashes
     # the cells really took other paths: torch's vector ISA moved
     assert len({c["capability"] for c in cells.values()}) >= 2
+
+
+def test_ordered_forward_bits_are_the_same_on_every_ordered_path(cells: dict[str, dict]) -> None:
+    """A whole v2 forward (mixed batches, bf16 and fp32) gives the same bits on every compiled path this
+    CPU runs (the pair instruction or its FMA emulations), forced one at a time."""
+    ordered = {_name(c): cells[_name(c)] for c in ORDERED_CELLS}
+    assert {c["ordered_isa"] for c in ordered.values()} == set(ordered_gemm.isa_paths())
+    hashes = {name: c["forward_hash"] for name, c in {**ordered, "host": cells["host"]}.items()}
+    assert len(set(hashes.values())) == 1, hashes
 
 
 def test_library_gemms_fail_some_cell(cells: dict[str, dict]) -> None:

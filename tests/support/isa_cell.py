@@ -1,6 +1,8 @@
 """One cell of the instruction-set matrix (tests/kernels/test_isa_matrix.py), run in a fresh process under the
-cell's caps: prints a JSON line with the host check's failures, a hash of the contract GEMM's bits, and
-how many rows the pre-exact strategy (library GEMMs in fixed row tiles) got wrong (the negative control)."""
+cell's caps: prints a JSON line with the host check's failures, a hash of the contract GEMMs' bits (v2's
+ordered GEMM and v1's exact one), a hash of a whole v2 forward (greedy generation over a mixed batch:
+logits' argmax and logprobs, bf16 and fp32), and how many rows the pre-exact strategy (library GEMMs in
+fixed row tiles) got wrong (the negative control)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.contract.host import host_problems
-from tonpolicy.kernels import exact_gemm, get_kernels
+from tonpolicy.kernels import exact_gemm, get_kernels, ordered_gemm
 
 
 def old_strategy_mismatches() -> int:
@@ -60,6 +62,35 @@ def gemm_hash() -> str:
     return h.hexdigest()
 
 
+def _integer_draws(shape: tuple[int, ...], g: torch.Generator, scale: float) -> torch.Tensor:
+    """Values that are the same under every cap (randn is not: its vectorised Box-Muller follows the CPU
+    capability): integers scaled by a power of two."""
+    return torch.randint(-(2**12), 2**12, shape, generator=g).double() * scale
+
+
+def forward_hash() -> str:
+    """A whole forward of the default model under contract v2: greedy generation of several prompts of
+    different lengths, 4 at a time (prefill and decode rows in one batch), every token's id and logprob."""
+    from tonpolicy.config.model import ModelConfig
+    from tonpolicy.model.checkpoint import param_shapes
+    from tonpolicy.model.qwen3 import Qwen3
+    from tonpolicy.rollout.engine import Engine, GenRequest
+
+    cfg = ModelConfig()
+    h = hashlib.sha256()
+    for dt in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(2)
+        sd = {}
+        for name, shape in param_shapes(cfg).items():
+            w = 1.0 + _integer_draws(shape, g, 2**-15) if len(shape) == 1 else _integer_draws(shape, g, 2**-17)
+            sd[name] = w.to(dt)
+        engine = Engine(Qwen3(cfg, get_kernels("ordered"), dt, sd), max_running_requests=4)
+        prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 33, 70, 1, 17, 40)]
+        for r in engine.generate([GenRequest(p, 6, temperature=0.0) for p in prompts]):
+            h.update(json.dumps([r.output_ids, [float(x).hex() for x in r.output_logprobs]]).encode())
+    return h.hexdigest()
+
+
 def main() -> None:
     problems = []
     for dtype in ("bfloat16", "float32"):
@@ -71,6 +102,8 @@ def main() -> None:
                 "capability": torch.backends.cpu.get_cpu_capability(),
                 "problems": problems,
                 "gemm_hash": gemm_hash(),
+                "forward_hash": forward_hash(),
+                "ordered_isa": ordered_gemm.chosen_path(),
                 "old_mismatches": old_strategy_mismatches(),
                 "single_row_mismatches": single_row_mismatches(),
             }
