@@ -30,7 +30,7 @@ from tonpolicy.model import Qwen3, init_state_dict
 from tonpolicy.rl.task import make_prompts
 from tonpolicy.rollout.engine import Engine, GenRequest
 
-# contract qwen3_dense_v1's kernel fields; experiment=learn's batch; rollout=embedded's batch limit
+# the contract's kernel fields (v1 and v2 share them); experiment=learn's batch; rollout=embedded's batch limit
 KERNEL_FIELDS = dict(attention_tile=32, canonical_shards=4, row_tile=4, prefill_row_tile=512)
 PROMPTS, SAMPLES, MAX_PROMPT_LEN, TOP_K, MAX_RUNNING = 16, 4, 8, 16, 8
 OPS = (
@@ -77,12 +77,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (the server's default on 2 cores)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--kernels", default="ordered", help="the contract's kernel set: ordered (v2) or invariant (v1)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     print(f"tonpolicy from {os.path.dirname(tonpolicy.__file__)}; load average {os.getloadavg()[0]:.1f}")
     cfg, dtype = ModelConfig(), torch.bfloat16
     sd = init_state_dict(cfg, dtype, seed=0)
-    kernels = {"plain": get_kernels("plain"), "contract": get_kernels("invariant", **KERNEL_FIELDS)}
+    kernels = {"plain": get_kernels("plain"), "contract": get_kernels(a.kernels, **KERNEL_FIELDS)}
     engines = {
         k: Engine(Qwen3(cfg, kern, dtype, state_dict=sd), max_running_requests=MAX_RUNNING)
         for k, kern in kernels.items()
