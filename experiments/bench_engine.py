@@ -1,4 +1,4 @@
-"""Engine throughput and memory under the `invariant` kernels vs the `plain` (plain torch) kernels.
+"""Engine throughput and memory under the contract's kernels (`ordered`, v2) vs the `plain` (plain torch) kernels.
 
 Same model weights, same workload, one process; runs alternate between the two kernel sets and the
 median of `--repeats` is kept, so machine noise hits both alike. Prefill tokens/s comes from runs with
@@ -37,9 +37,11 @@ MODELS = {
     "tiny": (ModelConfig(), dict(requests=16, prompt=200, gen=32)),
     "large": (CPU_1024, dict(requests=16, prompt=128, gen=16)),
 }
-KINDS = ("invariant", "plain")
+# The contract's kernel set (v2; `invariant` is v1) and the plain control.
+CONTRACT = "ordered"
+KINDS = (CONTRACT, "plain")
 # Also measured in bf16: the contract with contract.logits_dtype=bfloat16 (the LM head on the bf16 GEMM).
-BF16_LOGITS = "invariant_bf16_logits"
+BF16_LOGITS = "contract_bf16_logits"
 POOL = dict(slots=16, capacity=1024)  # the fixed KV pool the memory comparison counts
 
 
@@ -109,7 +111,7 @@ def held_bytes(model: Qwen3) -> int:
 
 
 def _kernels(kind: str):  # noqa: ANN202
-    return get_kernels("invariant", logits_dtype="bfloat16") if kind == BF16_LOGITS else get_kernels(kind)
+    return get_kernels(CONTRACT, logits_dtype="bfloat16") if kind == BF16_LOGITS else get_kernels(kind)
 
 
 def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
@@ -135,9 +137,9 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
         td = max(statistics.median(f - p for f, p in zip(times[k]["full"], times[k]["pre"], strict=True)), 1e-9)
         out[f"{k}_prefill_tok_s"] = w["requests"] * w["prompt"] / tp
         out[f"{k}_decode_tok_s"] = w["requests"] * w["gen"] / td
-    out["prefill_ratio"] = out["plain_prefill_tok_s"] / out["invariant_prefill_tok_s"]
-    out["decode_ratio"] = out["plain_decode_tok_s"] / out["invariant_decode_tok_s"]
-    out["memory_ratio"] = memory["invariant"] / memory["plain"]
+    out["prefill_ratio"] = out["plain_prefill_tok_s"] / out[f"{CONTRACT}_prefill_tok_s"]
+    out["decode_ratio"] = out["plain_decode_tok_s"] / out[f"{CONTRACT}_decode_tok_s"]
+    out["memory_ratio"] = memory[CONTRACT] / memory["plain"]
     if BF16_LOGITS in models:
         out["bf16_logits_decode_ratio"] = out["plain_decode_tok_s"] / out[f"{BF16_LOGITS}_decode_tok_s"]
         out["bf16_logits_memory_ratio"] = memory[BF16_LOGITS] / memory["plain"]
@@ -158,7 +160,7 @@ def one_request(models: dict[str, Qwen3], cfg: ModelConfig, prompt: int, gen: in
     for k, m in models.items():
         total = _time(m, full, min_s=MIN_MEASURE_S)
         out["op_ms"][k] = {n: share * total / (gen + 1) * 1e3 for n, share in breakdown(m, full).items()}
-    out["decode_ratio"] = out["decode_ms"]["invariant"] / out["decode_ms"]["plain"]
+    out["decode_ratio"] = out["decode_ms"][CONTRACT] / out["decode_ms"]["plain"]
     if BF16_LOGITS in models:
         out["bf16_logits_decode_ratio"] = out["decode_ms"][BF16_LOGITS] / out["decode_ms"]["plain"]
     out["row_tile"] = row_tile_cost(cfg, next(iter(models.values())).dtype)
@@ -240,17 +242,17 @@ def main() -> None:
             data["runs"][f"{name}/{short}"] = r
             print(
                 f"{name:6s} {short} (hidden {r['hidden']}, {r['layers']} layers): prefill tok/s contract "
-                f"{r['invariant_prefill_tok_s']:.0f} plain {r['plain_prefill_tok_s']:.0f} ratio "
-                f"{r['prefill_ratio']:.2f}x | decode tok/s contract {r['invariant_decode_tok_s']:.1f} plain "
+                f"{r[f'{CONTRACT}_prefill_tok_s']:.0f} plain {r['plain_prefill_tok_s']:.0f} ratio "
+                f"{r['prefill_ratio']:.2f}x | decode tok/s contract {r[f'{CONTRACT}_decode_tok_s']:.1f} plain "
                 f"{r['plain_decode_tok_s']:.1f} ratio {r['decode_ratio']:.2f}x | memory "
-                f"{r['bytes']['invariant'] / 2**20:.1f} / {r['bytes']['plain'] / 2**20:.1f} MiB"
+                f"{r['bytes'][CONTRACT] / 2**20:.1f} / {r['bytes']['plain'] / 2**20:.1f} MiB"
             )
-            prof = r["profile"]["invariant"]["full"]
+            prof = r["profile"][CONTRACT]["full"]
             print("    contract, where the time goes: " + ", ".join(f"{n} {s:.0%}" for n, s in prof.items()))
             one = r["one_request"]
             ms = ", ".join(f"{k} {t:.1f}" for k, t in one["decode_ms"].items())
             ops = one["op_ms"]
-            by_op = ", ".join(f"{n} {t:.2f}/{ops['plain'].get(n, 0.0):.2f}" for n, t in ops["invariant"].items())
+            by_op = ", ".join(f"{n} {t:.2f}/{ops['plain'].get(n, 0.0):.2f}" for n, t in ops[CONTRACT].items())
             tile = one["row_tile"]
             print(f"    one request, ms per decode step: {ms} (ratio {one['decode_ratio']:.2f}x)")
             print(f"    one request, ms per step by op (contract/plain): {by_op}")

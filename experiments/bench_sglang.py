@@ -87,7 +87,7 @@ def server_command(
             "--model-path",
             str(ckpt),
             "--kernels",
-            "invariant",
+            "ordered",
             "--dtype",
             dtype,
             "--port",
@@ -103,7 +103,7 @@ def server_command(
             *(["--logits-dtype", "bfloat16"] if kind == BF16_LOGITS else []),
         ]
         return argv + ([] if text else ["--skip-tokenizer-init"]), environment(cfg, "cpu")
-    contract = "qwen3_dense_v1" if kind == "sglang+contract" else "off_policy"
+    contract = "qwen3_dense_v2" if kind == "sglang+contract" else "off_policy"
     cfg = compose_config(
         [
             f"contract={contract}",
