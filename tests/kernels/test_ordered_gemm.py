@@ -165,6 +165,7 @@ def test_a_rows_bits_do_not_depend_on_batch_position_threads_or_columns(xd: torc
 @pytest.mark.parametrize("ad,bd", DTYPE_PAIRS)
 def test_bmm_gives_the_reference_bits(ad: torch.dtype, bd: torch.dtype) -> None:
     shapes = [(64, 1, 128, 32), (8, 16, 32, 128), (3, 64, 128, 32), (2, 5, 7, 13), (4, 3, 1, 9), (2, 17, 64, 200)]
+    shapes += [(5, 1, 64, 40), (9, 1, 16, 8), (3, 1, 32, 128), (7, 1, 5, 200)]  # one row: items grouped
     for batch, m, k, n in shapes:
         g = torch.Generator().manual_seed(batch * m + k + n)
         a = _wide((batch, m, k), g, -10, 10)

@@ -190,25 +190,53 @@ constexpr unsigned MXCSR_RUN = MXCSR_IEEE;  // the hand-flushed reference FMA ne
 #endif
 
 typedef Vec::v V;
+// Vector registers the micro-kernels may plan on.
+#if defined(ORDERED_ISA_AVX2)
+constexpr int VREGS = 16;
+#elif defined(ORDERED_ISA_PORTABLE)
+constexpr int VREGS = 1 << 20;
+#else
+constexpr int VREGS = 32;
+#endif
+// The compiler forgets what it knew of p (so loads through it are not merged with earlier ones).
+template <class T>
+inline void opaque(T*& p) {
+  __asm__("" : "+r"(p));
+}
 constexpr int VW = Vec::W;
 constexpr int VP = PANEL / VW;  // vectors per panel
 
-// Register blocking: rows x panels of accumulators. Large M: RB rows (the packed A micro-panel) x NPB
-// panels; M <= RB: M rows x small_panels(M) panels.
+// Register blocking: rows x panels of accumulators. Large M: RB_* rows (the packed A micro-panel) x NPB
+// panels; M <= RB_*: M rows x small_panels(M) panels.
 #if defined(ORDERED_ISA_AVX2)
-constexpr int RB = 6;
-constexpr int NPB = 1;  // 6 x 2 vectors = 12 chains (16 ymm registers)
+constexpr int RB_F32 = 6;    // fp32 weights: 6 x 2 vectors = 12 chains (16 ymm registers)
+constexpr int RB_PAIRS = 4;  // bf16 weights: 4 x 2 = 8 chains, with both halves of both vectors live
+constexpr int NPB = 1;
+constexpr int SMALL_F32 = 6, SMALL_PAIRS = 5;  // most rows of the small-M path (R x NV chains in registers)
 constexpr int small_panels(int r) { return r == 1 ? 4 : r <= 3 ? 2 : 1; }
+constexpr int small_panels_pairs(int r) { return r == 1 ? 4 : r == 2 ? 2 : 1; }
 #else
-constexpr int RB = 8;
+constexpr int RB_F32 = 8;
+constexpr int RB_PAIRS = 8;
 constexpr int NPB = 2;  // 8 x 2 = 16 chains of 32 zmm registers
+constexpr int SMALL_F32 = 8, SMALL_PAIRS = 8;
 constexpr int small_panels(int r) { return r <= 2 ? 4 : r <= 4 ? 2 : r <= 6 ? 3 : 2; }
+constexpr int small_panels_pairs(int r) { return small_panels(r); }
 #endif
 // K-blocks of the large-M path, in steps (k for fp32, pairs for bf16 weights): the weight's slice of a
 // panel (16 KiB) stays in L1 while every row micro-panel of an M-block (A's slice, <= ~200 KiB) streams.
-constexpr int64_t KC_F32 = 256;
-constexpr int64_t KC_PAIR = 256;
-constexpr int64_t MC = 24 * RB;
+#ifndef ORDERED_KC_F32  // (tuning knobs: nothing about the bits depends on them)
+#define ORDERED_KC_F32 256
+#endif
+#ifndef ORDERED_KC_PAIR
+#define ORDERED_KC_PAIR 256
+#endif
+#ifndef ORDERED_MC_BLOCKS
+#define ORDERED_MC_BLOCKS 24
+#endif
+constexpr int64_t KC_F32 = ORDERED_KC_F32;
+constexpr int64_t KC_PAIR = ORDERED_KC_PAIR;
+constexpr int64_t MC_BLOCKS = ORDERED_MC_BLOCKS;  // micro-panels per M-block
 
 enum Chain { F32W = 0, F32B = 1, PAIR = 2 };  // fp32 chain on fp32 / bf16 weights; the bf16 pair chain
 
@@ -291,27 +319,43 @@ template <int R, int NP, bool ODD_FIRST>
 void mk_pairs(const float* a, const uint16_t* w, int64_t ps, int64_t steps, float* c, int64_t ldc, int mrows,
               int ncols, bool from_c, bool half_last) {
   constexpr int NV = NP * VP;
+  // Row-major (each row's two broadcasts feed every vector; all vectors' halves live) when the registers
+  // allow, else vector by vector with the broadcasts loaded again per vector (an opaque pointer keeps the
+  // compiler from hoisting them into registers it does not have).
+  constexpr bool ROW_MAJOR = R * NV + 2 * NV + 2 <= VREGS;
   V acc[R][NV];
   tile_load<R, NV>(acc, c, ldc, mrows, ncols, from_c);
   const int64_t full = (!ODD_FIRST && half_last) ? steps - 1 : steps;
   for (int64_t i = 0; i < full; i++) {
     const float* ae = a + 2 * i * R;
-    const float* ao = ae + R;
-    UNROLL
-    for (int p = 0; p < NP; p++) {
+    if (ROW_MAJOR) {
+      V we[NV], wo[NV];
       UNROLL
-      for (int h = 0; h < VP; h++) {
+      for (int j = 0; j < NV; j++) Vec::split(w + (j / VP) * ps + i * 2 * PANEL + (j % VP) * 2 * VW, we[j], wo[j]);
+      UNROLL
+      for (int r = 0; r < R; r++) {
+        const V be = Vec::bcast(ae + r), bo = Vec::bcast(ae + R + r);
+        UNROLL
+        for (int j = 0; j < NV; j++) acc[r][j] = Vec::fma(ODD_FIRST ? bo : be, ODD_FIRST ? wo[j] : we[j], acc[r][j]);
+        UNROLL
+        for (int j = 0; j < NV; j++) acc[r][j] = Vec::fma(ODD_FIRST ? be : bo, ODD_FIRST ? we[j] : wo[j], acc[r][j]);
+      }
+    } else {
+      UNROLL
+      for (int j = 0; j < NV; j++) {
+        const float* ap = ae;
+        opaque(ap);
         V we, wo;
-        Vec::split(w + p * ps + i * 2 * PANEL + h * 2 * VW, we, wo);
+        Vec::split(w + (j / VP) * ps + i * 2 * PANEL + (j % VP) * 2 * VW, we, wo);
         UNROLL
         for (int r = 0; r < R; r++) {
-          V& s = acc[r][p * VP + h];
+          V& s = acc[r][j];
           if (ODD_FIRST) {
-            s = Vec::fma(Vec::bcast(ao + r), wo, s);
-            s = Vec::fma(Vec::bcast(ae + r), we, s);
+            s = Vec::fma(Vec::bcast(ap + R + r), wo, s);
+            s = Vec::fma(Vec::bcast(ap + r), we, s);
           } else {
-            s = Vec::fma(Vec::bcast(ae + r), we, s);
-            s = Vec::fma(Vec::bcast(ao + r), wo, s);
+            s = Vec::fma(Vec::bcast(ap + r), we, s);
+            s = Vec::fma(Vec::bcast(ap + R + r), wo, s);
           }
         }
       }
@@ -320,14 +364,12 @@ void mk_pairs(const float* a, const uint16_t* w, int64_t ps, int64_t steps, floa
   if (full < steps) {  // the even element alone
     const float* ae = a + 2 * full * R;
     UNROLL
-    for (int p = 0; p < NP; p++)
+    for (int j = 0; j < NV; j++) {
+      V we, wo;
+      Vec::split(w + (j / VP) * ps + full * 2 * PANEL + (j % VP) * 2 * VW, we, wo);
       UNROLL
-      for (int h = 0; h < VP; h++) {
-        V we, wo;
-        Vec::split(w + p * ps + full * 2 * PANEL + h * 2 * VW, we, wo);
-        UNROLL
-        for (int r = 0; r < R; r++) acc[r][p * VP + h] = Vec::fma(Vec::bcast(ae + r), we, acc[r][p * VP + h]);
-      }
+      for (int r = 0; r < R; r++) acc[r][j] = Vec::fma(Vec::bcast(ae + r), we, acc[r][j]);
+    }
   }
   tile_store<R, NV>(acc, c, ldc, mrows, ncols);
 }
@@ -361,7 +403,8 @@ constexpr bool NATIVE_PAIRS = false;
 struct Gemm {
   int chain;
   bool native, w_bf16;
-  int R;
+  bool small;  // the few-rows path (one micro-panel of all rows)
+  int R;       // rows of a micro-panel
   int64_t m, n, k, shards, ks, kp, np, steps_all, wstep, shard_stride, ps, nblk, ablk;
   const void* x;
   int x_bf16;
@@ -402,21 +445,27 @@ void rows_of_panels(const Gemm& g, int64_t c, int64_t panel, int64_t b0, int64_t
 
 typedef void (*RowsFn)(const Gemm&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
 
+// The small-M path's functions for R rows: `panels` of them (small_panels or small_panels_pairs of R) or one.
 template <int R>
-constexpr RowsFn rows_fn(bool one_panel) {
-  return one_panel ? &rows_of_panels<R, 1> : &rows_of_panels<R, small_panels(R)>;
+RowsFn rows_fn(int panels) {
+  switch (panels) {
+    case 1: return &rows_of_panels<R, 1>;
+    case 2: return &rows_of_panels<R, 2>;
+    case 3: return &rows_of_panels<R, 3>;
+    default: return &rows_of_panels<R, 4>;
+  }
 }
-RowsFn small_rows_fn(int r, bool one_panel) {
+RowsFn small_rows_fn(int r, int panels) {
   switch (r) {
-    case 1: return rows_fn<1>(one_panel);
-    case 2: return rows_fn<2>(one_panel);
-    case 3: return rows_fn<3>(one_panel);
-    case 4: return rows_fn<4>(one_panel);
-    case 5: return rows_fn<5>(one_panel);
-    case 6: return rows_fn<6>(one_panel);
+    case 1: return rows_fn<1>(panels);
+    case 2: return rows_fn<2>(panels);
+    case 3: return rows_fn<3>(panels);
+    case 4: return rows_fn<4>(panels);
+    case 5: return rows_fn<5>(panels);
+    case 6: return rows_fn<6>(panels);
 #if !defined(ORDERED_ISA_AVX2)
-    case 7: return rows_fn<7>(one_panel);
-    case 8: return rows_fn<8>(one_panel);
+    case 7: return rows_fn<7>(panels);
+    case 8: return rows_fn<8>(panels);
 #endif
     default: return nullptr;
   }
@@ -497,11 +546,11 @@ void gemm_body(const Gemm& g, int tid, int nth) {
   const int64_t items = g.shards * g.nblk;
   for (int64_t it = items * tid / nth; it < items * (tid + 1) / nth; it++) pack_item(g, it);
 #pragma omp barrier
-  if (g.m <= RB) {
-    // M <= RB rows: one micro-panel, the whole shard's K in registers, the weight read once.
-    const int nps = small_panels(g.R);
+  if (g.small) {
+    // Few rows: one micro-panel, the whole shard's K in registers, the weight read once.
+    const int nps = g.chain == F32W ? small_panels(g.R) : small_panels_pairs(g.R);
     const int64_t groups = (g.np + nps - 1) / nps;
-    const RowsFn full = small_rows_fn(g.R, false), one = small_rows_fn(g.R, true);
+    const RowsFn full = small_rows_fn(g.R, nps), one = small_rows_fn(g.R, 1);
     const int64_t all = g.shards * groups;
     for (int64_t it = all * tid / nth; it < all * (tid + 1) / nth; it++) {
       const int64_t c = it / groups, p0 = (it % groups) * nps;
@@ -523,7 +572,8 @@ void gemm_body(const Gemm& g, int tid, int nth) {
   const int64_t g0 = groups * my_p / tp, g1 = groups * (my_p + 1) / tp;
   const int64_t b0 = g.nblk * my_r / tr, b1 = g.nblk * (my_r + 1) / tr;
   const int64_t kc = g.w_bf16 ? KC_PAIR : KC_F32;
-  const int64_t mcb = MC / RB;  // micro-panels per M-block
+  const int64_t mcb = MC_BLOCKS;
+  const RowsFn big = small_rows_fn(g.R, NPB), one = small_rows_fn(g.R, 1);
   for (int64_t c = 0; c < g.shards; c++)
     for (int64_t s0 = 0; s0 == 0 || s0 < g.steps_all; s0 += kc) {
       const int64_t steps = std::min(kc, g.steps_all - s0);
@@ -532,9 +582,9 @@ void gemm_body(const Gemm& g, int tid, int nth) {
         for (int64_t gi = g0; gi < g1; gi++) {
           const int64_t p0 = gi * NPB;
           if (p0 + NPB <= g.np)
-            rows_of_panels<RB, NPB>(g, c, p0, bb, be, s0, steps);
+            big(g, c, p0, bb, be, s0, steps);
           else
-            for (int64_t p = p0; p < g.np; p++) rows_of_panels<RB, 1>(g, c, p, bb, be, s0, steps);
+            for (int64_t p = p0; p < g.np; p++) one(g, c, p, bb, be, s0, steps);
         }
       }
     }
@@ -580,7 +630,9 @@ int ordered_linear(const void* x, int x_bf16, int64_t m, int64_t k, int64_t lda,
   g.steps_all = w_bf16 ? g.kp / 2 : g.ks;          // steps per shard
   g.shard_stride = g.steps_all * g.wstep;          // a shard's run within a panel
   g.ps = shards * g.shard_stride;                  // panel stride
-  g.R = m <= RB ? (int)m : RB;
+  g.small = m <= (g.chain == F32W ? SMALL_F32 : SMALL_PAIRS);
+  const int64_t rb = g.chain == F32W ? RB_F32 : RB_PAIRS;
+  g.R = g.small ? (int)m : (int)((m + (m + rb - 1) / rb - 1) / ((m + rb - 1) / rb));  // rows spread evenly
   g.nblk = (m + g.R - 1) / g.R;
   g.ablk = g.kp * g.R;  // 32-bit words per packed micro-panel (native pairs use half)
   const size_t words = (size_t)(shards * g.nblk * g.ablk);
@@ -611,10 +663,64 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------------
 // Batched product for attention: out[b] = a[b] [m][k] @ bm[b] [k][n], the fp32 chain over k ascending,
-// lanes over n. R rows x NV vectors of columns per micro-kernel; rows past m computed on row 0's data and
-// not stored.
-template <class TA, class TB, int R, int NV>
-void bmm_micro(const TA* a, int64_t k, const TB* b, int64_t n, float* c, int mrows, int ncols) {
+// lanes over n. R rows x NV vectors of columns per micro-kernel (rows past m computed on row 0's data and
+// not stored); with one row, G batch items at once (independent chains in flight).
+template <class TB>
+inline V load_b(const TB* p) {
+  if constexpr (sizeof(TB) == 4)
+    return Vec::load((const float*)p);
+  else
+    return Vec::load_bf16((const uint16_t*)p);
+}
+template <class TB, int NV>
+inline void load_b_part(const TB* brow, int ncols, V (&bv)[NV]) {
+  alignas(64) float t[NV * VW] = {};
+  for (int i = 0; i < ncols; i++) t[i] = to_f32<TB>(brow[i]);
+  UNROLL
+  for (int j = 0; j < NV; j++) bv[j] = Vec::load(t + j * VW);
+}
+
+// G batch items (a row each: a[g] [k], b[g] [k][n] at gstride_a / gstride_b apart) x NV vectors.
+template <class TA, class TB, int G, int NV, bool FULL>
+void bmm_micro(const TA* a, int64_t k, const TB* b, int64_t n, float* c, int ncols, int64_t sa, int64_t sb,
+               int64_t sc) {
+  V acc[G][NV];
+  UNROLL
+  for (int g = 0; g < G; g++)
+    UNROLL
+    for (int j = 0; j < NV; j++) acc[g][j] = Vec::zero();
+  for (int64_t kk = 0; kk < k; kk++) {
+    UNROLL
+    for (int g = 0; g < G; g++) {
+      const TB* brow = b + g * sb + kk * n;
+      V bv[NV];
+      if (FULL) {
+        UNROLL
+        for (int j = 0; j < NV; j++) bv[j] = load_b<TB>(brow + j * VW);
+      } else {
+        load_b_part<TB, NV>(brow, ncols, bv);
+      }
+      const V av = Vec::set1(to_f32<TA>(a[g * sa + kk]));
+      UNROLL
+      for (int j = 0; j < NV; j++) acc[g][j] = Vec::fma(av, bv[j], acc[g][j]);
+    }
+  }
+  UNROLL
+  for (int g = 0; g < G; g++) {
+    if (FULL) {
+      UNROLL
+      for (int j = 0; j < NV; j++) Vec::store(c + g * sc + j * VW, acc[g][j]);
+    } else {
+      alignas(64) float t[NV * VW];
+      UNROLL
+      for (int j = 0; j < NV; j++) Vec::store(t + j * VW, acc[g][j]);
+      std::memcpy(c + g * sc, t, sizeof(float) * ncols);
+    }
+  }
+}
+
+template <class TA, class TB, int R, int NV, bool FULL>
+void bmm_rows(const TA* a, int64_t k, const TB* b, int64_t n, float* c, int mrows, int ncols) {
   V acc[R][NV];
   UNROLL
   for (int r = 0; r < R; r++)
@@ -623,23 +729,14 @@ void bmm_micro(const TA* a, int64_t k, const TB* b, int64_t n, float* c, int mro
   const TA* rows[R];
   UNROLL
   for (int r = 0; r < R; r++) rows[r] = a + (r < mrows ? r : 0) * k;
-  const bool full = ncols == NV * VW;
   for (int64_t kk = 0; kk < k; kk++) {
-    V bv[NV];
     const TB* brow = b + kk * n;
-    if (full) {
+    V bv[NV];
+    if (FULL) {
       UNROLL
-      for (int j = 0; j < NV; j++) {
-        if constexpr (sizeof(TB) == 4)
-          bv[j] = Vec::load((const float*)brow + j * VW);
-        else
-          bv[j] = Vec::load_bf16((const uint16_t*)brow + j * VW);
-      }
+      for (int j = 0; j < NV; j++) bv[j] = load_b<TB>(brow + j * VW);
     } else {
-      alignas(64) float t[NV * VW] = {};
-      for (int i = 0; i < ncols; i++) t[i] = to_f32<TB>(brow[i]);
-      UNROLL
-      for (int j = 0; j < NV; j++) bv[j] = Vec::load(t + j * VW);
+      load_b_part<TB, NV>(brow, ncols, bv);
     }
     UNROLL
     for (int r = 0; r < R; r++) {
@@ -651,49 +748,87 @@ void bmm_micro(const TA* a, int64_t k, const TB* b, int64_t n, float* c, int mro
   tile_store<R, NV>(acc, c, n, mrows, ncols);
 }
 
-template <class TA, class TB, int R, int NV>
+// Items [i0, i1) of the call's work: (batch item, row block) for m > 1, groups of G batch items for m == 1.
+template <class TA, class TB, int R, int NV, int G>
 void bmm_part(const TA* a, const TB* b, int64_t batch, int64_t m, int64_t k, int64_t n, float* out, int tid,
               int nth) {
   Mxcsr guard(MXCSR_RUN);
-  const int64_t rblk = (m + R - 1) / R;
   const int64_t cw = NV * VW;
   const int64_t cblk = (n + cw - 1) / cw;
+  if (m == 1) {
+    const int64_t groups = (batch + G - 1) / G;
+    for (int64_t it = groups * tid / nth; it < groups * (tid + 1) / nth; it++) {
+      const int64_t b0 = it * G;
+      for (int64_t cb = 0; cb < cblk; cb++) {
+        const int ncols = (int)std::min<int64_t>(cw, n - cb * cw);
+        const bool full = ncols == cw;
+        const TA* ap = a + b0 * k;
+        const TB* bp = b + b0 * k * n + cb * cw;
+        float* cp = out + b0 * n + cb * cw;
+        if (b0 + G <= batch) {
+          if (full)
+            bmm_micro<TA, TB, G, NV, true>(ap, k, bp, n, cp, ncols, k, k * n, n);
+          else
+            bmm_micro<TA, TB, G, NV, false>(ap, k, bp, n, cp, ncols, k, k * n, n);
+        } else {
+          for (int64_t bi = b0; bi < batch; bi++) {
+            const TA* ap1 = a + bi * k;
+            const TB* bp1 = b + bi * k * n + cb * cw;
+            float* cp1 = out + bi * n + cb * cw;
+            if (full)
+              bmm_rows<TA, TB, 1, NV, true>(ap1, k, bp1, n, cp1, 1, ncols);
+            else
+              bmm_rows<TA, TB, 1, NV, false>(ap1, k, bp1, n, cp1, 1, ncols);
+          }
+        }
+      }
+    }
+    return;
+  }
+  const int64_t rblk = (m + R - 1) / R;
   const int64_t items = batch * rblk;
   for (int64_t it = items * tid / nth; it < items * (tid + 1) / nth; it++) {
     const int64_t bi = it / rblk, rb = it % rblk;
     const int mrows = (int)std::min<int64_t>(R, m - rb * R);
     for (int64_t cb = 0; cb < cblk; cb++) {
       const int ncols = (int)std::min<int64_t>(cw, n - cb * cw);
-      bmm_micro<TA, TB, R, NV>(a + (bi * m + rb * R) * k, k, b + bi * k * n + cb * cw, n,
-                               out + (bi * m + rb * R) * n + cb * cw, mrows, ncols);
+      const TA* ap = a + (bi * m + rb * R) * k;
+      const TB* bp = b + bi * k * n + cb * cw;
+      float* cp = out + (bi * m + rb * R) * n + cb * cw;
+      if (ncols == cw)
+        bmm_rows<TA, TB, R, NV, true>(ap, k, bp, n, cp, mrows, ncols);
+      else
+        bmm_rows<TA, TB, R, NV, false>(ap, k, bp, n, cp, mrows, ncols);
     }
   }
 }
 
-template <class TA, class TB, int R, int NV>
+template <class TA, class TB, int R, int NV, int G>
 void bmm_all(const TA* a, const TB* b, int64_t batch, int64_t m, int64_t k, int64_t n, float* out, int nt) {
-  if (nt == 1) return bmm_part<TA, TB, R, NV>(a, b, batch, m, k, n, out, 0, 1);
+  if (nt == 1) return bmm_part<TA, TB, R, NV, G>(a, b, batch, m, k, n, out, 0, 1);
 #pragma omp parallel num_threads(nt)
-  bmm_part<TA, TB, R, NV>(a, b, batch, m, k, n, out, omp_get_thread_num(), omp_get_num_threads());
+  bmm_part<TA, TB, R, NV, G>(a, b, batch, m, k, n, out, omp_get_thread_num(), omp_get_num_threads());
 }
 
+// Blocking: rows x vectors of accumulators within the registers (AVX2: 16, AVX-512: 32); one row: up to
+// 8 vectors of one item, or G items x NV vectors.
 template <class TA, class TB>
 void bmm_dispatch(const TA* a, const TB* b, int64_t batch, int64_t m, int64_t k, int64_t n, float* out, int nt) {
   const int64_t vecs = (n + VW - 1) / VW;
-#if defined(ORDERED_ISA_AVX2)
-  constexpr int ACC = 12;
-#else
-  constexpr int ACC = 24;
-#endif
   if (m == 1) {
-    if (vecs >= 8) return bmm_all<TA, TB, 1, 8>(a, b, batch, m, k, n, out, nt);
-    if (vecs >= 4) return bmm_all<TA, TB, 1, 4>(a, b, batch, m, k, n, out, nt);
-    if (vecs >= 2) return bmm_all<TA, TB, 1, 2>(a, b, batch, m, k, n, out, nt);
-    return bmm_all<TA, TB, 1, 1>(a, b, batch, m, k, n, out, nt);
+    if (vecs >= 8) return bmm_all<TA, TB, 1, 8, 1>(a, b, batch, m, k, n, out, nt);
+    if (vecs >= 4) return bmm_all<TA, TB, 1, 4, 2>(a, b, batch, m, k, n, out, nt);
+    if (vecs >= 2) return bmm_all<TA, TB, 1, 2, 4>(a, b, batch, m, k, n, out, nt);
+    return bmm_all<TA, TB, 1, 1, 8>(a, b, batch, m, k, n, out, nt);
   }
-  if (vecs >= 4) return bmm_all<TA, TB, std::min(8, ACC / 4), 4>(a, b, batch, m, k, n, out, nt);
-  if (vecs >= 2) return bmm_all<TA, TB, std::min(8, ACC / 2), 2>(a, b, batch, m, k, n, out, nt);
-  return bmm_all<TA, TB, std::min(8, ACC), 1>(a, b, batch, m, k, n, out, nt);
+#if defined(ORDERED_ISA_AVX2)
+  if (vecs >= 2) return bmm_all<TA, TB, 6, 2, 1>(a, b, batch, m, k, n, out, nt);  // 12 chains, 15 registers
+  return bmm_all<TA, TB, 8, 1, 1>(a, b, batch, m, k, n, out, nt);
+#else
+  if (vecs >= 4) return bmm_all<TA, TB, 6, 4, 1>(a, b, batch, m, k, n, out, nt);  // 24 chains, 29 registers
+  if (vecs >= 2) return bmm_all<TA, TB, 8, 2, 1>(a, b, batch, m, k, n, out, nt);
+  return bmm_all<TA, TB, 8, 1, 1>(a, b, batch, m, k, n, out, nt);
+#endif
 }
 
 }  // namespace
