@@ -116,7 +116,7 @@ def test_kernel_invariance_tests_pass_under_the_cell(index: int) -> None:
         # supported"): the plain kernels' control cannot run in these cells; the contract's own tests all do.
         select.append("not test_plain_attention_prefill_differs_from_decode")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", " and ".join(select), *KERNEL_TESTS],
+        [sys.executable, "-m", "pytest", "-qx", "-p", "no:cacheprovider", "-k", " and ".join(select), *KERNEL_TESTS],
         cwd=TESTS,
         env=_env(cell),
         capture_output=True,
