@@ -538,7 +538,10 @@ void pack_item(const Gemm& g, int64_t item) {  // item = shard * nblk + micro-pa
     pack_f32_rows<float>(g, b * g.R, c * g.ks, (float*)dst);
 }
 
-thread_local std::vector<uint32_t> a_scratch;  // packed A, reused across calls of the calling thread
+// Packed A, reused across calls of the calling thread; one of more than KEEP_WORDS (a long prefill's) is
+// freed after its call.
+thread_local std::vector<uint32_t> a_scratch;
+constexpr size_t KEEP_WORDS = size_t(1) << 22;
 
 // One thread's share (tid of nth): pack its part of A, wait for every part, compute its part of C.
 void gemm_body(const Gemm& g, int tid, int nth) {
@@ -647,6 +650,7 @@ int ordered_linear(const void* x, int x_bf16, int64_t m, int64_t k, int64_t lda,
 #pragma omp parallel num_threads(nt)
     gemm_body(g, omp_get_thread_num(), omp_get_num_threads());
   }
+  if (a_scratch.size() > KEEP_WORDS) std::vector<uint32_t>().swap(a_scratch);
   return 0;
 }
 
