@@ -1,5 +1,5 @@
 """The ordered GEMM (contract v2, tonpolicy.kernels.ordered_gemm): every instruction-set path this CPU runs,
-and the portable build of the 16-lane (AVX-512) blocking, give the scalar reference's bits (int32 views,
+and the portable builds of the AVX-512 paths' 16-lane code, give the scalar reference's bits (int32 views,
 NaNs made one pattern: a NaN's payload is not defined) on many shapes, dtypes and magnitudes (1e-30..1e30,
 subnormals, zeros of both signs, inf, NaN, results at the edge of the normal range); a row's bits do not
 depend on the batch, its position, the thread count or the columns computed; K-shards are their own
@@ -20,7 +20,7 @@ try:
 except ordered_gemm.OrderedKernelsUnavailable as e:  # pragma: no cover - a host without g++ or AVX2
     pytest.skip(f"the ordered GEMM cannot run here: {e}", allow_module_level=True)
 
-PATHS = [*ordered_gemm.isa_paths(), ordered_gemm.PORTABLE]
+PATHS = [*ordered_gemm.isa_paths(), ordered_gemm.PORTABLE, ordered_gemm.PORTABLE_DP]
 ordered_gemm.build_paths(PATHS)  # at once: two compilers on two cores
 FNS = {p: ordered_gemm.functions(p) for p in PATHS}
 REF = ordered_gemm.functions()

@@ -7,7 +7,9 @@
 //   ORDERED_ISA_AVX512      AVX-512F: the pair chain as two FMAs, odd element first (16 lanes)
 //   ORDERED_ISA_AVX2        AVX2 + FMA: the same emulation on 8 lanes (a 16-lane panel is two vectors)
 //   ORDERED_ISA_PORTABLE    tests only: the AVX-512 paths' 16-lane blocking on plain C++ lanes, each FMA
-//                           the scalar reference's (hand flushed); runs on any x86-64
+//                           the scalar reference's (hand flushed); runs on any x86-64. With
+//                           ORDERED_PORTABLE_DP the pair chain takes the avx512bf16 path's code (A packed
+//                           in pairs, one pair step per lane as vdpbf16ps's definition reads)
 // Every path also exports the scalar reference (ordered_reference, ordered_bmm_reference): plain loops,
 // std::fma with the flushes done by hand, MXCSR at its IEEE default while it runs.
 //
@@ -143,6 +145,13 @@ struct Vec {
     const __m256i h = _mm256_loadu_si256((const __m256i*)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+#if defined(ORDERED_ISA_AVX512BF16)
+  // The pair chain's step on vdpbf16ps: W lanes of bf16 pairs (element 2i low), A's pair broadcast.
+  typedef __m512i pairs;
+  static pairs load_pairs(const uint16_t* p) { return _mm512_loadu_si512((const void*)p); }
+  static pairs bcast_pair(uint32_t a) { return _mm512_set1_epi32((int)a); }
+  static v dp(v acc, pairs w, pairs a) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)a); }
+#endif
 };
 constexpr unsigned MXCSR_RUN = MXCSR_FTZ_DAZ;
 #elif defined(ORDERED_ISA_PORTABLE)
@@ -183,6 +192,30 @@ struct Vec {
     for (int i = 0; i < W; i++) r.x[i] = bf16_to_f32(p[i]);
     return r;
   }
+#if defined(ORDERED_PORTABLE_DP)
+  // vdpbf16ps as its definition reads (odd element first), so the native pair path's packing and
+  // blocking run here too.
+  struct pairs {
+    uint32_t x[16];
+  };
+  static pairs load_pairs(const uint16_t* p) {
+    pairs r;
+    std::memcpy(r.x, p, sizeof r.x);
+    return r;
+  }
+  static pairs bcast_pair(uint32_t a) {
+    pairs r;
+    for (int i = 0; i < W; i++) r.x[i] = a;
+    return r;
+  }
+  __attribute__((noinline)) static v dp(v acc, pairs w, pairs a) {
+    for (int i = 0; i < W; i++) {
+      acc.x[i] = ref_fma(bf16_to_f32(a.x[i] >> 16), bf16_to_f32(w.x[i] >> 16), acc.x[i]);
+      acc.x[i] = ref_fma(bf16_to_f32(a.x[i] & 0xFFFF), bf16_to_f32(w.x[i] & 0xFFFF), acc.x[i]);
+    }
+    return acc;
+  }
+#endif
 };
 constexpr unsigned MXCSR_RUN = MXCSR_IEEE;  // the hand-flushed reference FMA needs IEEE underneath
 #else
@@ -374,22 +407,22 @@ void mk_pairs(const float* a, const uint16_t* w, int64_t ps, int64_t steps, floa
   tile_store<R, NV>(acc, c, ldc, mrows, ncols);
 }
 
-#if defined(ORDERED_ISA_AVX512BF16)
-// The pair chain on vdpbf16ps: A as bf16 pairs (uint32, element 2i low) [pair][R].
+#if defined(ORDERED_ISA_AVX512BF16) || defined(ORDERED_PORTABLE_DP)
+// The pair chain on the pair instruction: A as bf16 pairs (uint32, element 2i low) [pair][R].
 template <int R, int NP>
 void mk_dp(const uint32_t* a, const uint16_t* w, int64_t ps, int64_t steps, float* c, int64_t ldc, int mrows,
            int ncols, bool from_c) {
   V acc[R][NP];
   tile_load<R, NP>(acc, c, ldc, mrows, ncols, from_c);
   for (int64_t i = 0; i < steps; i++) {
-    __m512i wv[NP];
+    Vec::pairs wv[NP];
     UNROLL
-    for (int p = 0; p < NP; p++) wv[p] = _mm512_loadu_si512((const void*)(w + p * ps + i * 2 * PANEL));
+    for (int p = 0; p < NP; p++) wv[p] = Vec::load_pairs(w + p * ps + i * 2 * PANEL);
     UNROLL
     for (int r = 0; r < R; r++) {
-      const __m512i av = _mm512_set1_epi32((int)a[i * R + r]);
+      const Vec::pairs av = Vec::bcast_pair(a[i * R + r]);
       UNROLL
-      for (int p = 0; p < NP; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)wv[p], (__m512bh)av);
+      for (int p = 0; p < NP; p++) acc[r][p] = Vec::dp(acc[r][p], wv[p], av);
     }
   }
   tile_store<R, NP>(acc, c, ldc, mrows, ncols);
@@ -433,7 +466,7 @@ void rows_of_panels(const Gemm& g, int64_t c, int64_t panel, int64_t b0, int64_t
       mk_pairs<R, NP, false>((const float*)a, (const uint16_t*)g.wpack + w_off, g.ps, steps, cp, g.n, mrows, ncols,
                              from_c, half_last);
     } else {
-#if defined(ORDERED_ISA_AVX512BF16)
+#if defined(ORDERED_ISA_AVX512BF16) || defined(ORDERED_PORTABLE_DP)
       mk_dp<R, NP>(a, (const uint16_t*)g.wpack + w_off, g.ps, steps, cp, g.n, mrows, ncols, from_c);
 #else
       mk_pairs<R, NP, true>((const float*)a, (const uint16_t*)g.wpack + w_off, g.ps, steps, cp, g.n, mrows, ncols,

@@ -21,8 +21,8 @@ ordered_gemm.cpp implements it once per instruction-set path (avx512bf16: vdpbf1
 pair chain as two FMAs, odd first, flushed by MXCSR FTZ|DAZ), vectorised across output columns only, K
 never split; each path's library is built with fixed -m flags (never -march=native) into the kernel cache
 (tonpolicy.kernels.native_build). The path is the best this CPU runs, or TONPOLICY_ORDERED_ISA. A scalar
-reference (plain loops, std::fma, flushes by hand) is in every library for the tests, and a `portable`
-build (the 16-lane blocking on plain C++ lanes) lets a CPU without AVX-512 run that blocking's logic.
+reference (plain loops, std::fma, flushes by hand) is in every library for the tests, and two `portable`
+builds (the AVX-512 paths' 16-lane code on plain C++ lanes) let any x86-64 run those paths' logic.
 `python -m tonpolicy.kernels.ordered_gemm --build` builds every path this CPU runs.
 """
 
@@ -48,19 +48,22 @@ from tonpolicy.kernels.exact_gemm import _TextbookGrad
 
 ISA_ENV = "TONPOLICY_ORDERED_ISA"
 PATHS = ("avx512bf16", "avx512", "avx2")  # best first
-PORTABLE = "portable"  # tests only: the 16-lane blocking on plain C++ lanes, any x86-64
+# Tests only, on any x86-64: the AVX-512 paths' 16-lane code on plain C++ lanes (each FMA the reference's),
+# the pair chain as the avx512 path emulates it, or (portable_dp) as the avx512bf16 path runs it.
+PORTABLE = "portable"
+PORTABLE_DP = "portable_dp"
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 PATH_FLAGS = {
-    "avx512bf16": [*_AVX512, "-mavx512bf16"],
-    "avx512": _AVX512,
-    "avx2": ["-mavx2", "-mfma"],
-    PORTABLE: ["-O1"],  # tests only: a ~4 s build (its speed does not matter)
+    "avx512bf16": [*_AVX512, "-mavx512bf16", "-DORDERED_ISA_AVX512BF16"],
+    "avx512": [*_AVX512, "-DORDERED_ISA_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-DORDERED_ISA_AVX2"],
+    PORTABLE: ["-O1", "-DORDERED_ISA_PORTABLE"],  # a ~4 s build (its speed does not matter)
+    PORTABLE_DP: ["-O1", "-DORDERED_ISA_PORTABLE", "-DORDERED_PORTABLE_DP"],
 }
 CPU_NEEDS = {
     "avx512bf16": ("avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx2": ("avx2", "fma"),
-    PORTABLE: (),
 }
 # No -march=native: the code (and so nothing about the bits) must not depend on the build host.
 # -ffp-contract=off: every FMA is one written in the source.
@@ -150,7 +153,7 @@ _lock = threading.Lock()
 
 def build_path(path: str) -> Path:
     """Build (or find in the cache) the library of one path; OrderedKernelsUnavailable on failure."""
-    flags = [*BASE_FLAGS, *PATH_FLAGS[path], f"-DORDERED_ISA_{path.upper()}"]
+    flags = [*BASE_FLAGS, *PATH_FLAGS[path]]
     try:
         return native_build.build(f"ordered_gemm_{path}", SOURCE_FILE, flags)
     except native_build.NoCompilerError as e:
@@ -187,7 +190,7 @@ def library(path: str | None = None) -> _Lib:
             if got is None:
                 if path not in PATH_FLAGS:
                     raise ValueError(f"unknown path {path!r}: one of {', '.join(PATH_FLAGS)}")
-                if path != PORTABLE and path not in isa_paths():
+                if path in PATHS and path not in isa_paths():
                     raise OrderedKernelsUnavailable(f"this CPU cannot run the {path} path")
                 try:
                     got = _Lib(path, build_path(path))
