@@ -158,6 +158,9 @@ def test_a_rows_bits_do_not_depend_on_batch_position_threads_or_columns(xd: torc
             x3 = x.view(4, 16, -1)
             assert same(fn.linear(x3, w), full.view(4, 16, -1)), p  # leading dims
             assert same(fn.linear(x.t().contiguous().t(), w), full), p  # a strided x
+            wide = torch.cat([x[:, :3], x, x[:, :2]], 1)
+            assert same(fn.linear(wide[:, 3:-2], w), full), p  # rows read in place, lda > K
+            assert same(fn.linear_partials(wide[:, 3:-2], w, 4), REF.reference_linear_partials(x, w, 4)), p
     finally:
         torch.set_num_threads(before)
 

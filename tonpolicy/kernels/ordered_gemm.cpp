@@ -322,13 +322,34 @@ inline void tile_store(V (&acc)[R][NV], float* c, int64_t ldc, int mrows, int nc
 // a: packed A micro-panel, fp32 [k][R] (or for the native pair chain uint32 pairs [pair][R]).
 // w: the first panel at the block's start; panel p at w + p * ps (elements of the packed weight).
 
-// fp32 chain, fp32 weight panels [K][16].
+// fp32 chain, fp32 weight panels [K][16]. A packed [k][R], or (lda > 0) fp32 rows lda apart read in place
+// (rows past mrows read row 0 and are not stored).
 template <int R, int NP>
-void mk_f32w(const float* a, const float* w, int64_t ps, int64_t steps, float* c, int64_t ldc, int mrows,
-             int ncols, bool from_c) {
+void mk_f32w(const float* a, int64_t lda, const float* w, int64_t ps, int64_t steps, float* c, int64_t ldc,
+             int mrows, int ncols, bool from_c) {
   constexpr int NV = NP * VP;
   V acc[R][NV];
   tile_load<R, NV>(acc, c, ldc, mrows, ncols, from_c);
+  if (lda > 0) {
+    const float* rows[R];
+    UNROLL
+    for (int r = 0; r < R; r++) rows[r] = a + (r < mrows ? r : 0) * lda;
+    for (int64_t k = 0; k < steps; k++) {
+      V wv[NV];
+      UNROLL
+      for (int p = 0; p < NP; p++)
+        UNROLL
+        for (int h = 0; h < VP; h++) wv[p * VP + h] = Vec::load(w + p * ps + k * PANEL + h * VW);
+      UNROLL
+      for (int r = 0; r < R; r++) {
+        const V av = Vec::bcast(rows[r] + k);
+        UNROLL
+        for (int j = 0; j < NV; j++) acc[r][j] = Vec::fma(av, wv[j], acc[r][j]);
+      }
+    }
+    tile_store<R, NV>(acc, c, ldc, mrows, ncols);
+    return;
+  }
   for (int64_t k = 0; k < steps; k++) {
     V wv[NV];
     UNROLL
@@ -436,7 +457,8 @@ constexpr bool NATIVE_PAIRS = false;
 struct Gemm {
   int chain;
   bool native, w_bf16;
-  bool small;  // the few-rows path (one micro-panel of all rows)
+  bool small;   // the few-rows path (one micro-panel of all rows)
+  bool direct;  // fp32 x on fp32 weights: A read in place, not packed
   int R;       // rows of a micro-panel
   int64_t m, n, k, shards, ks, kp, np, steps_all, wstep, shard_stride, ps, nblk, ablk;
   const void* x;
@@ -461,7 +483,12 @@ void rows_of_panels(const Gemm& g, int64_t c, int64_t panel, int64_t b0, int64_t
     float* cp = g.out + (c * g.m + b * R) * g.n + panel * PANEL;
     const int mrows = (int)std::min<int64_t>(R, g.m - b * R);
     if (g.chain == F32W) {
-      mk_f32w<R, NP>((const float*)a, (const float*)g.wpack + w_off, g.ps, steps, cp, g.n, mrows, ncols, from_c);
+      const float* wp = (const float*)g.wpack + w_off;
+      if (g.direct)
+        mk_f32w<R, NP>((const float*)g.x + b * R * g.lda + c * g.ks + s0, g.lda, wp, g.ps, steps, cp, g.n, mrows,
+                       ncols, from_c);
+      else
+        mk_f32w<R, NP>((const float*)a, 0, wp, g.ps, steps, cp, g.n, mrows, ncols, from_c);
     } else if (g.chain == F32B) {
       mk_pairs<R, NP, false>((const float*)a, (const uint16_t*)g.wpack + w_off, g.ps, steps, cp, g.n, mrows, ncols,
                              from_c, half_last);
@@ -579,9 +606,11 @@ constexpr size_t KEEP_WORDS = size_t(1) << 22;
 // One thread's share (tid of nth): pack its part of A, wait for every part, compute its part of C.
 void gemm_body(const Gemm& g, int tid, int nth) {
   Mxcsr guard(MXCSR_RUN);
-  const int64_t items = g.shards * g.nblk;
+  const int64_t items = g.direct ? 0 : g.shards * g.nblk;
   for (int64_t it = items * tid / nth; it < items * (tid + 1) / nth; it++) pack_item(g, it);
+  if (!g.direct) {
 #pragma omp barrier
+  }
   if (g.small) {
     // Few rows: one micro-panel, the whole shard's K in registers, the weight read once.
     const int nps = g.chain == F32W ? small_panels(g.R) : small_panels_pairs(g.R);
@@ -662,6 +691,7 @@ int ordered_linear(const void* x, int x_bf16, int64_t m, int64_t k, int64_t lda,
   g.kp = w_bf16 ? g.ks + (g.ks & 1) : g.ks;  // A's packed k per shard
   g.np = (n + PANEL - 1) / PANEL;
   g.native = NATIVE_PAIRS && g.chain == PAIR;
+  g.direct = g.chain == F32W && !x_bf16;
   g.wstep = w_bf16 ? 2 * PANEL : PANEL;            // weight elements per step (pair or k)
   g.steps_all = w_bf16 ? g.kp / 2 : g.ks;          // steps per shard
   g.shard_stride = g.steps_all * g.wstep;          // a shard's run within a panel
@@ -671,7 +701,7 @@ int ordered_linear(const void* x, int x_bf16, int64_t m, int64_t k, int64_t lda,
   g.R = g.small ? (int)m : (int)((m + (m + rb - 1) / rb - 1) / ((m + rb - 1) / rb));  // rows spread evenly
   g.nblk = (m + g.R - 1) / g.R;
   g.ablk = g.kp * g.R;  // 32-bit words per packed micro-panel (native pairs use half)
-  const size_t words = (size_t)(shards * g.nblk * g.ablk);
+  const size_t words = g.direct ? 0 : (size_t)(shards * g.nblk * g.ablk);
   if (a_scratch.size() < words) a_scratch.resize(words);
   g.apack = a_scratch.data();
 
