@@ -68,8 +68,8 @@ def _integer_draws(shape: tuple[int, ...], g: torch.Generator, scale: float) -> 
     return torch.randint(-(2**12), 2**12, shape, generator=g).double() * scale
 
 
-def forward_hash() -> str:
-    """A whole forward of the default model under contract v2: greedy generation of several prompts of
+def forward_hash(kernel_set: str = "ordered") -> str:
+    """A whole forward of the default model under a contract's kernel set: greedy generation of several prompts of
     different lengths, 4 at a time (prefill and decode rows in one batch), every token's id and logprob."""
     from tonpolicy.config.model import ModelConfig
     from tonpolicy.model.checkpoint import param_shapes
@@ -84,7 +84,7 @@ def forward_hash() -> str:
         for name, shape in param_shapes(cfg).items():
             w = 1.0 + _integer_draws(shape, g, 2**-15) if len(shape) == 1 else _integer_draws(shape, g, 2**-17)
             sd[name] = w.to(dt)
-        engine = Engine(Qwen3(cfg, get_kernels("ordered"), dt, sd), max_running_requests=4)
+        engine = Engine(Qwen3(cfg, get_kernels(kernel_set), dt, sd), max_running_requests=4)
         prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 33, 70, 1, 17, 40)]
         for r in engine.generate([GenRequest(p, 6, temperature=0.0) for p in prompts]):
             h.update(json.dumps([r.output_ids, [float(x).hex() for x in r.output_logprobs]]).encode())
@@ -103,6 +103,7 @@ def main() -> None:
                 "problems": problems,
                 "gemm_hash": gemm_hash(),
                 "forward_hash": forward_hash(),
+                "v1_forward_hash": forward_hash("invariant"),
                 "ordered_isa": ordered_gemm.chosen_path(),
                 "old_mismatches": old_strategy_mismatches(),
                 "single_row_mismatches": single_row_mismatches(),

@@ -205,7 +205,7 @@ class InvariantKernels:
         return invariant_attention.tile_partial(q, q_pos, keys, scale, self.row_tile, self.products)
 
     def merge(self, a: AttnPartial, b: AttnPartial) -> AttnPartial:
-        return invariant_attention.merge(a, b)
+        return invariant_attention.merge(a, b, self.products)
 
     def finalize(self, p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
         return invariant_attention.finalize(p, dtype)

@@ -62,12 +62,13 @@ def _safe(m: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(m, nan=math.nan, posinf=math.inf, neginf=0.0)
 
 
-def merge(a: AttnPartial, b: AttnPartial) -> AttnPartial:
+def merge(a: AttnPartial, b: AttnPartial, products: Products | None = None) -> AttnPartial:
     """The one merge formula; `a` covers keys before `b`."""
+    exp = (products or EXACT).exp
     m = torch.maximum(a.m, b.m)
     ms = _safe(m)
-    ca = torch.exp(a.m - ms)
-    cb = torch.exp(b.m - ms)
+    ca = exp(a.m - ms)
+    cb = exp(b.m - ms)
     l = a.l * ca + b.l * cb  # noqa: E741
     acc = a.acc * ca.unsqueeze(-1) + b.acc * cb.unsqueeze(-1)
     return AttnPartial(m, l, acc)
@@ -80,7 +81,7 @@ def finalize(p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
     return (p.acc / l.unsqueeze(-1)).to(dtype)
 
 
-def merge_tiles(p: AttnPartial, inplace: bool = False) -> AttnPartial:
+def merge_tiles(p: AttnPartial, inplace: bool = False, products: Products | None = None) -> AttnPartial:
     """Left-to-right `merge` over the tile axis, which is dim 0 (m/l [Kt, ...], acc [Kt, ..., D]).
 
     Bitwise equal to folding `merge` tile by tile: the running max is an exact cummax, and the
@@ -90,11 +91,12 @@ def merge_tiles(p: AttnPartial, inplace: bool = False) -> AttnPartial:
     kt = p.m.shape[0]
     if kt == 1:
         return AttnPartial(p.m[0], p.l[0], p.acc[0])
+    exp = (products or EXACT).exp
     run_m = torch.cummax(p.m, dim=0).values
     prev_m = torch.cat([p.m[:1], run_m[:-1]], dim=0)
     ms = _safe(run_m)
-    ca = torch.exp(prev_m - ms)
-    cb = torch.exp(p.m - ms)
+    ca = exp(prev_m - ms)
+    cb = exp(p.m - ms)
     if inplace and p.acc[0].numel() <= FOLD_TOGETHER:
         # Small partials (decode): l as column 0 beside acc, so each tile costs two ops, not four.
         la = torch.cat([p.l.unsqueeze(-1), p.acc], dim=-1).mul_(cb.unsqueeze(-1))
@@ -224,15 +226,19 @@ class _Block:
 
 
 class Products(NamedTuple):
-    """The attention's two GEMMs under a contract: `scores(rows, q_dtype, k, k_dtype)` (rows [B, R, D] x k
-    [B, D, N] over the head dim) and `pv(p, v, v_dtype)` (p [B, R, T] x v [B, T, D] over a key tile), both
-    fp32; the dtypes name where the (upcast) values come from."""
+    """The attention's ops under a contract: its two GEMMs, `scores(rows, q_dtype, k, k_dtype)` (rows
+    [B, R, D] x k [B, D, N] over the head dim) and `pv(p, v, v_dtype)` (p [B, R, T] x v [B, T, D] over a
+    key tile), both fp32 (the dtypes name where the upcast values come from); and its row-local ops on fp32:
+    `exp` (differentiable), `exp_` (in place, nothing differentiated) and `row_sum` over the last dim."""
 
     scores: Callable[[torch.Tensor, torch.dtype, torch.Tensor, torch.dtype], torch.Tensor]
     pv: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+    exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp
+    exp_: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.exp_
+    row_sum: Callable[[torch.Tensor], torch.Tensor] = lambda p: p.sum(dim=-1)  # noqa: E731
 
 
-# Contract v1's: the exact fixed-point products.
+# Contract v1's: the exact fixed-point products; torch's exp and sum (probed on each host).
 EXACT = Products(
     scores=lambda rows, q_dtype, k, k_dtype: exact_gemm.matmul_as(rows, q_dtype, k, k_dtype, short_k=True),
     pv=exact_gemm.pv_product,
@@ -351,10 +357,10 @@ def _span_partials(
         if sp.mask is not None:
             s = s.masked_fill(sp.mask, NEG_INF)
         m = s.amax(dim=-1)  # [B, Hkv, R, n]
-        p = torch.exp(s - _safe(m).unsqueeze(-1))
+        p = products.exp(s - _safe(m).unsqueeze(-1))
     elif sp.bias is None:
         m = s.mul_(scale).amax(dim=-1)
-        p = s.sub_(_safe(m).unsqueeze(-1)).exp_()
+        p = products.exp_(s.sub_(_safe(m).unsqueeze(-1)))
     else:
         # The same values as masking with -inf and exp (exp(-inf) = 0), and faster: adding a 0/-inf bias
         # is cheaper than a broadcast masked_fill, and exp is slow on -inf, so hidden scores are exp'd as
@@ -363,8 +369,8 @@ def _span_partials(
         m = s.amax(dim=-1)
         p = s.sub_(_safe(m).unsqueeze(-1))
         p[:, :, :, j:].nan_to_num_(nan=math.nan, posinf=math.inf, neginf=0.0)
-        p.exp_()[:, :, :, j:].mul_(sp.keep)
-    l = p.sum(dim=-1)  # noqa: E741
+        products.exp_(p)[:, :, :, j:].mul_(sp.keep)
+    l = products.row_sum(p)  # noqa: E741
     # Tile-major, so the merge reads each tile's partials contiguously.
     p_tiles = p.permute(3, 0, 1, 2, 4).reshape(n * bh, r, t)
     acc = products.pv(p_tiles, v.reshape(n * bh, t, d), keys.source_dtype).view(n, bh, r, d)
@@ -446,7 +452,7 @@ def attention(
     for blk in plan.blocks:
         r = rows[:, blk.q0 * g : blk.q1 * g].contiguous()
         parts = _block_partials(r, keys, blk, scale, inplace, q.dtype, products)
-        out.append(finalize(merge_tiles(parts, inplace), q.dtype))
+        out.append(finalize(merge_tiles(parts, inplace, products), q.dtype))
     o = torch.cat(out, dim=1) if len(out) > 1 else out[0]  # [B*Hkv, Nq'*G, D]: real rows, or all
     nr = o.shape[1] // g
     return o.view(b, heads, nr, g, d).permute(0, 2, 1, 3, 4).reshape(b, nr, hq, d)[:, :nq]

@@ -16,14 +16,55 @@ from typing import Any
 
 import torch
 
-from tonpolicy.kernels import ordered_gemm
+from tonpolicy.kernels import ordered_gemm, ordered_rowwise
 from tonpolicy.kernels.invariant import InvariantKernels
 from tonpolicy.kernels.invariant_attention import Products
 
-# The attention's products as ordered fp32 chains (operands upcast exactly, whatever they came from).
+
+class _Exp(torch.autograd.Function):
+    """The owned exp, differentiable (d exp(x) = exp(x) dx)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        y = ordered_rowwise.exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+class _RowSum(torch.autograd.Function):
+    """The owned last-dim sum, differentiable."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.shape = x.shape
+        return ordered_rowwise.row_sum(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return g.unsqueeze(-1).expand(ctx.shape)
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    return _Exp.apply(x) if torch.is_grad_enabled() and x.requires_grad else ordered_rowwise.exp(x)
+
+
+def _row_sum(x: torch.Tensor) -> torch.Tensor:
+    return _RowSum.apply(x) if torch.is_grad_enabled() and x.requires_grad else ordered_rowwise.row_sum(x)
+
+
+# The attention's products as ordered fp32 chains (operands upcast exactly, whatever they came from), its
+# exp and sums the project's own (tonpolicy.kernels.ordered_rowwise).
 ORDERED_PRODUCTS = Products(
     scores=lambda rows, q_dtype, k, k_dtype: ordered_gemm.bmm(rows, k),
     pv=lambda p, v, v_dtype: ordered_gemm.bmm(p, v),
+    exp=_exp,
+    exp_=ordered_rowwise.exp_,
+    row_sum=_row_sum,
 )
 
 
@@ -33,6 +74,7 @@ class OrderedKernels(InvariantKernels):
 
     def __init__(self, **params: Any) -> None:
         ordered_gemm.require()  # a clear error before anything runs, not at the first GEMM
+        ordered_rowwise.require()
         super().__init__(**params)
 
     def describe(self) -> dict[str, Any]:
@@ -47,9 +89,27 @@ class OrderedKernels(InvariantKernels):
             if self.logits_dtype == "float32"
             else "the ordered GEMM rounded to bf16 (bf16 operands), then fp32",
             attention="split-KV fixed tile, fp32 (m,l,acc), left-to-right merge in key order; scores q.k as the "
-            "fp32 chain over the head dim, p @ v as the fp32 chain over the tile's keys (operands upcast exactly)",
+            "fp32 chain over the head dim, p @ v as the fp32 chain over the tile's keys (operands upcast exactly); "
+            "exp and the tile's sum of p the row-local ops' own",
+            rowwise=ordered_rowwise.describe(),
+            rms_norm="the row-local ops' rms_norm",
+            swiglu="the row-local ops' swiglu",
+            rope="the row-local ops' rope tables (own exp/log/sin/cos), fp32 rotate-half",
+            logprobs="the row-local ops' logprobs: fp32 (z_t - max z) - log(sum exp(z - max z)), z = logits[:vocab]/T",
         )
         return d
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return ordered_rowwise.rms_norm(x, weight, eps)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return ordered_rowwise.swiglu(gate, up)
+
+    def rope_cos_sin(self, positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return ordered_rowwise.rope_cos_sin(positions, head_dim, theta)
+
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+        return ordered_rowwise.logprobs(logits, tokens, vocab_size, temperature)
 
     def linear_partials(self, x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:
         return ordered_gemm.linear_partials(x, weight, num_shards)
