@@ -71,6 +71,15 @@ def operands(m: int, k: int, n: int, xd: torch.dtype, wd: torch.dtype, seed: int
     return x.to(xd), w.to(wd)
 
 
+def _one_thread(fn):  # noqa: ANN001, ANN202
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
 def _check_all_paths(x: torch.Tensor, w: torch.Tensor, shards: int, what: object) -> None:
     want = REF.reference_linear_partials(x, w, shards)
     for p, fn in FNS.items():
@@ -179,6 +188,7 @@ def test_bmm_gives_the_reference_bits(ad: torch.dtype, bd: torch.dtype) -> None:
         want = REF.reference_bmm(a, b)
         for p, fn in FNS.items():
             assert same(fn.bmm(a, b), want), (p, batch, m, k, n)
+            assert same(_one_thread(lambda fn=fn, a=a, b=b: fn.bmm(a, b)), want), (p, batch, m, k, n)
             assert same(fn.bmm(a[1:2], b[1:2]), want[1:2]), p  # a batch alone
             if m > 2:
                 assert same(fn.bmm(a[:, 1:3], b), want[:, 1:3]), p  # rows alone
