@@ -13,10 +13,11 @@ the last bits. SGLang resolves the sampling backend itself (on CPU it forces "py
 flag says), so the contract sampler is registered under the built-in names a CPU or CUDA server
 resolves to ("pytorch", "flashinfer"; both build a plain `Sampler`) and under "tonpolicy".
 
-SGLang's route computes torch's fp32 log_softmax, which is the `invariant` set's recipe. The `triton`
-set's recipe is its own kernel (exp/log in 1024-wide lanes): under it the sampled tokens' logprobs are
-then recomputed by that kernel from the same logits, per row and per temperature, and replace SGLang's
-(top-k and prompt logprobs stay SGLang's log_softmax). The sampler runs outside CUDA graphs.
+SGLang's route computes torch's fp32 log_softmax, which is the `invariant` set's recipe. The `ordered`
+set's recipe (its own exp, log and sums) and the `triton` set's (exp/log in 1024-wide lanes) are not:
+under them the sampled tokens' logprobs are then recomputed by that kernel from the same logits, per row
+and per temperature, and replace SGLang's (top-k and prompt logprobs stay SGLang's log_softmax). The
+sampler runs outside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tonpolicy.kernels import get_kernels, logprob_temperature
 
 SAMPLING_BACKENDS = ("tonpolicy", "pytorch", "flashinfer")
 # Kernel sets whose logprob recipe is not torch's log_softmax (SGLang's own route).
-OWN_LOGPROB_KERNELS = ("triton",)
+OWN_LOGPROB_KERNELS = ("ordered", "triton")
 
 
 @functools.cache
