@@ -77,7 +77,7 @@ def test_a_failing_host_check_refuses_before_anything_starts(tmp_path: Path) -> 
 
 
 def test_hosts_of_another_cpu_class_differ_in_the_runtime_fingerprint() -> None:
-    """A trainer and a server whose CPUs take other vector paths compute other bits in the row-local ops:
+    """Under v1 a trainer and a server whose CPUs take other vector paths compute other bits in torch's row-local ops:
     their runtime identities differ, naming the CPU (the handshake refuses such a pair with exit 6)."""
     from tonpolicy.contract.identity import runtime_differences, runtime_identity
 

@@ -101,6 +101,14 @@ def test_v2_forward_bits_are_the_same_in_every_cell(cells: dict[str, dict]) -> N
     assert len({c["v1_forward_hash"] for c in cells.values()}) > 1, cells
 
 
+def test_v2_runtime_fingerprint_is_the_same_in_every_cell(cells: dict[str, dict]) -> None:
+    """Engines under v2 on any of these CPU paths report one runtime fingerprint, so the handshake pairs a
+    rollout server and a trainer of different CPU classes (the forward hashes above show they compute the
+    same bits). Negative control: v1's fingerprint carries the host's vector path and moves with the caps."""
+    assert len({c["runtime_fingerprint"] for c in cells.values()}) == 1, cells
+    assert len({c["v1_runtime_fingerprint"] for c in cells.values()}) > 1, cells
+
+
 def test_library_gemms_fail_some_cell(cells: dict[str, dict]) -> None:
     """Negative control: library GEMMs are not row-invariant in at least one cell: the pre-exact kernels'
     fixed 4-row tiles vs one 512-row GEMM (differ on Intel hosts), or a row alone vs inside the 512

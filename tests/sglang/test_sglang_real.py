@@ -10,6 +10,8 @@ by a small non-zero amount. These tests need the SGLang environment (scripts/set
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -44,15 +46,16 @@ def fp32_server(tmp_path_factory: pytest.TempPathFactory, sglang_py: str) -> Ite
 
 
 def _package_gives_the_contract_bits(
-    sglang_py: str, server: SGLangServer, ckpt: Path, dtype: str, rollout_tp: int, temperature: float
+    scorer_py: str, server: SGLangServer, ckpt: Path, dtype: str, rollout_tp: int, temperature: float
 ) -> None:
-    result = check_parity(sglang_py, server, ckpt, "ordered", temperature)
+    result = check_parity(scorer_py, server, ckpt, "ordered", temperature)
     reported = server.client.contract()
     assert result["tokens"] == 20 * 20 and result["mismatched"] == 0 and result["max_abs_diff"] == 0.0, result
     assert result["cached_tokens"] > 0, "the radix cache served no prefix: the check lost its point"
-    # The runtime identity is the server's own: its kernel set, its dtype, SGLang's torch build.
-    assert reported["runtime"]["dtype"] == dtype and reported["runtime"]["build"]["device"] == "cpu"
-    assert reported["runtime"]["build"]["torch"].startswith("2.14.1"), reported["runtime"]["build"]
+    # The runtime identity is the server's own (its kernel set, its dtype), and under v2 it carries the
+    # kernel library, not SGLang's torch build: it equals the one computed here, under another torch.
+    assert reported["runtime"]["dtype"] == dtype and set(reported["runtime"]["build"]) == {"device", "kernel_library"}
+    assert reported["runtime"] == runtime_identity(get_kernels("ordered"), dtype, "cpu"), reported["runtime"]
     assert reported["tp_size"] == rollout_tp
 
 
@@ -60,29 +63,43 @@ def test_model_package_gives_the_contract_bits_fp32_tp1(fp32_server: tuple[SGLan
     _package_gives_the_contract_bits(sglang_py, *fp32_server, "float32", 1, 1.0)
 
 
-def test_model_package_gives_the_contract_bits_bf16_tp2(tmp_path: Path, sglang_py: str) -> None:
+def test_model_package_gives_the_contract_bits_bf16_tp2(tmp_path: Path) -> None:
+    """Scored under .venv's torch build (the CPU 2.13.0) against the server's (SGLang's 2.14.1): v2's bits
+    are its definition's, whatever torch build (and whatever CPU vector path) computes them."""
     ckpt = save_checkpoint(tmp_path / "ckpt", "bfloat16")
     overrides = ["contract.dtype=bfloat16", "parallel.rollout_tp=2", "rollout.chunked_prefill_size=64"]
     server = SGLangServer(tmp_path, "contract", ckpt, overrides)
     try:
         server.start_healthy()
-        _package_gives_the_contract_bits(sglang_py, server, ckpt, "bfloat16", 2, 0.7)
+        _package_gives_the_contract_bits(sys.executable, server, ckpt, "bfloat16", 2, 0.7)
     finally:
         server.stop()
 
 
-def test_trainer_refuses_a_server_built_differently(fp32_server: tuple[SGLangServer, Path]) -> None:
-    """The handshake compares runtime fingerprints: .venv's torch build (the CPU 2.13.0) is not
-    SGLang's (2.14.1), so a trainer there is refused; one with the server's identity is accepted."""
+def test_trainer_on_another_torch_build_pairs_under_v2_not_under_v1(
+    fp32_server: tuple[SGLangServer, Path], sglang_py: str
+) -> None:
+    """The handshake compares runtime fingerprints. Under v2 a trainer on .venv's torch build (the CPU
+    2.13.0) pairs with the server on SGLang's (2.14.1): the fingerprint carries the definition and its
+    code, not the host (test_model_package_gives_the_contract_bits_bf16_tp2 shows the bits agree). Under
+    v1, whose row-local ops are torch's, the same two builds differ in the fingerprint (the handshake
+    would refuse); a trainer with another dtype is refused under either."""
     server, _ = fp32_server
     cfg = compose_config(["rollout=sglang", "trainer.device=cpu", "contract.dtype=float32"])
     ours = runtime_identity(get_kernels("ordered"), cfg.contract.dtype, "cpu")
-    theirs = server.client.contract()["runtime"]
-    refusal = handshake(cfg, server.client, ours)
-    accepted = handshake(cfg, server.client, theirs)
-    assert ours["kernels"] == theirs["kernels"] and ours["build"]["torch"] != theirs["build"]["torch"]
-    assert refusal is not None and "runtime fingerprint mismatch" in refusal and "build.torch" in refusal
-    assert accepted is None
+    assert handshake(cfg, server.client, ours) is None
+    other_dtype = runtime_identity(get_kernels("ordered"), "bfloat16", "cpu")
+    refusal = handshake(cfg, server.client, other_dtype)
+    assert refusal is not None and "runtime fingerprint mismatch" in refusal and "'dtype'" in refusal
+    v1 = (
+        "import json; from tonpolicy.contract.identity import runtime_identity as r; "
+        "from tonpolicy.kernels import get_kernels as k; print(json.dumps(r(k('invariant'), 'float32', 'cpu')))"
+    )
+    theirs_v1 = json.loads(subprocess.run([sglang_py, "-c", v1], capture_output=True, text=True, check=True).stdout)
+    ours_v1 = runtime_identity(get_kernels("invariant"), "float32", "cpu")
+    assert (
+        ours_v1["build"]["torch"] != theirs_v1["build"]["torch"] and ours_v1["fingerprint"] != theirs_v1["fingerprint"]
+    )
 
 
 def test_out_of_vocab_ids_are_refused_not_fatal(fp32_server: tuple[SGLangServer, Path]) -> None:

@@ -1,8 +1,8 @@
 """One cell of the instruction-set matrix (tests/kernels/test_isa_matrix.py), run in a fresh process under the
 cell's caps: prints a JSON line with the host check's failures, a hash of the contract GEMMs' bits (v2's
 ordered GEMM and v1's exact one), a hash of a whole v2 forward (greedy generation over a mixed batch:
-logits' argmax and logprobs, bf16 and fp32), and how many rows the pre-exact strategy (library GEMMs in
-fixed row tiles) got wrong (the negative control)."""
+logits' argmax and logprobs, bf16 and fp32, dense and MoE), the runtime fingerprints engines report,
+and how many rows the pre-exact strategy (library GEMMs in fixed row tiles) got wrong (the negative control)."""
 
 from __future__ import annotations
 
@@ -69,26 +69,38 @@ def _integer_draws(shape: tuple[int, ...], g: torch.Generator, scale: float) -> 
 
 
 def forward_hash(kernel_set: str = "ordered") -> str:
-    """A whole forward of the default model under a contract's kernel set: greedy generation of several prompts of
-    different lengths, 4 at a time (prefill and decode rows in one batch), every token's id and logprob."""
-    from tonpolicy.config.model import ModelConfig
+    """A whole forward under a contract's kernel set, of the default model (bf16 and fp32) and of the tiny MoE
+    (fp32: its routing softmax too): greedy generation of several prompts of different lengths, 4 at a time
+    (prefill and decode rows in one batch), every token's id and logprob."""
     from tonpolicy.model.checkpoint import param_shapes
     from tonpolicy.model.qwen3 import Qwen3
+    from tonpolicy.model.qwen3_moe import Qwen3Moe
     from tonpolicy.rollout.engine import Engine, GenRequest
 
-    cfg = ModelConfig()
+    dense, moe = compose_config().model, compose_config(["model=qwen3_moe_tiny"]).model
     h = hashlib.sha256()
-    for dt in (torch.float32, torch.bfloat16):
+    for cfg, model_class, dt in (
+        (dense, Qwen3, torch.float32),
+        (dense, Qwen3, torch.bfloat16),
+        (moe, Qwen3Moe, torch.float32),
+    ):
         g = torch.Generator().manual_seed(2)
         sd = {}
         for name, shape in param_shapes(cfg).items():
             w = 1.0 + _integer_draws(shape, g, 2**-15) if len(shape) == 1 else _integer_draws(shape, g, 2**-17)
             sd[name] = w.to(dt)
-        engine = Engine(Qwen3(cfg, get_kernels(kernel_set), dt, sd), max_running_requests=4)
+        engine = Engine(model_class(cfg, get_kernels(kernel_set), dt, sd), max_running_requests=4)
         prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 33, 70, 1, 17, 40)]
         for r in engine.generate([GenRequest(p, 6, temperature=0.0) for p in prompts]):
             h.update(json.dumps([r.output_ids, [float(x).hex() for x in r.output_logprobs]]).encode())
     return h.hexdigest()
+
+
+def runtime_fingerprint(kernel_set: str) -> str:
+    """The runtime fingerprint an engine under this cell reports (what the handshake compares)."""
+    from tonpolicy.contract.identity import runtime_identity
+
+    return runtime_identity(get_kernels(kernel_set), "bfloat16", "cpu")["fingerprint"]
 
 
 def main() -> None:
@@ -104,6 +116,8 @@ def main() -> None:
                 "gemm_hash": gemm_hash(),
                 "forward_hash": forward_hash(),
                 "v1_forward_hash": forward_hash("invariant"),
+                "runtime_fingerprint": runtime_fingerprint("ordered"),
+                "v1_runtime_fingerprint": runtime_fingerprint("invariant"),
                 "ordered_isa": ordered_gemm.chosen_path(),
                 "old_mismatches": old_strategy_mismatches(),
                 "single_row_mismatches": single_row_mismatches(),

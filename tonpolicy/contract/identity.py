@@ -108,12 +108,23 @@ def build_info(device: str) -> dict[str, Any]:
     return info
 
 
+def definition_build(kernels: Any, device: str) -> dict[str, Any]:
+    """The build of a kernel set whose bits are its definition's alone (every GEMM, exp, log and sum its
+    own code): the device and a digest of that code. Torch, its libraries and the CPU class decide no
+    bit there, so they are left out: engines on other CPU classes or torch builds pair."""
+    return {"device": device, "kernel_library": kernels.library_digest()}
+
+
 def runtime_identity(kernels: Any, dtype: str, device: str) -> dict[str, Any]:
     """Fingerprint of a built engine: the kernel set's own description (every tile size, shard count,
     reduction order and the logprob recipe), the model dtype and the build. Each engine computes it
     from the kernel set it constructed, so two engines agree only when they really run the same
-    numerics; the trainer refuses a rollout server whose runtime fingerprint differs from its own."""
-    body = {"kernels": kernels.describe(), "dtype": dtype, "build": build_info(device)}
+    numerics; the trainer refuses a rollout server whose runtime fingerprint differs from its own. The
+    build is the host's (torch, BLAS, CPU class) where library code decides bits, and the kernel
+    library's digest where the set owns all of its arithmetic (`bits_depend_on_host` False)."""
+    owned = device == "cpu" and not getattr(kernels, "bits_depend_on_host", True)
+    build = definition_build(kernels, device) if owned else build_info(device)
+    body = {"kernels": kernels.describe(), "dtype": dtype, "build": build}
     digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return {"fingerprint": digest, **body}
 

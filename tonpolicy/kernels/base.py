@@ -31,6 +31,9 @@ class KernelSet(Protocol):
     name: str
     attention_tile: int  # keys per split-KV tile
     canonical_shards: int  # K-shards of every linear; a TP size must divide it
+    # False where every bit is the set's own code (then `library_digest()` names that code): the runtime
+    # fingerprint carries the host's build (torch, BLAS, CPU class) only where a library decides bits.
+    bits_depend_on_host: bool
 
     def describe(self) -> dict[str, Any]:
         """Everything that affects numerics (part of the contract fingerprint)."""

@@ -21,6 +21,9 @@ from tonpolicy.kernels.invariant_linear import tiled_partials, tree_sum
 
 class InvariantKernels:
     name = "invariant"
+    # torch's exp, log_softmax and sums decide bits of its row-local ops: they follow the CPU's vector path
+    # and the torch build, which the runtime fingerprint therefore carries.
+    bits_depend_on_host = True
     # Keys pooled per KV head in their GEMM layout ([D, keys] keys, [keys, D] values): decode upcasts the
     # visible prefix row by row, where the token layout cost a transposing copy of every key per step.
     kv_pool_layout = "head"

@@ -17,6 +17,7 @@ Differentiable torch ops throughout, so the trainer's backward runs through them
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -55,17 +56,23 @@ def _row_max(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).values  # a max is exact in any order
 
 
-def _softmax(x: torch.Tensor) -> torch.Tensor:
-    e = torch.exp(x - _row_max(x).unsqueeze(-1))
+def _softmax(x: torch.Tensor, exp: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    e = exp(x - _row_max(x).unsqueeze(-1))
     return e / _row_sum(e).unsqueeze(-1)
 
 
-def contract_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Routing:
+def contract_route(
+    logits: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp,
+) -> Routing:
+    """`exp` is the kernel set's (a set that owns its exp passes it: then no library decides a bit)."""
     logits = logits.float()
     ranked = torch.sort(logits.detach(), dim=-1, descending=True, stable=True).indices[..., :top_k]
     experts = ranked.sort(dim=-1).values  # ascending expert id: the combine's order
     chosen = logits.gather(-1, experts)
-    weights = _softmax(chosen) if norm_topk_prob else _softmax(logits).gather(-1, experts)
+    weights = _softmax(chosen, exp) if norm_topk_prob else _softmax(logits, exp).gather(-1, experts)
     return Routing(experts, weights, logits)
 
 

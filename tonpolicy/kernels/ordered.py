@@ -12,11 +12,13 @@ over the head dim, and over a tile's keys), and the same row-local ops.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from typing import Any
 
 import torch
 
-from tonpolicy.kernels import ordered_gemm, ordered_rowwise
+from tonpolicy.kernels import moe, ordered_gemm, ordered_rowwise
 from tonpolicy.kernels.invariant import InvariantKernels
 from tonpolicy.kernels.invariant_attention import Products
 
@@ -68,14 +70,27 @@ ORDERED_PRODUCTS = Products(
 )
 
 
+@functools.cache
+def library_digest() -> str:
+    """sha256 of the C++ that computes every bit of the set (its GEMMs and its row-local ops)."""
+    text = ordered_gemm.SOURCE_FILE.read_bytes() + b"\0" + ordered_rowwise.SOURCE_FILE.read_bytes()
+    return hashlib.sha256(text).hexdigest()
+
+
 class OrderedKernels(InvariantKernels):
     name = "ordered"
     products = ORDERED_PRODUCTS
+    # Every GEMM, exp, log and sum is this set's own code, the rest IEEE-exact elementwise ops: no library,
+    # CPU class or torch build decides a bit (the runtime fingerprint carries the code, not the host).
+    bits_depend_on_host = False
 
     def __init__(self, **params: Any) -> None:
         ordered_gemm.require()  # a clear error before anything runs, not at the first GEMM
         ordered_rowwise.require()
         super().__init__(**params)
+
+    def library_digest(self) -> str:
+        return library_digest()
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
@@ -125,3 +140,11 @@ class OrderedKernels(InvariantKernels):
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return ordered_gemm.linear(x, weight)
+
+    def route(self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> moe.Routing:
+        return moe.contract_route(logits, top_k, norm_topk_prob, exp=_exp)
+
+    def describe_moe(self) -> dict[str, Any]:
+        d = super().describe_moe()
+        d["routing_weights"] = d["routing_weights"].replace("exp,", "the row-local ops' exp,")
+        return d

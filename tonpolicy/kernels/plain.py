@@ -19,6 +19,7 @@ from tonpolicy.kernels.invariant_attention import KEY_PAD_POS, finalize, merge
 
 class PlainKernels:
     name = "plain"
+    bits_depend_on_host = True  # library kernels (torch's, or Triton's for the GPU it runs on)
     kv_pool_layout = "token"
 
     def __init__(self, *, attention_tile: int = 32, canonical_shards: int = 4) -> None:

@@ -57,6 +57,7 @@ def _run(kernel: Callable, reference: Callable, *inputs: torch.Tensor) -> torch.
 
 class TritonKernels:
     name = "triton"
+    bits_depend_on_host = True  # library kernels (torch's, or Triton's for the GPU it runs on)
 
     def __init__(self, *, canonical_shards: int = 4) -> None:
         self.attention_tile = ta.TILE
