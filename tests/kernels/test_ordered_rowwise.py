@@ -263,6 +263,22 @@ def test_logprobs_equal_reference(path: str, dtype: torch.dtype) -> None:
         fns.logprobs(x, tok + 40, 40, 1.0)
 
 
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_log_softmax_rows_equal_logprobs_at_every_token(dtype: torch.dtype) -> None:
+    """The full rows (prompt and top-k logprobs) are the sampled-token recipe at every column, edge rows
+    included. Negative control: torch's log_softmax of the same rows differs in some bits."""
+    g, control = torch.Generator().manual_seed(11), 0
+    for v in (5, 17, 300, 2003):
+        x = _logit_rows(10, v, 13, dtype, g)
+        for t in (1.0, 0.7, 0.0):
+            full = ordered_rowwise.log_softmax(x, v, t)
+            every = torch.stack([ordered_rowwise.logprobs(x, torch.full((10,), j), v, t) for j in range(v)], -1)
+            assert full.shape == (10, v) and same(full, every), (v, t)
+            z = x[:, :v].float() / (t or 1.0)
+            control += int((torch.log_softmax(z, -1)[:4].view(torch.int32) != every[:4].view(torch.int32)).sum())
+    assert control > 0
+
+
 def test_reference_logprobs_follow_the_written_definition() -> None:
     g = torch.Generator().manual_seed(8)
     for v, t in ((37, 1.0), (300, 0.7)):

@@ -3,12 +3,10 @@ and without n, text and token ids, prompt and top logprobs) sent to tonpolicy's 
 released SGLang on the same checkpoint. With tonpolicy's contract model package SGLang gives the same
 tokens, text and fp32 logprob bits as the embedded server; stock SGLang (its own model and kernels,
 the negative control) gives the same tokens wherever the top-2 gap exceeds its numerical noise, and
-logprobs that differ by a small non-zero amount. Both servers run under the SGLang environment's
-Python, so they share one torch build. Needs the SGLang environment (scripts/setup_sglang.sh).
-
-It runs contract v1: inside SGLang the package replaces the sampled tokens' logprobs with v2's own
-recipe (tests/sglang/test_sglang_real.py proves them exact), but prompt and top logprobs there are still
-SGLang's log_softmax, which is v1's recipe and not v2's."""
+logprobs that differ by a small non-zero amount. Contract v2: the embedded server runs under .venv's
+torch build, released SGLang under its own (v2's bits depend on neither). Inside SGLang the package gives
+the sampled tokens', the top and the prompt logprobs by v2's recipe. Needs the SGLang environment
+(scripts/setup_sglang.sh)."""
 
 from __future__ import annotations
 
@@ -93,12 +91,12 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory: pytest.TempPathFactory, ckpt: Path, sglang_py: str) -> Iterator[list[dict[str, Any]]]:
+def embedded(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[list[dict[str, Any]]]:
     ident = identity(compose_config([f"contract={CONTRACT}", f"contract.dtype={DTYPE}"]).contract)
-    args = ["--model-path", str(ckpt), "--dtype", DTYPE, "--kernels", "invariant", "--max-running-requests", "32",
+    args = ["--model-path", str(ckpt), "--dtype", DTYPE, "--kernels", "ordered", "--max-running-requests", "32",
             "--chunked-prefill-size", "64", "--contract-name", ident.name, "--contract-version", str(ident.version),
             "--contract-fingerprint", ident.fingerprint]  # fmt: skip
-    srv = ServerProc(tmp_path_factory.mktemp("embedded"), "embedded", args, python=sglang_py)
+    srv = ServerProc(tmp_path_factory.mktemp("embedded"), "embedded", args)
     try:
         srv.start_healthy(timeout_s=120)
         yield send_all(f"http://127.0.0.1:{srv.port}", request_stream(VOCAB))
@@ -106,8 +104,7 @@ def embedded(tmp_path_factory: pytest.TempPathFactory, ckpt: Path, sglang_py: st
         srv.stop()
 
 
-# The contract whose prompt and top logprobs SGLang's own route computes (see the module docstring).
-CONTRACT = "qwen3_dense_v1"
+CONTRACT = "qwen3_dense_v2"
 
 
 def sglang_answers(tmp: Path, ckpt: Path, overrides: list[str]) -> list[dict[str, Any]]:

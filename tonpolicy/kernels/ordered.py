@@ -126,6 +126,14 @@ class OrderedKernels(InvariantKernels):
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
         return ordered_rowwise.logprobs(logits, tokens, vocab_size, temperature)
 
+    def log_softmax(self, logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+        """Every token's logprob, each column bitwise `logprobs` at that token (prompt and top-k logprobs)."""
+        return ordered_rowwise.log_softmax(logits, vocab_size, temperature)
+
+    def log_normalizer(self, logits: torch.Tensor, vocab_size: int, temperature: float):  # noqa: ANN201
+        """(m, L) with logprob(t) = (z_t - m) - L: the recipe's normalizer, for consumers that subtract."""
+        return ordered_rowwise.log_normalizer(logits, vocab_size, temperature)
+
     def linear_partials(self, x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:
         return ordered_gemm.linear_partials(x, weight, num_shards)
 

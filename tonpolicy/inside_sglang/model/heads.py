@@ -16,8 +16,11 @@ resolves to ("pytorch", "flashinfer"; both build a plain `Sampler`) and under "t
 SGLang's route computes torch's fp32 log_softmax, which is the `invariant` set's recipe. The `ordered`
 set's recipe (its own exp, log and sums) and the `triton` set's (exp/log in 1024-wide lanes) are not:
 under them the sampled tokens' logprobs are then recomputed by that kernel from the same logits, per row
-and per temperature, and replace SGLang's (top-k and prompt logprobs stay SGLang's log_softmax). The
-sampler runs outside CUDA graphs.
+and per temperature, and replace SGLang's. A set that also gives whole rows (`log_softmax`, and the
+normalizer (m, L) with logprob = (x - m) - L: the `ordered` set) gives top-k and token-id logprobs from
+its rows, and prompt logprobs through SGLang's own normalizer route (its "fast input logprobs": top-k of
+the raw logits, values (x - m) - L), whose normalizer is then the set's; under the `triton` set those stay
+SGLang's log_softmax. The sampler runs outside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -45,6 +48,40 @@ def _logprob_kernels():  # noqa: ANN202 - a KernelSet or None
     return get_kernels(contract["kernels"], **contract["kernel_params"])
 
 
+def _row_kernels():  # noqa: ANN202 - a KernelSet or None
+    """The contract's kernel set where it gives whole logprob rows of its own recipe."""
+    kernels = _logprob_kernels()
+    return kernels if kernels is not None and hasattr(kernels, "log_softmax") else None
+
+
+def kernel_log_softmax(
+    kernels,  # noqa: ANN001 - a KernelSet
+    logits: torch.Tensor,
+    temperatures: list[float],
+) -> torch.Tensor:
+    """fp32 [rows, vocab]: every token's logprob by the kernel set's recipe, rows grouped by temperature."""
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    temps = torch.tensor(temperatures)
+    for t in sorted(set(temperatures)):
+        rows = torch.nonzero(temps == t).flatten().to(logits.device)
+        out[rows] = kernels.log_softmax(logits[rows], logits.shape[-1], logprob_temperature(t))
+    return out
+
+
+def install_contract_log_normalizer() -> None:
+    """Make SGLang's per-row logprob normalizer the contract's (input logprobs: values (x - m) - L)."""
+    from sglang.srt.layers import logprob_processor
+
+    if getattr(logprob_processor.compute_row_log_normalizer, "contract", False):
+        return
+
+    def contract_row_log_normalizer(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _row_kernels().log_normalizer(logits, logits.shape[-1], 1.0)
+
+    contract_row_log_normalizer.contract = True
+    logprob_processor.compute_row_log_normalizer = contract_row_log_normalizer
+
+
 def kernel_token_logprobs(
     kernels,  # noqa: ANN001 - a KernelSet
     logits: torch.Tensor,
@@ -65,6 +102,11 @@ class ContractLogitsProcessor(LogitsProcessor):
     def __init__(self, config, head: Callable[[torch.Tensor], torch.Tensor]) -> None:  # noqa: ANN001
         super().__init__(config, skip_all_gather=True)
         self._head = head
+        if _row_kernels() is not None:
+            # Input logprobs from the contract's normalizer, not a full log_softmax (a CPU set: SGLang's
+            # fused CUDA top-k kernel on this route is never reached).
+            install_contract_log_normalizer()
+            self.input_logprob_processor.enable_fast_input_logprobs = True
 
     def _compute_lm_head(self, hidden_states: torch.Tensor, lm_head, embedding_bias=None, *, out=None):  # noqa: ANN001
         if embedding_bias is not None:
@@ -100,7 +142,17 @@ class ContractSampler(Sampler):
         if kernels is not None:
             greedy = sampling_info.is_all_greedy
             temps = [1.0] * ids.shape[0] if greedy else sampling_info.temperatures.flatten().tolist()
-            logits_output.next_token_logprobs = kernel_token_logprobs(kernels, logprob_logits, ids, temps)
+            rows_asked = any(k > 0 for k in top_logprobs_nums or []) or any(
+                t is not None for t in token_ids_logprobs or []
+            )
+            if rows_asked and _row_kernels() is not None:
+                rows = kernel_log_softmax(kernels, logprob_logits, temps)
+                result = self.output_logprob_processor.compute_logprobs(
+                    rows, top_logprobs_nums, token_ids_logprobs, ids
+                )
+                result.write_output_to(logits_output)
+            else:
+                logits_output.next_token_logprobs = kernel_token_logprobs(kernels, logprob_logits, ids, temps)
         return ids
 
 
