@@ -20,6 +20,7 @@ from tonpolicy.config.schema import Config, register_configs
 from tonpolicy.config.validate import ConfigError, unknown_keys
 from tonpolicy.files import write_json_atomic
 from tonpolicy.loop.exit_codes import EXIT_INVALID_CONFIG
+from tonpolicy.process_exit import exit_now
 
 register_configs()
 
@@ -63,7 +64,12 @@ def main() -> None:
     except ConfigError as exc:
         print(f"tonpolicy: {exc}", file=sys.stderr)
         sys.exit(EXIT_INVALID_CONFIG)
-    job()
+    try:
+        job()
+    except SystemExit as done:
+        exit_now(done.code)
+    # Every child is stopped and every file written: no teardown of what the launcher imported.
+    exit_now(0)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,9 @@ def test_library_gemms_fail_some_cell(cells: dict[str, dict]) -> None:
 def test_kernel_invariance_tests_pass_under_the_cell(index: int) -> None:
     cell = CELLS[index]
     # Contract v2's kernel tests (the [ordered-...] cases); v1's exact GEMM is covered by test_exact_gemm.py.
-    select = ["not [invariant-"]
+    # The cross-process combine is left to the suite's own run: it adds the cell's partials (whose bits the
+    # single-process tests check here) with IEEE fp32 adds that no vector path changes.
+    select = ["not [invariant-", "not across_gloo_ranks"]
     if cell.get("ATEN_CPU_CAPABILITY") in ("default", "avx2"):
         # torch's own bf16 SDPA raises below avx512 ("pack_vnni2 is only supported when avx512 is
         # supported"): the plain kernels' control cannot run in these cells; the contract's own tests all do.

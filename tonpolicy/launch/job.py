@@ -29,6 +29,7 @@ from tonpolicy.launch.plan import API_KEY_PLACEHOLDER, router_argv
 from tonpolicy.launch.procs import Child, ProcessGroup, wait_until
 from tonpolicy.launch.records import read_jsonl, step_table
 from tonpolicy.launch.sglang_env import trainer_python
+from tonpolicy.launch.trainer_main import ROLLOUT_ADDRESS_FILE
 from tonpolicy.loop.exit_codes import (
     EXIT_CHILD_FAILED,
     EXIT_GATE_FAILED,
@@ -181,8 +182,11 @@ def _await_healthy(cfg: Config, child: Child, port_file: Path | None, port: int 
     return url
 
 
-def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, procs: ProcessGroup) -> Fleet:
-    """The rollout server, or a fleet: every replica, then sglang-router in front of them."""
+def start_rollout(
+    cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, procs: ProcessGroup
+) -> list[tuple[Child, Path]]:
+    """Start the rollout server, or a fleet's replicas (all at once: each loads its weights at the same
+    time); `await_rollout` waits for them. Each with the file its port is in."""
     host, port = cfg.rollout.host, cfg.rollout.port
     if port and not port_is_free(host, port):
         raise JobFailed(
@@ -193,16 +197,22 @@ def start_rollout(cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, 
     r = plan["rollout"]
     env = {**plan["environment"], **r.get("environment", {})}
     if "command" in r:
-        server, port_file = _start_server(cfg, run_dir, r["command"], env, ckpt, procs, "rollout")
-        url = _await_healthy(cfg, server, port_file)
-        return Fleet([server], [url], None, url)
-    # A fleet: replicas on free ports (rollout.port, if set, is the router's: the trainer's one address),
-    # all started before any is waited for (each loads its weights at the same time).
-    started = [
+        return [_start_server(cfg, run_dir, r["command"], env, ckpt, procs, "rollout")]
+    # A fleet: replicas on free ports (rollout.port, if set, is the router's: the trainer's one address).
+    return [
         _start_server(cfg, run_dir, template, env, ckpt, procs, f"rollout-{i}")
         for i, template in enumerate(r["replica_commands"])
     ]
+
+
+def await_rollout(
+    cfg: Config, plan: dict[str, Any], started: list[tuple[Child, Path]], procs: ProcessGroup, run_dir: Path
+) -> Fleet:
+    """The started servers once healthy; a fleet's router started in front of them and healthy too."""
     urls = [_await_healthy(cfg, child, port_file) for child, port_file in started]
+    if "command" in plan["rollout"]:
+        return Fleet([started[0][0]], urls, None, urls[0])
+    host, port = cfg.rollout.host, cfg.rollout.port
     router_port = port or free_port(host)
     argv = router_argv(cfg, urls, router_port)
     argv = with_flags(argv, {"--prometheus-port": free_port(host)}, python=sys.executable)
@@ -218,6 +228,7 @@ def start_trainer(
 ) -> Child:  # fmt: skip
     nproc = cfg.trainer.nproc_per_node or world_size(cfg) // cfg.trainer.nnodes
     master_port = cfg.trainer.master_port or free_port()
+    # `url`: the rollout's, or @FILE where the launcher writes it (and a fleet's replica urls) when healthy.
     flags: dict[str, Any] = {"--master-port": master_port, "--server-url": url, "--checkpoint": ckpt}
     if cfg.rollout.replicas > 1 and replica_urls:  # a fleet: the router is --server-url
         flags["--replica-urls"] = ",".join(replica_urls)
@@ -365,7 +376,14 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
             write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
             code = supervise_worker_node(trainer)
         else:
-            rollout = start_rollout(cfg, run_dir, plan, ckpt, procs)
+            started = start_rollout(cfg, run_dir, plan, ckpt, procs)
+            # The trainer loads (its imports, model and checkpoint) while the rollout starts; it reads the
+            # rollout's address from this file, written once every server is healthy.
+            address = run_dir / ROLLOUT_ADDRESS_FILE
+            address.unlink(missing_ok=True)
+            trainer = start_trainer(cfg, run_dir, plan, f"@{address}", ckpt, procs)
+            rollout = await_rollout(cfg, plan, started, procs, run_dir)
+            write_json_atomic(address, {"url": rollout.url, "replica_urls": rollout.server_urls})
             if rollout.router is None:
                 print(f"rollout server ({cfg.rollout.backend}) healthy at {rollout.url}", file=sys.stderr)
             else:
@@ -374,7 +392,6 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
                     f"{', '.join(rollout.server_urls)}, behind sglang-router at {rollout.url}",
                     file=sys.stderr,
                 )
-            trainer = start_trainer(cfg, run_dir, plan, rollout.url, ckpt, procs, rollout.server_urls)
             write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
             code = supervise(cfg, run_dir, rollout, trainer)
             served = requests_served(rollout)

@@ -4,16 +4,37 @@ arguments and the config, and runs `tonpolicy.loop.run.run_trainer` (the step lo
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from pathlib import Path
 
 from tonpolicy.config.compose import load_config
+from tonpolicy.loop.exit_codes import EXIT_SERVER_UNHEALTHY
+from tonpolicy.process_exit import exit_now
+
+# Where the launcher writes the rollout's address ({url, replica_urls}) once it is healthy, in the run dir.
+ROLLOUT_ADDRESS_FILE = "rollout_address.json"
+
+
+def wait_for_address(path: Path, timeout_s: float) -> tuple[str, list[str]] | None:
+    """The rollout's url and replica urls once the launcher has written them (atomically) to `path`;
+    None after `timeout_s` (the launcher stops the trainer sooner when the rollout never gets healthy)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    address = json.loads(path.read_text())
+    return address["url"], address["replica_urls"]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", required=True)
+    # The rollout's url, or @FILE: the launcher starts the trainer while the rollout starts, and writes
+    # the address ({url, replica_urls}) there once every server is healthy.
     ap.add_argument("--server-url", required=True)
     ap.add_argument("--checkpoint", required=True)
     # A fleet (rollout.replicas > 1): --server-url is the router's, these the replicas' (comma-separated).
@@ -25,17 +46,26 @@ def main(argv: list[str] | None = None) -> int:
     from tonpolicy.launch.plan import resolve_device
     from tonpolicy.launch.wandb_log import MetricsLogger
     from tonpolicy.loop.run import run_trainer
+    from tonpolicy.trainer import worker  # noqa: F401 - Megatron's imports, while the rollout starts
 
+    url, replica_urls = args.server_url, [u for u in args.replica_urls.split(",") if u]
+    if url.startswith("@"):
+        address = wait_for_address(Path(url[1:]), 2 * cfg.rollout.health_timeout_s + 60)
+        if address is None:
+            print(f"tonpolicy trainer: no rollout address in {url[1:]} (was the rollout started?)", file=sys.stderr)
+            return EXIT_SERVER_UNHEALTHY
+        url, replica_urls = address
     return run_trainer(
         cfg,
         run_dir,
-        args.server_url,
+        url,
         args.checkpoint,
         resolve_device(cfg),
         new_logger=lambda: MetricsLogger(cfg, run_dir, group=run_dir.parent.name),
-        replica_urls=[u for u in args.replica_urls.split(",") if u],
+        replica_urls=replica_urls,
     )
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The verdict, records and W&B run are written and the process groups destroyed when main returns.
+    exit_now(main())

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import ParallelConfig
 from tonpolicy.ports import free_port
+from tonpolicy.process_exit import exit_now
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,9 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    queue.close()
+    queue.join_thread()  # the result is in the pipe: nothing of this rank's is left to lose
+    exit_now(0)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> Any:
