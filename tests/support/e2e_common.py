@@ -86,6 +86,11 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def samples(run_dir: Path) -> list[dict]:
+    """Each step's samples (prompts, responses, rewards, ...), as samples.jsonl holds them."""
+    return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
