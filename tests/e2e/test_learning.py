@@ -17,25 +17,45 @@ import pytest
 STEPS = ["logger=none"]  # the default experiment as it is
 
 
-def _run(tmp_path: Path, env: dict[str, str] | None = None) -> tuple[list[float], Path]:
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tonpolicy", *STEPS, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        capture_output=True,
+def _start(run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "tonpolicy", *STEPS, f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(
+        argv,
+        cwd=run_dir.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
         env={**os.environ, **(env or {})},
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["mismatched_tokens"] == 0 and summary["task"] == "first_parity"
-    return summary["rewards"], run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple[list[float], Path]]:
+    """Both runs at once (each is a server and a trainer rank taking turns: together they fill two cores);
+    their bits do not depend on what else the machine runs."""
+    dirs = {broken: tmp_path_factory.mktemp("broken" if broken else "update") / "run" for broken in (False, True)}
+    procs = {
+        broken: _start(run_dir, {"TONPOLICY_FAULT": "flip_advantages"} if broken else None)
+        for broken, run_dir in dirs.items()
+    }
+    out = {}
+    try:
+        for broken, proc in procs.items():
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err[-3000:]
+            summary = json.loads((dirs[broken] / "summary.json").read_text())
+            assert summary["mismatched_tokens"] == 0 and summary["task"] == "first_parity"
+            out[broken] = (summary["rewards"], dirs[broken])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return out
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["update", "flipped_advantages"])
-def test_reward_rises_only_with_a_working_update(tmp_path: Path, broken: bool) -> None:
-    rewards, run_dir = _run(tmp_path, {"TONPOLICY_FAULT": "flip_advantages"} if broken else None)
+def test_reward_rises_only_with_a_working_update(runs: dict[bool, tuple[list[float], Path]], broken: bool) -> None:
+    rewards, run_dir = runs[broken]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     print("rewards", [round(r, 3) for r in rewards])
     if broken:
