@@ -7,6 +7,7 @@ build goes to a temporary folder in the cache and is published with an atomic re
 other processes each publish a whole file.
 
 Cache: TONPOLICY_KERNEL_CACHE, default ~/.cache/tonpolicy/kernels. Compiler: CXX, else g++ on PATH.
+`PathLibraries` loads one library per instruction-set path on first use (the ordered kernels' loaders).
 """
 
 from __future__ import annotations
@@ -17,8 +18,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
+from typing import Generic, TypeVar
+
+L = TypeVar("L")
+E = TypeVar("E", bound=Exception)
 
 
 class NativeBuildError(RuntimeError):
@@ -78,3 +84,56 @@ def build(name: str, source: Path, flags: Sequence[str], extra_key: Sequence[str
             raise NativeBuildError(f"{name}: `{cmd}` failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         os.replace(out, lib)
     return lib
+
+
+class PathLibraries(Generic[L, E]):
+    """One loaded library per instruction-set path, built on first use. `build(path)` returns the shared
+    library or raises `error`; `load(path, so)` wraps it. `known` names the paths `library` accepts
+    (ValueError otherwise), `runnable(path)` says whether this CPU runs one (`error` otherwise). A failure
+    is remembered, so a missing compiler or a failed build is not retried on every call."""
+
+    def __init__(
+        self,
+        build: Callable[[str], Path],
+        load: Callable[[str, Path], L],
+        known: Collection[str],
+        runnable: Callable[[str], bool],
+        error: type[E],
+    ) -> None:
+        self.build, self.load, self.known, self.runnable, self.error = build, load, known, runnable, error
+        self.lock = threading.Lock()
+
+    def library(self, path: str, libs: dict[str, L | E]) -> L:
+        """The library of `path`, from `libs` (the caller's memo: tests replace it to forget) or loaded now."""
+        got = libs.get(path)
+        if got is None:
+            with self.lock:
+                got = libs.get(path)
+                if got is None:
+                    if path not in self.known:
+                        raise ValueError(f"unknown path {path!r}: one of {', '.join(self.known)}")
+                    if not self.runnable(path):
+                        raise self.error(f"this CPU cannot run the {path} path")
+                    try:
+                        got = self.load(path, self.build(path))
+                    except self.error as e:
+                        got = e
+                    libs[path] = got
+        if isinstance(got, self.error):
+            raise got
+        return got
+
+    def build_paths(self, paths: Iterable[str]) -> None:
+        """Build several paths at once (the compilers run outside the GIL); `library` raises their errors."""
+
+        def one(path: str) -> None:
+            try:
+                self.build(path)
+            except self.error:
+                pass
+
+        threads = [threading.Thread(target=one, args=(p,)) for p in paths]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()

@@ -147,8 +147,7 @@ def _arg_array() -> ctypes.Array:
     return a
 
 
-_libs: dict[str, _Lib | OrderedKernelsUnavailable] = {}
-_lock = threading.Lock()
+_libs: dict[str, _Lib | OrderedKernelsUnavailable] = {}  # a path's library or its remembered failure
 
 
 def build_path(path: str) -> Path:
@@ -164,42 +163,20 @@ def build_path(path: str) -> Path:
         raise OrderedKernelsUnavailable(f"the ordered GEMM's {path} build failed ({_V1}): {e}") from e
 
 
+# The portable builds run on any x86-64; the real paths only where the CPU has their flags.
+_LIBRARIES = native_build.PathLibraries(
+    build_path, _Lib, PATH_FLAGS, lambda p: p not in PATHS or p in isa_paths(), OrderedKernelsUnavailable
+)
+
+
 def build_paths(paths: list[str]) -> None:
     """Build several paths at once (the compiler runs outside the GIL); errors are raised by library()."""
-    threads = [threading.Thread(target=lambda p=p: _try_build(p)) for p in paths]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-
-def _try_build(path: str) -> None:
-    try:
-        build_path(path)
-    except OrderedKernelsUnavailable:
-        pass  # library(path) says it
+    _LIBRARIES.build_paths(paths)
 
 
 def library(path: str | None = None) -> _Lib:
     """The compiled functions of `path` (default: the chosen path), built on first use."""
-    path = path or chosen_path()
-    got = _libs.get(path)
-    if got is None:
-        with _lock:
-            got = _libs.get(path)
-            if got is None:
-                if path not in PATH_FLAGS:
-                    raise ValueError(f"unknown path {path!r}: one of {', '.join(PATH_FLAGS)}")
-                if path in PATHS and path not in isa_paths():
-                    raise OrderedKernelsUnavailable(f"this CPU cannot run the {path} path")
-                try:
-                    got = _Lib(path, build_path(path))
-                except OrderedKernelsUnavailable as e:
-                    got = e  # remembered: no rebuild per call
-                _libs[path] = got
-    if isinstance(got, OrderedKernelsUnavailable):
-        raise got
-    return got
+    return _LIBRARIES.library(path or chosen_path(), _libs)
 
 
 def require() -> None:

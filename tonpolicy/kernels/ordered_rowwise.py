@@ -138,8 +138,7 @@ class _Lib:
         self.path, self.so, self.call, self.isa = path, so, lib.rowwise_call, lib.rowwise_isa()
 
 
-_libs: dict[str, _Lib | OrderedKernelsUnavailable] = {}
-_lock = threading.Lock()
+_libs: dict[str, _Lib | OrderedKernelsUnavailable] = {}  # a path's library or its remembered failure
 _args = threading.local()
 
 
@@ -163,42 +162,20 @@ def build_path(path: str) -> Path:
         raise OrderedKernelsUnavailable(f"the ordered row-wise ops' {path} build failed: {e}") from e
 
 
+# The test-only portable build runs on any x86-64; the real paths only where the CPU has their flags.
+_LIBRARIES = native_build.PathLibraries(
+    build_path, _Lib, PATH_FLAGS, lambda p: p == PORTABLE or p in isa_paths(), OrderedKernelsUnavailable
+)
+
+
 def build_paths(paths: list[str]) -> None:
     """Build several paths at once (the compilers run outside the GIL); errors are raised by library()."""
-
-    def one(p: str) -> None:
-        try:
-            build_path(p)
-        except OrderedKernelsUnavailable:
-            pass
-
-    threads = [threading.Thread(target=one, args=(p,)) for p in paths]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _LIBRARIES.build_paths(paths)
 
 
 def library(path: str | None = None) -> _Lib:
     """The compiled ops of `path` (default: the chosen path), built on first use."""
-    path = path or chosen_path()
-    got = _libs.get(path)
-    if got is None:
-        with _lock:
-            got = _libs.get(path)
-            if got is None:
-                if path not in PATH_FLAGS:
-                    raise ValueError(f"unknown path {path!r}: one of {', '.join(PATH_FLAGS)}")
-                if path != PORTABLE and path not in isa_paths():
-                    raise OrderedKernelsUnavailable(f"this CPU cannot run the {path} path")
-                try:
-                    got = _Lib(path, build_path(path))
-                except OrderedKernelsUnavailable as e:
-                    got = e  # remembered: no rebuild per call
-                _libs[path] = got
-    if isinstance(got, OrderedKernelsUnavailable):
-        raise got
-    return got
+    return _LIBRARIES.library(path or chosen_path(), _libs)
 
 
 def require() -> None:
