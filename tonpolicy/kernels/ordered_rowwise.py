@@ -515,27 +515,27 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temper
     return functions().logprobs(logits, tokens, vocab_size, temperature)
 
 
-def log_normalizer(logits: torch.Tensor, vocab_size: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(m, L), fp32 [...], such that the logprob of token t is (z_t - m) - L with z = logits[..., :vocab_size] / T
-    (T <= 0 means 1): `logprobs`' own steps (m = max(logits) / T, L = log of the ordered row sum of
-    exp(z - m)), so every column of `log_softmax` equals `logprobs` at that token."""
+def _scaled_and_normalizer(logits: torch.Tensor, vocab_size: int, temperature: float):  # noqa: ANN202
+    """(z, m, L): z = logits[..., :vocab_size] / T (T <= 0 means 1) and `logprobs`' own steps, m = max(logits) / T
+    and L = log of the ordered row sum of exp(z - m), so that (z_t - m) - L is `logprobs` at t."""
     t = temperature if temperature > 0 else 1.0
     x = logits[..., :vocab_size].float().contiguous()
-    m = row_max(x)
-    z = x
+    m, z = row_max(x), x
     if t != 1.0:  # fp32 IEEE division, as the kernel's
-        m = m / t
-        z = x / t
-    return m, log(row_sum(exp(z - m.unsqueeze(-1))))
+        m, z = m / t, x / t
+    return z, m, log(row_sum(exp(z - m.unsqueeze(-1))))
+
+
+def log_normalizer(logits: torch.Tensor, vocab_size: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, L), fp32 [...], such that the logprob of token t is (z_t - m) - L (see `_scaled_and_normalizer`)."""
+    _, m, lse = _scaled_and_normalizer(logits, vocab_size, temperature)
+    return m, lse
 
 
 def log_softmax(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
-    """fp32 [..., vocab_size]: every token's logprob by the ordered recipe (top-k and prompt logprobs)."""
-    t = temperature if temperature > 0 else 1.0
-    m, lse = log_normalizer(logits, vocab_size, t)
-    z = logits[..., :vocab_size].float()
-    if t != 1.0:
-        z = z / t
+    """fp32 [..., vocab_size]: every token's logprob by the ordered recipe (top-k and prompt logprobs), each
+    column equal to `logprobs` at that token."""
+    z, m, lse = _scaled_and_normalizer(logits, vocab_size, temperature)
     return (z - m.unsqueeze(-1)) - lse.unsqueeze(-1)
 
 

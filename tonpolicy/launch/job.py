@@ -224,14 +224,11 @@ def await_rollout(
 
 def start_trainer(
     cfg: Config, run_dir: Path, plan: dict[str, Any], url: str, ckpt: Path, procs: ProcessGroup,
-    replica_urls: list[str] | None = None,
 ) -> Child:  # fmt: skip
     nproc = cfg.trainer.nproc_per_node or world_size(cfg) // cfg.trainer.nnodes
     master_port = cfg.trainer.master_port or free_port()
     # `url`: the rollout's, or @FILE where the launcher writes it (and a fleet's replica urls) when healthy.
     flags: dict[str, Any] = {"--master-port": master_port, "--server-url": url, "--checkpoint": ckpt}
-    if cfg.rollout.replicas > 1 and replica_urls:  # a fleet: the router is --server-url
-        flags["--replica-urls"] = ",".join(replica_urls)
     if cfg.trainer.nnodes > 1:
         flags["--node-rank"] = cfg.trainer.node_rank or 0
     argv = with_flags(plan["trainer_command"], flags, python=trainer_python(cfg))
