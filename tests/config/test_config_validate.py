@@ -111,6 +111,10 @@ CASES = [
     ),
     (
         ["experiment=parity_smoke", "parallel.pp=2", "parallel.num_microbatches=1"],
+        ["parallel.num_microbatches=1: leaves 1 microbatches per replica, fewer than parallel.pp=2"],
+    ),
+    (
+        ["experiment=parity_smoke", "parallel.pp=2", "parallel.num_microbatches=1", "trainer.micro_batch_size=1"],
         ["parallel.num_microbatches=1: is batch/(dp*micro_batch_size)=8"],
     ),
     (
@@ -122,7 +126,7 @@ CASES = [
         ["trainer.micro_batch_size=3: parallel.dp*micro_batch_size=3 must divide the batch"],
     ),
     (["parallel=cp2_ring", "trainer.pack_sequences=true"], ["trainer.pack_sequences=True: packed rows are not split"]),
-    (["parallel.dp=3"], ["parallel.dp*micro_batch_size=3 must divide the batch"]),
+    (["parallel.dp=3"], ["parallel.dp=3: parallel.dp*micro_batch_size=3 must divide the batch"]),
     # Several nodes (mode=plan): node 0 must be reachable, a server spanning nodes needs its address.
     (["mode=plan", "parallel=tp2", "trainer.nnodes=2"], ["trainer.master_addr='127.0.0.1': is loopback"]),
     (["rollout.nnodes=2"], ["rollout.nnodes=2: must be 1, or more only with rollout=sglang"]),

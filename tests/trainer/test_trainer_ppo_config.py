@@ -27,7 +27,9 @@ def test_the_default_job_skips_the_recompute_and_off_policy_keeps_it() -> None:
 
 
 def test_minibatches_that_divide_the_batch_are_valid() -> None:
-    cfg = compose_config(["experiment=parity_smoke", "trainer.ppo_minibatches=2", "trainer.ppo_epochs=3"])
+    cfg = compose_config(
+        ["experiment=parity_smoke", "trainer.ppo_minibatches=2", "trainer.ppo_epochs=3", "trainer.micro_batch_size=1"]
+    )
     validate(cfg)
     batch = cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
     assert microbatches_per_replica(cfg) == batch // 2

@@ -48,7 +48,8 @@ def make_config(
         contract=ContractConfig(dtype=dtype, **params),
         parallel=layout.to_parallel(),
         experiment=ExperimentConfig(temperature=temperature),
-        trainer=TrainerConfig(**trainer),
+        # One sample per microbatch unless asked: the harness's batches are not the experiment's.
+        trainer=TrainerConfig(**{"micro_batch_size": 1, **trainer}),
     )
 
 

@@ -75,7 +75,7 @@ class ParallelConfig:
     ep: int = 1
     # Declared uneven pipeline split: layers per stage (len == pp, sum == num_layers).
     pp_layers: list[int] | None = None
-    # Microbatches per replica per step; null: derived, batch / (dp * trainer.micro_batch_size).
+    # Microbatches per replica per step; null: derived, batch / (dp * micro batch size).
     num_microbatches: int | None = None
 
 
@@ -159,7 +159,9 @@ class TrainerConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     clip_grad: float = 1.0
-    micro_batch_size: int = 1  # samples per microbatch (padded rows, or packed into one row)
+    # Samples per microbatch (padded rows, or packed into one row); null: derived, see
+    # config.sizes.micro_batch_size. Set it for long sequences: activation memory grows with it.
+    micro_batch_size: int | None = None
     # Pack each microbatch's samples into one row (positions restart at 0 per sample; the contract
     # attention splits the row there), instead of padding each to the longest. Not with CP.
     pack_sequences: bool = False

@@ -5,11 +5,34 @@ from __future__ import annotations
 
 from tonpolicy.config.schema import Config
 
+# The derived micro batch size's bound: per-microbatch overhead is paid once per this many samples
+# while a microbatch's activations stay small.
+DERIVED_MICRO_BATCH_MAX = 8
+
+
+def micro_batch_size(cfg: Config) -> int:
+    """trainer.micro_batch_size; when null, each replica's share of a PPO minibatch cut into
+    parallel.num_microbatches when that is set, else the largest size up to DERIVED_MICRO_BATCH_MAX that
+    cuts it into whole microbatches, at least parallel.pp of them (so the pipeline fills); 1 when no
+    size does (validation then says why)."""
+    if cfg.trainer.micro_batch_size is not None:
+        return cfg.trainer.micro_batch_size
+    replicas = max(cfg.trainer.ppo_minibatches, 1) * max(cfg.parallel.dp, 1)
+    batch = cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
+    share = batch // replicas if batch % replicas == 0 else 0
+    wanted = cfg.parallel.num_microbatches
+    if wanted is not None:
+        return share // wanted if wanted >= 1 and share % wanted == 0 and share >= wanted else 1
+    for size in range(min(DERIVED_MICRO_BATCH_MAX, share), 1, -1):
+        if share % size == 0 and share // size >= max(cfg.parallel.pp, 1):
+            return size
+    return 1
+
 
 def microbatches_per_replica(cfg: Config) -> int:
     """Megatron's num_microbatches per PPO minibatch: batch / (ppo_minibatches * dp * micro_batch_size)."""
     batch = cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
-    return batch // (cfg.trainer.ppo_minibatches * cfg.parallel.dp * cfg.trainer.micro_batch_size)
+    return batch // (cfg.trainer.ppo_minibatches * cfg.parallel.dp * micro_batch_size(cfg))
 
 
 def world_size(cfg: Config) -> int:

@@ -19,7 +19,7 @@ from tonpolicy.config.moe_rules import check_moe
 from tonpolicy.config.ranges import LOOPBACK, check_ranges
 from tonpolicy.config.schema import Config, value_at
 from tonpolicy.config.sglang_rules import check_sglang
-from tonpolicy.config.sizes import microbatches_per_replica, seq_pad_multiple, world_size
+from tonpolicy.config.sizes import micro_batch_size, microbatches_per_replica, seq_pad_multiple, world_size
 from tonpolicy.families import ANY_FAMILY, FAMILIES
 from tonpolicy.kernels import BF16_LOGITS_KERNEL_SETS, INVARIANT_KERNEL_SETS, LOGITS_DTYPES
 
@@ -127,12 +127,13 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
         "experiment.max_new_tokens",
         "rollout.max_running_requests",
         "trainer.nnodes",
-        "trainer.micro_batch_size",
         "trainer.ppo_epochs",
         "trainer.ppo_minibatches",
     ]
     if p.num_microbatches is not None:
         positive.append("parallel.num_microbatches")
+    if cfg.trainer.micro_batch_size is not None:
+        positive.append("trainer.micro_batch_size")
     for key in positive:
         if value_at(cfg, key) < 1:
             bad(key, "must be a positive integer")
@@ -195,7 +196,14 @@ def _check_layout(cfg: Config, bad: Any) -> None:
     # Megatron's batch arithmetic: batch = dp * num_microbatches * micro_batch_size.
     # Each PPO minibatch is such a batch: batch = ppo_minibatches * dp * num_microbatches * micro_batch_size.
     batch = cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
-    mbs, k = cfg.trainer.micro_batch_size, cfg.trainer.ppo_minibatches
+    mbs, k = micro_batch_size(cfg), cfg.trainer.ppo_minibatches
+    # Blame the key the user set; a derived size fails only where dp does not split the batch, or the
+    # batch is too small to fill the pipeline.
+    explicit = cfg.trainer.micro_batch_size is not None
+    mbs_key = "trainer.micro_batch_size" if explicit else "parallel.dp"
+    pp_key = mbs_key if explicit else "experiment.prompts_per_step"
+    if not explicit and p.num_microbatches is not None:
+        pp_key = "parallel.num_microbatches"
     if k >= 1 and batch % k:
         bad(
             "trainer.ppo_minibatches",
@@ -208,7 +216,7 @@ def _check_layout(cfg: Config, bad: Any) -> None:
                 "the batch" if k == 1 else f"each of the trainer.ppo_minibatches={k} minibatches ({batch // k} samples)"
             )
             bad(
-                "trainer.micro_batch_size",
+                mbs_key,
                 f"parallel.dp*micro_batch_size={p.dp * mbs} must divide {of} "
                 f"(experiment.prompts_per_step*samples_per_prompt={batch}): every replica runs whole microbatches",
             )
@@ -222,7 +230,7 @@ def _check_layout(cfg: Config, bad: Any) -> None:
                 )
             if p.pp > 1 and n_mb < p.pp:
                 bad(
-                    "trainer.micro_batch_size",
+                    pp_key,
                     f"leaves {n_mb} microbatches per replica, fewer than parallel.pp="
                     f"{p.pp} stages: the pipeline never fills",
                 )

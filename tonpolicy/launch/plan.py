@@ -14,7 +14,13 @@ from typing import Any
 from tonpolicy.config.device import resolve_device  # its callers import it from here too
 from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
-from tonpolicy.config.sizes import microbatches_per_replica, padded_seq_len, seq_pad_multiple, world_size
+from tonpolicy.config.sizes import (
+    micro_batch_size,
+    microbatches_per_replica,
+    padded_seq_len,
+    seq_pad_multiple,
+    world_size,
+)
 from tonpolicy.contract.identity import identity, kernel_params
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, layer_spec, transformer_kwargs
 from tonpolicy.cpu_memory import CPU_ALLOCATOR_ENV
@@ -171,11 +177,11 @@ def megatron_config(cfg: Config) -> dict[str, Any]:
         "schedule": {
             "num_microbatches": microbatches_per_replica(cfg),
             "pack_sequences": cfg.trainer.pack_sequences,
-            "micro_batch_size": cfg.trainer.micro_batch_size,
+            "micro_batch_size": micro_batch_size(cfg),
             "seq_pad_multiple": seq_pad_multiple(cfg),
             "padded_seq_len": padded_seq_len(cfg),  # per sample (positions never exceed it)
             # A packed row holds up to micro_batch_size samples, each restarting at position 0.
-            "max_row_len": padded_seq_len(cfg) * (cfg.trainer.micro_batch_size if cfg.trainer.pack_sequences else 1),
+            "max_row_len": padded_seq_len(cfg) * (micro_batch_size(cfg) if cfg.trainer.pack_sequences else 1),
         },
         "kernels": {"name": c.kernels, **kernel_params(c)},
     }

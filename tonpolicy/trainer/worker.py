@@ -17,6 +17,7 @@ from megatron.core import parallel_state as ps
 from tonpolicy.config.dtypes import dtype_name, torch_dtype
 from tonpolicy.config.model import check_same_architecture
 from tonpolicy.config.schema import Config
+from tonpolicy.config.sizes import micro_batch_size
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
 from tonpolicy.kernels import (
@@ -112,7 +113,7 @@ class TrainerWorker:
     ) -> tuple[list[schedule.Microbatch], int]:
         t = self.cfg.trainer
         return schedule.make_microbatches(
-            prompts, responses, self.layout.cp_type, self.tile, extras, t.micro_batch_size, t.pack_sequences
+            prompts, responses, self.layout.cp_type, self.tile, extras, micro_batch_size(self.cfg), t.pack_sequences
         )
 
     def replay_routes(self, rollout_routes: list[torch.Tensor] | None) -> None:
@@ -327,7 +328,7 @@ class TrainerWorker:
         if replayed is not None:
             replay = routes.replayer(self.module, [replayed[i] for i in idx], self.model_cfg.num_experts_per_tok)
         aux = routes.aux_loss_shares(
-            self.module, n_mb, schedule.real_microbatches(len(idx), self.cfg.trainer.micro_batch_size)
+            self.module, n_mb, schedule.real_microbatches(len(idx), micro_batch_size(self.cfg))
         )
         hooks = [h for h in (aux, replay) if h is not None]
         before = (lambda mb: [h(mb) for h in hooks]) if hooks else None

@@ -1,0 +1,30 @@
+"""The derived micro batch size: whole microbatches per replica, at least one per pipeline stage, at most
+DERIVED_MICRO_BATCH_MAX samples; an explicit value or parallel.num_microbatches decides instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from tonpolicy.config.compose import compose_config
+from tonpolicy.config.sizes import DERIVED_MICRO_BATCH_MAX, micro_batch_size, microbatches_per_replica
+from tonpolicy.config.validate import validate
+
+
+@pytest.mark.parametrize(
+    ("overrides", "size", "count"),
+    [
+        ([], DERIVED_MICRO_BATCH_MAX, 64 // DERIVED_MICRO_BATCH_MAX),  # the default job: 64 samples
+        (["parallel.dp=2"], 8, 4),
+        (["experiment.prompts_per_step=3", "experiment.samples_per_prompt=2"], 6, 1),
+        (["experiment.prompts_per_step=5", "experiment.samples_per_prompt=1"], 5, 1),
+        (["experiment.prompts_per_step=7", "experiment.samples_per_prompt=2"], 7, 2),
+        (["experiment=parity_smoke", "parallel.pp=2"], 4, 2),  # 8 samples, each stage gets work
+        (["experiment=parity_smoke", "parallel.pp=2", "parallel.num_microbatches=4"], 2, 4),
+        (["trainer.ppo_minibatches=4"], 8, 2),
+        (["trainer.micro_batch_size=1"], 1, 64),
+    ],
+)
+def test_derived_size(overrides: list[str], size: int, count: int) -> None:
+    cfg = compose_config(overrides)
+    validate(cfg, check_hf=False)
+    assert (micro_batch_size(cfg), microbatches_per_replica(cfg)) == (size, count)
