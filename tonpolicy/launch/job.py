@@ -352,18 +352,15 @@ def summarize(
     return summary
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM takes the same clean-up path as Ctrl-C
-
-
 def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
     t0 = time.monotonic()
     procs = ProcessGroup()
     procs.start_watchdog(run_dir / ".children")  # children die with the launcher, even on kill -9
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    # Ctrl-C interrupts even when SIGINT came in ignored (a launcher started in the background by a
-    # non-interactive shell inherits SIG_IGN, and then ran to the end on an explicit SIGINT).
-    previous_int = signal.signal(signal.SIGINT, _interrupt)
+    # SIGTERM takes the same clean-up path as Ctrl-C. Ctrl-C interrupts even when SIGINT came in ignored
+    # (a launcher started in the background by a non-interactive shell inherits SIG_IGN, and then ran
+    # to the end on an explicit SIGINT).
+    previous = signal.signal(signal.SIGTERM, procs.interrupt)
+    previous_int = signal.signal(signal.SIGINT, procs.interrupt)
     status, code = "failed", EXIT_CHILD_FAILED
     served: list[int | None] | None = None
     try:

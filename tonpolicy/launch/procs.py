@@ -1,7 +1,10 @@
 """Child processes of a job: each in its own process group with a log file, ended as a group.
 
 Every child is tracked so that any failure path (a dead rank, a dead server, Ctrl-C) ends all of
-them within seconds and says where their logs are.
+them within seconds and says where their logs are. A child is tied to the launcher from its fork on
+(tonpolicy/launch/tied.py), and an interrupt that arrives while a child is being started or while
+all are being stopped waits until that is done (`interrupt`), so no signal at any instant leaves one
+behind.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+TIED = Path(__file__).with_name("tied.py")
 
 
 @dataclass
@@ -39,13 +44,24 @@ class ProcessGroup:
     # group if this process dies without calling stop_all (kill -9).
     registry: Path | None = None
     watchdog: subprocess.Popen | None = None
+    # While a child is being started or all are being stopped, an interrupt is held until that is done.
+    holding: bool = False
+    held: bool = False
+
+    def interrupt(self, signum: int = signal.SIGINT, frame: object = None) -> None:
+        """The launcher's SIGINT/SIGTERM handler: KeyboardInterrupt now, or once the start in progress
+        has registered its child (never during stop_all, which is already ending everything)."""
+        if self.holding:
+            self.held = True
+            return
+        raise KeyboardInterrupt
 
     def start_watchdog(self, registry: Path) -> None:
         registry.parent.mkdir(parents=True, exist_ok=True)
         registry.write_text("")
         self.registry = registry
         self.watchdog = subprocess.Popen(
-            [sys.executable, "-m", "tonpolicy.launch.watchdog", str(registry)],
+            [sys.executable, "-m", "tonpolicy.launch.watchdog", str(registry), str(os.getpid())],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -54,27 +70,35 @@ class ProcessGroup:
 
     def start(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Child:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(log_path, "ab")  # noqa: SIM115 (the child owns it until it exits)
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
-        log.close()
-        if self.registry is not None:
-            with open(self.registry, "a") as f:
-                f.write(f"{proc.pid}\n")
-                f.flush()
-                os.fsync(f.fileno())
-        child = Child(name, proc, log_path)
-        self.children.append(child)
+        self.holding = True
+        try:
+            with open(log_path, "ab") as log:  # the child holds its own copy
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", str(TIED), str(os.getpid()), *argv],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env={**os.environ, **(env or {})},
+                    start_new_session=True,
+                )
+            child = Child(name, proc, log_path)
+            self.children.append(child)
+            if self.registry is not None:
+                with open(self.registry, "a") as f:
+                    f.write(f"{proc.pid}\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+        finally:
+            self.holding = False
+        if self.held:
+            self.held = False
+            raise KeyboardInterrupt
         return child
 
     def stop_all(self, grace_s: float = 5.0) -> None:
-        """SIGTERM every child's process group, then SIGKILL what is left after `grace_s`."""
+        """SIGTERM every child's process group, then SIGKILL what is left after `grace_s`. Interrupts
+        that arrive meanwhile are held for good: this is the clean-up they ask for."""
+        self.holding = True
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for c in self.children:
                 if c.alive():

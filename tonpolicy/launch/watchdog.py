@@ -1,14 +1,15 @@
 """Ends a job's children when the launcher dies without cleaning up (even `kill -9`).
 
-    python -m tonpolicy.launch.watchdog REGISTRY
+    python -m tonpolicy.launch.watchdog REGISTRY LAUNCHER_PID
 
 The launcher starts this in a session of its own, so it outlives the launcher, and appends the pid
 of every child it starts to REGISTRY (each child leads its own process group, which holds its
-descendants: torchrun's ranks, SGLang's schedulers). When the watchdog's parent changes (the launcher
-is gone) it notes every descendant of the registered children (torchrun starts each rank in a session
-of its own, so process groups do not hold them), SIGTERMs the registered groups (torchrun and SGLang
-stop their workers on SIGTERM), SIGKILLs every noted process still alive after 5 s, and exits. After
-a clean exit the children are already gone and it only exits. Linux (/proc).
+descendants: torchrun's ranks, SGLang's schedulers). When the watchdog's parent is no longer
+LAUNCHER_PID (the launcher is gone, perhaps before the watchdog ran at all) it notes every descendant
+of the registered children (torchrun starts each rank in a session of its own, so process groups do
+not hold them), SIGTERMs the registered groups (torchrun and SGLang stop their workers on SIGTERM),
+SIGKILLs every noted process still alive after 5 s, and exits. After a clean exit the children are
+already gone and it only exits. Linux (/proc).
 """
 
 from __future__ import annotations
@@ -61,8 +62,7 @@ def _send(ids: set[int] | list[int], sig: int, kill=os.kill) -> bool:  # noqa: A
 
 
 def main(argv: list[str]) -> int:
-    registry = Path(argv[0])
-    parent = os.getppid()
+    registry, parent = Path(argv[0]), int(argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C is the launcher's to handle
     while os.getppid() == parent:
         time.sleep(POLL_S)
