@@ -22,8 +22,10 @@ def test_tp1_multi_step_with_weight_sync(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     init = load_file(run_dir / "checkpoints" / "init" / "model.safetensors")
-    step1 = load_file(run_dir / "checkpoints" / "step_1" / "model.safetensors")
-    assert any(not torch.equal(init[k], step1[k]) for k in init)
+    final = load_file(run_dir / "checkpoints" / "step_3" / "model.safetensors")
+    assert any(not torch.equal(init[k], final[k]) for k in init)
+    # The per-step checkpoints the server loaded are gone once superseded; the final one stays.
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["init", "step_3"]
     s = summary(run_dir)
     assert s["status"] == "ok" and s["steps_completed"] == 3 and s["mismatched_tokens"] == 0
     assert "grad_norm" in proc.stdout and "mismatched" in proc.stdout  # the per-step table
@@ -32,15 +34,20 @@ def test_tp1_multi_step_with_weight_sync(tmp_path: Path) -> None:
 
 
 def test_distributed_weight_sync_writes_nothing_and_stays_exact(tmp_path: Path) -> None:
-    """rollout.weight_sync=distributed at TP 2: weights go over a gloo group, no checkpoint per step,
-    and the gate (rollout == recompute with the new weights) holds on every step."""
+    """rollout.weight_sync=distributed at TP 2: weights go over a gloo group, no checkpoint per step
+    (the final weights are saved all the same), and the gate (rollout == recompute with the new
+    weights) holds on every step."""
     proc, run_dir = run_job(tmp_path, "parallel=tp2", "experiment.steps=3", "rollout.weight_sync=distributed")
     assert proc.returncode == 0, proc.stderr[-4000:]
     recs = records(run_dir)
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert all(r["mismatched_tokens"] == 0 and r["max_abs_logprob_diff"] == 0.0 for r in recs)
     assert all(r["grad_norm"] > 0 for r in recs)  # the weights moved, so a stale server would mismatch
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["init"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["init", "step_3"]
+    from safetensors.torch import load_file
+
+    init, final = (load_file(run_dir / "checkpoints" / d / "model.safetensors") for d in ("init", "step_3"))
+    assert init.keys() == final.keys() and any(not torch.equal(init[k], final[k]) for k in init)
 
 
 def test_bf16_logits_contract_stays_exact(tmp_path: Path) -> None:

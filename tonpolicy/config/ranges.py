@@ -33,6 +33,8 @@ def check_ranges(cfg: Config, bad: Any) -> None:
         bad("experiment.top_p", "must be in (0, 1]")
     if e.top_k != -1 and e.top_k < 1:
         bad("experiment.top_k", "must be -1 (off) or >= 1")
+    if cfg.checkpoint.save_every < 0:
+        bad("checkpoint.save_every", "must be >= 0 (0: save after the last step only)")
     if e.max_prompt_len >= 1 and e.max_new_tokens >= 1 and padded_seq_len(cfg) > cfg.model.max_position_embeddings:
         bad(
             "experiment.max_new_tokens",

@@ -242,6 +242,16 @@ class GateConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # The trained weights, as a complete HF model directory under <run dir>/checkpoints/step_<k>, every
+    # this many steps and after the last step whatever the weight sync; 0: after the last step only.
+    save_every: int = 0
+    # Saved checkpoints kept, newest first (the final one is always among them); with
+    # rollout.weight_sync=disk the per-step checkpoints the server loads are deleted once superseded.
+    keep_last: int = 2
+
+
+@dataclass
 class AlignConfig:
     # Which sample: index i reproduces sample i of a run's first step (its prompt and sampling seed).
     sample: int = 0
@@ -271,6 +281,7 @@ class Config:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     gate: GateConfig = field(default_factory=GateConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     align: AlignConfig = field(default_factory=AlignConfig)
 
 

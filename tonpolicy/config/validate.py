@@ -128,6 +128,7 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
         "rollout.max_running_requests",
         "trainer.nnodes",
         "trainer.ppo_epochs",
+        "checkpoint.keep_last",
         "trainer.ppo_minibatches",
     ]
     if p.num_microbatches is not None:

@@ -42,6 +42,7 @@ from tonpolicy.config.schema import Config
 from tonpolicy.contract.handshake import handshake
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.loop.batch import Batch, collect_batch
+from tonpolicy.loop.checkpoints import Checkpoints
 from tonpolicy.loop.exit_codes import EXIT_GATE_FAILED, EXIT_HANDSHAKE, EXIT_INVALID_CONFIG, EXIT_OK
 from tonpolicy.loop.faults import injected_fault, with_fault_advantages, with_fault_logprobs
 from tonpolicy.loop.gate import Gate, Verdict, model_tokens, recomputes_logprobs, routing_agreement
@@ -294,12 +295,14 @@ def run_trainer(
         if rank0:
             loop.producer = BatchProducer(lambda j: make_batch(loop, j), cfg.experiment.steps, k)
     code, message = EXIT_OK, ""
+    checkpoints = Checkpoints(cfg, run_dir, rank0)
     try:
         for step in range(cfg.experiment.steps):
             verdict = take_step(loop, step)
             if verdict.failed:
                 code, message = EXIT_GATE_FAILED, loop.gate.failure_message(verdict, step)
                 break
+            checkpoints.after_step(worker, step)
     finally:
         if loop.producer is not None:  # a batch still being generated is dropped (it trains nothing)
             loop.producer.close()

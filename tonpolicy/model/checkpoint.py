@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,19 +39,75 @@ def init_state_dict(cfg: ModelConfig, dtype: torch.dtype, seed: int) -> dict[str
 TOKENIZER_MAX_VOCAB = 65536
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, path: str | Path) -> None:
+# Hugging Face's default shard size: every loader and SGLang read such an index.
+MAX_SHARD_BYTES = 5 * 2**30
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+READABLE = 0o644  # a checkpoint is read by other users' servers
+
+
+def save_hf(
+    state_dict: dict[str, torch.Tensor], cfg: ModelConfig, path: str | Path, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> None:
+    """A complete HF model directory: the weights (one file, or shards of at most `max_shard_bytes`
+    with an index), config.json and, from the checkpoint the model came from (`cfg.checkpoint`),
+    every other file that is not weights (tokenizer, chat template, generation_config.json, ...);
+    its config.json keeps every key, only the dtype follows the weights. Files are 0644."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous() for k, v in state_dict.items()}
     if cfg.tie_word_embeddings:
         tensors.pop(LM_HEAD, None)
-    dtype = next(iter(tensors.values())).dtype
-    (path / "config.json").write_text(json.dumps(adapter(cfg.family).config_to_hf(cfg, dtype_name(dtype)), indent=2))
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    if cfg.vocab_size <= TOKENIZER_MAX_VOCAB:  # the tiny models' word-level tokenizer, for readable samples
-        from tonpolicy.model.tokenizer import save_tokenizer
+    dtype = dtype_name(next(iter(tensors.values())).dtype)
+    source = Path(cfg.checkpoint) if cfg.checkpoint else None
+    if source is not None and source.resolve() != path.resolve() and (source / "config.json").exists():
+        hf = json.loads((source / "config.json").read_text())
+        hf["torch_dtype"] = dtype
+        if "dtype" in hf:
+            hf["dtype"] = dtype
+        _carry_files(source, path)
+    else:
+        hf = adapter(cfg.family).config_to_hf(cfg, dtype)
+        if cfg.vocab_size <= TOKENIZER_MAX_VOCAB:  # the tiny models' word-level tokenizer, for readable samples
+            from tonpolicy.model.tokenizer import save_tokenizer
 
-        save_tokenizer(path, cfg.vocab_size)
+            save_tokenizer(path, cfg.vocab_size)
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    _save_weights(tensors, path, max_shard_bytes)
+    for f in path.iterdir():
+        if f.is_file():
+            f.chmod(READABLE)
+
+
+def _carry_files(source: Path, path: Path) -> None:
+    for f in sorted(source.iterdir()):
+        weights = f.name.endswith(WEIGHT_SUFFIXES) or f.name.endswith(".index.json")
+        if f.is_file() and not weights and f.name != "config.json" and not f.name.startswith("."):
+            shutil.copyfile(f, path / f.name)
+
+
+def _save_weights(tensors: dict[str, torch.Tensor], path: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    for stale in path.glob("model*.safetensors*"):
+        stale.unlink()
+    if len(shards) == 1:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def read_config(path: str | Path) -> ModelConfig:

@@ -1,0 +1,46 @@
+"""Saved checkpoints: the trained weights as complete HF model directories under
+<run dir>/checkpoints/step_<k> (k: steps completed, the weight version the servers report), every
+checkpoint.save_every steps and after the last step, the newest checkpoint.keep_last of them kept.
+
+With rollout.weight_sync=disk every step already writes such a directory for the servers to load: a
+saved step keeps it, any other is deleted once the next step's weights are loaded. With the
+distributed sync the saved steps are written here (every rank takes part in the gather)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tonpolicy.config.schema import Config
+from tonpolicy.loop.weight_sync import weight_version
+
+
+class Checkpoints:
+    def __init__(self, cfg: Config, run_dir: Path, rank0: bool) -> None:
+        self.root, self.rank0 = run_dir / "checkpoints", rank0
+        self.every, self.keep = cfg.checkpoint.save_every, cfg.checkpoint.keep_last
+        self.steps, self.disk = cfg.experiment.steps, cfg.rollout.weight_sync == "disk"
+        self.saved: list[Path] = []
+
+    def saves(self, completed: int) -> bool:
+        return completed == self.steps or (self.every > 0 and completed % self.every == 0)
+
+    def path(self, completed: int) -> Path:
+        return self.root / weight_version(completed - 1)
+
+    def after_step(self, worker: Any, step: int) -> None:
+        """After step `step` (0-based) is trained and its weights pushed; on every rank."""
+        completed = step + 1
+        if self.saves(completed):
+            if not self.disk:
+                worker.save_hf(self.path(completed))  # a collective: rank 0 writes
+            self.saved.append(self.path(completed))
+        if not self.rank0:
+            return
+        gone = self.saved[: -self.keep]
+        self.saved = self.saved[-self.keep :]
+        if self.disk and completed > 1 and not self.saves(completed - 1):
+            gone.append(self.path(completed - 1))  # superseded: the servers now hold step `completed`
+        for path in gone:
+            shutil.rmtree(path, ignore_errors=True)
