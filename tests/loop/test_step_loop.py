@@ -28,10 +28,15 @@ def _lps(response: list[int]) -> list[float]:
 
 
 class Server:
-    """Answers /generate with fixed samples; records the weight loads it is asked for."""
+    """Answers /generate with fixed samples; records the weight loads it is asked for; `retried`: the
+    re-sent requests its client would report."""
 
-    def __init__(self, flip: bool = False) -> None:
-        self.flip, self.loaded, self.version = flip, [], "default"
+    def __init__(self, flip: bool = False, retried: int = 0) -> None:
+        self.flip, self.loaded, self.version, self.retried = flip, [], "default", retried
+
+    def take_retries(self) -> int:
+        n, self.retried = self.retried, 0
+        return n
 
     def generate(self, prompts: list[list[int]], params: list[dict]) -> list[dict]:
         outs = [
@@ -109,6 +114,12 @@ def test_a_passing_step_trains_and_syncs(tmp_path: Path) -> None:
     assert verdict.passed and record["gate"] == "passed" and record["gate_check"] is None
     assert record["mismatched_tokens"] == 0 and record["first_forward_mismatched"] == 0
     assert worker.updates == 1 and worker.saved == ["step_1"] and server.loaded == [("step_1", "step_1")]
+    assert record["rollout_retries"] == 0
+
+
+def test_the_record_counts_the_rollout_requests_re_sent(tmp_path: Path) -> None:
+    verdict, record = _step(tmp_path, Server(retried=2), Worker())
+    assert verdict.passed and record["rollout_retries"] == 2
 
 
 def test_a_rollout_mismatch_trains_nothing(tmp_path: Path) -> None:

@@ -209,6 +209,8 @@ def take_step(loop: Loop, step: int) -> Verdict:
             "reward_mean": batch.reward_mean,
             "model_tokens": batch.model_tokens,  # scored by the gate (a multi-turn task's: not the env's)
             "cached_tokens": batch.cached_tokens,  # context tokens the server reused from its prefix cache
+            # HTTP requests to the rollout servers re-sent since the last record (a transient error retried)
+            "rollout_retries": loop.server.take_retries(),
             "rollout_s": round(t_rollout, 3),  # asynchronous: the wait for the producer's batch and its broadcast
             **({"rollout_wait_s": round(waited, 3)} if waited is not None else {}),
             "step_s": round(time.monotonic() - t0, 3),

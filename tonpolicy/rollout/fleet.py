@@ -45,6 +45,10 @@ class FleetClient:
             raise RolloutError("; ".join(errors))
         return answers
 
+    def take_retries(self) -> int:
+        """Requests re-sent (to the router or any replica) since the last call."""
+        return sum(c.take_retries() for c in (self.router, *self.replicas))
+
     # --- generation, through the router ----------------------------------------------------
 
     def health(self, timeout_s: float = 10.0) -> bool:
