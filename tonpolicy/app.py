@@ -31,6 +31,16 @@ def write_plan(cfg: Config, run_dir: Path) -> dict:
 def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) -> int:
     """Return the process exit code. `unknown`: keys the composed config had that the schema lacks."""
     validate(cfg, unknown=unknown)
+    if cfg.reward.function is not None and cfg.mode == "run":
+        # The user's reward module imports here, before anything starts: a wrong path fails in seconds.
+        from tonpolicy.rl.user_reward import RewardError, load_function
+
+        try:
+            load_function(cfg.reward.function)
+        except RewardError as exc:
+            raise ConfigError(
+                [ConfigIssue("reward.function", cfg.reward.function, str(exc).partition(": ")[2])]
+            ) from exc
     if cfg.mode in ("run", "align") and resolve_device(cfg) == "cpu":
         # This host's invariances at the job's shapes, on a sound config, before anything starts.
         from tonpolicy.contract.host import host_problems

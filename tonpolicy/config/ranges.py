@@ -48,6 +48,7 @@ def check_ranges(cfg: Config, bad: Any) -> None:
         ("rollout.health_timeout_s", r.health_timeout_s),
         ("trainer.timeout_s", t.timeout_s),
         ("rollout.liveness_timeout_s", r.liveness_timeout_s),
+        ("reward.timeout_s", cfg.reward.timeout_s),
     ):
         if not (math.isfinite(seconds) and seconds > 0):
             bad(key, "must be a positive number of seconds")

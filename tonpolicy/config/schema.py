@@ -242,6 +242,16 @@ class GateConfig:
 
 
 @dataclass
+class RewardConfig:
+    # Your own reward function, 'package.module:function' or 'path/to/file.py:function', called on
+    # every sample instead of the task's (tonpolicy.rl.user_reward says how); null: the task's reward.
+    function: str | None = None
+    batched: bool = False  # one call per step with lists (prompts, responses, ...) instead of one per sample
+    timeout_s: float = 30.0  # per call
+    on_error: str = "zero"  # a call that raises, times out or returns no finite number: "zero" | "fail"
+
+
+@dataclass
 class CheckpointConfig:
     # The trained weights, as a complete HF model directory under <run dir>/checkpoints/step_<k>, every
     # this many steps and after the last step whatever the weight sync; 0: after the last step only.
@@ -281,6 +291,7 @@ class Config:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     gate: GateConfig = field(default_factory=GateConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     align: AlignConfig = field(default_factory=AlignConfig)
 

@@ -38,6 +38,7 @@ KNOWN = {
     "logger.backend": ("wandb", "none"),
     "logger.mode": ("offline", "online", "disabled"),
     "task.name": ("echo_digit", "first_digit", "first_parity", "digit_copy", "constant", "calculator"),
+    "reward.on_error": ("zero", "fail"),
 }
 # Backends that released SGLang's --enable-deterministic-inference accepts.
 SGLANG_DETERMINISTIC_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "ascend", "intel_xpu")

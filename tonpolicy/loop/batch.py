@@ -7,6 +7,7 @@ loss see only the model's tokens (the rollout logprobs of the environment's are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ class Batch:
     # Per sample, the weight version that sampled each response token (meta_info.weight_versions).
     # None where not collected (a multi-turn task's batch).
     weight_versions: list[list[str | None]] | None = None
+    reward_errors: int = 0  # calls of the user's reward function that failed (each scored 0.0)
 
     @property
     def reward_mean(self) -> float:
@@ -50,13 +52,27 @@ class Batch:
         return int(sum(int(m.sum()) for m in self.response_masks))
 
 
-def collect_batch(cfg: Config, client: Any, step: int) -> Batch:
+# The user's reward function (tonpolicy.rl.user_reward.UserReward): (prompts, responses) -> (rewards, failed calls).
+Score = Callable[[list[list[int]], list[list[int]]], tuple[list[float], int]]
+
+
+def rewards_of(
+    cfg: Config, prompts: list[list[int]], responses: list[list[int]], score: Score | None
+) -> tuple[list[float], int]:
+    """The samples' rewards and failed calls: the user's function when given, else the task's."""
+    if score is not None:
+        return score(prompts, responses)
+    t = cfg.task
+    return [reward(t.name, p, r, t.graded_tokens, t.target_digit) for p, r in zip(prompts, responses, strict=True)], 0
+
+
+def collect_batch(cfg: Config, client: Any, step: int, score: Score | None = None) -> Batch:
     """Generate the step's samples through the rollout server's client; rewards and GRPO advantages."""
     e, t = cfg.experiment, cfg.task
     prompts = step_prompts(cfg, step)
     seeds = [sampling_seed(e.seed, step, i) for i in range(len(prompts))]
     if is_multi_turn(t.name):
-        return collect_episodes(cfg, client, prompts, seeds)
+        return collect_episodes(cfg, client, prompts, seeds, score)
     params = [sampling_params(cfg, s) for s in seeds]
     m = cfg.model
     outs = client.generate(prompts, params, **({"return_routed_experts": True} if m.is_moe else {}))
@@ -66,7 +82,7 @@ def collect_batch(cfg: Config, client: Any, step: int) -> Batch:
     # (routing_agreement is null, and router replay refuses to run)
     if m.is_moe and all(o.get("routed_experts") is not None for o in outs):
         routes = [rollout_routes(o["routed_experts"], m.num_layers, m.num_experts_per_tok) for o in outs]
-    rewards = [reward(t.name, p, r, t.graded_tokens, t.target_digit) for p, r in zip(prompts, responses, strict=True)]
+    rewards, failed = rewards_of(cfg, prompts, responses, score)
     return Batch(
         prompts=prompts,
         seeds=seeds,
@@ -77,6 +93,7 @@ def collect_batch(cfg: Config, client: Any, step: int) -> Batch:
         routed_experts=routes,
         cached_tokens=sum(int(o.get("cached_tokens") or 0) for o in outs),
         weight_versions=[o["weight_versions"] for o in outs],
+        reward_errors=failed,
     )
 
 
@@ -85,7 +102,9 @@ def turn_seed(seed: int, turn: int) -> int:
     return (seed + turn * 1_000_000_007) % 2**63
 
 
-def collect_episodes(cfg: Config, client: Any, prompts: list[list[int]], seeds: list[int]) -> Batch:
+def collect_episodes(
+    cfg: Config, client: Any, prompts: list[list[int]], seeds: list[int], score: Score | None = None
+) -> Batch:
     """A multi-turn task's batch: each turn is one /generate of token ids (token in, token out)."""
     e, t = cfg.experiment, cfg.task
     if cfg.model.is_moe:  # routes of the environment's tokens would need their own bookkeeping
@@ -95,7 +114,8 @@ def collect_episodes(cfg: Config, client: Any, prompts: list[list[int]], seeds: 
         return client.generate(contexts, [sampling_params(cfg, turn_seed(s, turn)) for s in seeds])
 
     episodes = run_episodes(t.name, prompts, t.max_turns, generate)
-    rewards = [reward(t.name, ep.prompt, ep.turns[-1], t.graded_tokens, t.target_digit) for ep in episodes]
+    # graded on the last model turn, as the task's own reward
+    rewards, failed = rewards_of(cfg, [ep.prompt for ep in episodes], [ep.turns[-1] for ep in episodes], score)
     return Batch(
         prompts=prompts,
         seeds=seeds,
@@ -106,6 +126,7 @@ def collect_episodes(cfg: Config, client: Any, prompts: list[list[int]], seeds: 
         response_masks=[torch.tensor(ep.mask, dtype=torch.bool) for ep in episodes],
         cached_tokens=sum(ep.cached_tokens for ep in episodes),
         weight_versions=[ep.versions for ep in episodes],  # the environment's tokens: None (not sampled)
+        reward_errors=failed,
     )
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.handshake import handshake
 from tonpolicy.contract.identity import runtime_identity
-from tonpolicy.loop.batch import Batch, collect_batch
+from tonpolicy.loop.batch import Batch, Score, collect_batch
 from tonpolicy.loop.checkpoints import Checkpoints
 from tonpolicy.loop.exit_codes import EXIT_GATE_FAILED, EXIT_HANDSHAKE, EXIT_INVALID_CONFIG, EXIT_OK
 from tonpolicy.loop.faults import injected_fault, with_fault_advantages, with_fault_logprobs
@@ -77,11 +77,12 @@ class Loop:
     # Asynchronous steps (experiment.max_staleness >= 1): rank 0's producer, every rank's kept versions.
     producer: BatchProducer | None = None
     snapshots: Any = None  # tonpolicy.trainer.snapshots.PolicySnapshots
+    score: Score | None = None  # rank 0's: the user's reward function (reward.function), else the task's
 
 
 def make_batch(loop: Loop, step: int) -> Batch:
     """Rank 0: step `step`'s batch from the rollout server (with the test hooks' faults)."""
-    return with_fault_logprobs(with_fault_advantages(collect_batch(loop.cfg, loop.server, step)))
+    return with_fault_logprobs(with_fault_advantages(collect_batch(loop.cfg, loop.server, step, loop.score)))
 
 
 def take_step(loop: Loop, step: int) -> Verdict:
@@ -209,6 +210,7 @@ def take_step(loop: Loop, step: int) -> Verdict:
             "reward_mean": batch.reward_mean,
             "model_tokens": batch.model_tokens,  # scored by the gate (a multi-turn task's: not the env's)
             "cached_tokens": batch.cached_tokens,  # context tokens the server reused from its prefix cache
+            "reward_errors": batch.reward_errors,  # calls of the user's reward function that failed (scored 0.0)
             # HTTP requests to the rollout servers re-sent since the last record (a transient error retried)
             "rollout_retries": loop.server.take_retries(),
             "rollout_s": round(t_rollout, 3),  # asynchronous: the wait for the producer's batch and its broadcast
@@ -271,7 +273,7 @@ def run_trainer(
             return EXIT_INVALID_CONFIG
     worker = TrainerWorker(cfg, checkpoint)
     rank0 = dist.get_rank() == 0
-    server = records = refusal = None
+    server = records = refusal = tokenizer = None
     if rank0:
         from tonpolicy.rollout.fleet import rollout_client
 
@@ -289,6 +291,14 @@ def run_trainer(
         return EXIT_HANDSHAKE
 
     loop = Loop(cfg, worker, Gate.of(cfg), weight_sync_for(cfg, server, run_dir, device), rank0, server, records)
+    if rank0 and cfg.reward.function is not None:
+        from tonpolicy.rl.user_reward import UserReward
+
+        r = cfg.reward
+        decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        loop.score = UserReward(
+            r.function, timeout_s=r.timeout_s, on_error=r.on_error, batched=r.batched, decode=decode
+        )
     k = cfg.experiment.max_staleness
     if k:
         from tonpolicy.trainer.snapshots import PolicySnapshots

@@ -1,0 +1,36 @@
+"""A job scored by the user's reward function (a file of theirs, named by reward.function): it sees the
+decoded text, its rewards are the ones recorded, a call that raises is counted in the step record and
+scores 0.0, and the run still holds exact zero."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from support.e2e_common import records, run_job, samples
+
+REWARD = """
+def score(prompt, response, response_ids):
+    assert isinstance(prompt, str) and isinstance(response, str)  # decoded by the checkpoint's tokenizer
+    if response_ids[0] % 3 == 0:
+        raise RuntimeError("the user's bug")
+    return len(response.split()) / 10 + (response_ids[0] % 2)
+"""
+
+
+def _expected(response: list[int], text: str) -> float:
+    return 0.0 if response[0] % 3 == 0 else len(text.split()) / 10 + response[0] % 2
+
+
+def test_a_users_reward_function_scores_the_run(tmp_path: Path) -> None:
+    (tmp_path / "my_reward.py").write_text(REWARD)
+    proc, run_dir = run_job(tmp_path, "experiment.steps=2", f"reward.function={tmp_path / 'my_reward.py'}:score")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs, steps = records(run_dir), samples(run_dir)
+    assert len(recs) == 2 and all(r["mismatched_tokens"] == 0 for r in recs)
+    for rec, step in zip(recs, steps, strict=True):
+        raised = sum(r[0] % 3 == 0 for r in step["responses"])
+        assert rec["reward_errors"] == raised
+        expected = [_expected(r, t) for r, t in zip(step["responses"], step["response_texts"], strict=True)]
+        assert step["rewards"] == expected
+    assert sum(r["reward_errors"] for r in recs) > 0, "the draw had no failing call: pick another rule"
+    assert "the user's bug" in proc.stderr or "the user's bug" in (run_dir / "logs" / "trainer.log").read_text()
