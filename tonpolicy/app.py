@@ -28,6 +28,28 @@ def write_plan(cfg: Config, run_dir: Path) -> dict:
     return plan
 
 
+def _check_data(cfg: Config) -> None:
+    """The training data read and tokenized as the trainer will, before anything starts."""
+    import tempfile
+
+    from tonpolicy.model.tokenizer import save_tokenizer
+    from tonpolicy.rl.prompt_data import DataError, load_prompt_data
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if cfg.model.checkpoint is None:  # the run's init checkpoint will carry this tokenizer
+            save_tokenizer(tmp, cfg.model.vocab_size)
+        try:
+            data = load_prompt_data(cfg, cfg.model.checkpoint or tmp)
+        except DataError as exc:
+            raise ConfigError([ConfigIssue("data.train_files", cfg.data.train_files, str(exc))]) from exc
+    if data.dropped:
+        print(
+            f"tonpolicy: {data.dropped} of {data.dropped + len(data.rows)} training prompts are longer than "
+            f"experiment.max_prompt_len={cfg.experiment.max_prompt_len} tokens: left out",
+            file=sys.stderr,
+        )
+
+
 def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) -> int:
     """Return the process exit code. `unknown`: keys the composed config had that the schema lacks."""
     validate(cfg, unknown=unknown)
@@ -41,6 +63,8 @@ def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) ->
             raise ConfigError(
                 [ConfigIssue("reward.function", cfg.reward.function, str(exc).partition(": ")[2])]
             ) from exc
+    if cfg.data.train_files and cfg.mode == "run":
+        _check_data(cfg)
     if cfg.mode in ("run", "align") and resolve_device(cfg) == "cpu":
         # This host's invariances at the job's shapes, on a sound config, before anything starts.
         from tonpolicy.contract.host import host_problems

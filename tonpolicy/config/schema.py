@@ -242,6 +242,19 @@ class GateConfig:
 
 
 @dataclass
+class DataConfig:
+    # Your training prompts (JSON Lines), instead of the task's: tonpolicy.rl.prompt_data says how.
+    # They need a reward function of yours (reward.function), which receives each row's label and columns.
+    train_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"  # a string, or a list of {role, content} chat messages
+    label_key: str | None = "label"
+    # Render a string prompt as one user message through the checkpoint's chat template (a list of
+    # messages always is); chat_template_kwargs reach the template (e.g. enable_thinking: false).
+    chat_template: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class RewardConfig:
     # Your own reward function, 'package.module:function' or 'path/to/file.py:function', called on
     # every sample instead of the task's (tonpolicy.rl.user_reward says how); null: the task's reward.
@@ -291,6 +304,7 @@ class Config:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     gate: GateConfig = field(default_factory=GateConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     align: AlignConfig = field(default_factory=AlignConfig)

@@ -75,8 +75,8 @@ def unknown_keys(composed: Any) -> list[ConfigIssue]:
                 close = difflib.get_close_matches(str(key), [str(k) for k in ref], n=1)
                 hint = f"; did you mean {prefix}{close[0]}?" if close else ""
                 found.append(ConfigIssue(dotted, value, f"unknown key (not in the schema){hint}"))
-            elif isinstance(value, dict) and isinstance(ref[key], dict):
-                walk(value, ref[key], dotted + ".")
+            elif isinstance(value, dict) and isinstance(ref[key], dict) and ref[key]:
+                walk(value, ref[key], dotted + ".")  # an empty mapping in the schema is the user's to fill
 
     walk(
         OmegaConf.to_container(composed, resolve=False),
@@ -236,6 +236,10 @@ def _check_layout(cfg: Config, bad: Any) -> None:
                     f"leaves {n_mb} microbatches per replica, fewer than parallel.pp="
                     f"{p.pp} stages: the pipeline never fills",
                 )
+    if cfg.data.train_files and cfg.reward.function is None:
+        bad("data.train_files", "needs reward.function (yours): the built-in tasks score only their own prompts")
+    if cfg.data.train_files and cfg.task.max_turns > 1:
+        bad("data.train_files", f"is for single-turn prompts: task={cfg.task.name} is multi-turn")
     if cfg.trainer.pack_sequences and p.cp > 1:
         bad(
             "trainer.pack_sequences",

@@ -17,6 +17,7 @@ from tonpolicy.config.schema import Config
 from tonpolicy.rl.batch import sampling_params, sampling_seed, step_prompts
 from tonpolicy.rl.multi_turn import is_multi_turn, run_episodes
 from tonpolicy.rl.objective import grpo_advantages
+from tonpolicy.rl.prompt_data import PromptData, Row
 from tonpolicy.rl.task import reward
 from tonpolicy.rollout.wire.response import decode_routed_experts
 
@@ -52,24 +53,43 @@ class Batch:
         return int(sum(int(m.sum()) for m in self.response_masks))
 
 
-# The user's reward function (tonpolicy.rl.user_reward.UserReward): (prompts, responses) -> (rewards, failed calls).
-Score = Callable[[list[list[int]], list[list[int]]], tuple[list[float], int]]
+# The user's reward function (tonpolicy.rl.user_reward.UserReward): (prompts, responses, labels, extras)
+# -> (rewards, failed calls).
+Score = Callable[..., tuple[list[float], int]]
 
 
 def rewards_of(
-    cfg: Config, prompts: list[list[int]], responses: list[list[int]], score: Score | None
+    cfg: Config,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    score: Score | None,
+    rows: list[Row] | None = None,
 ) -> tuple[list[float], int]:
-    """The samples' rewards and failed calls: the user's function when given, else the task's."""
+    """The samples' rewards and failed calls: the user's function when given, else the task's. `rows`:
+    the data rows the prompts came from (their labels and columns reach the function)."""
     if score is not None:
-        return score(prompts, responses)
+        if rows is None:
+            return score(prompts, responses)
+        return score(prompts, responses, [r.label for r in rows], [r.extra for r in rows])
     t = cfg.task
     return [reward(t.name, p, r, t.graded_tokens, t.target_digit) for p, r in zip(prompts, responses, strict=True)], 0
 
 
-def collect_batch(cfg: Config, client: Any, step: int, score: Score | None = None) -> Batch:
+def prompts_of(cfg: Config, step: int, data: PromptData | None) -> tuple[list[list[int]], list[Row] | None]:
+    """The step's prompts, each repeated for its GRPO group: the user's data (with their rows) or the task's."""
+    if data is None:
+        return step_prompts(cfg, step), None
+    e = cfg.experiment
+    picked = [i for i in data.draw(step, e.prompts_per_step) for _ in range(e.samples_per_prompt)]
+    return [data.ids[i] for i in picked], [data.rows[i] for i in picked]
+
+
+def collect_batch(
+    cfg: Config, client: Any, step: int, score: Score | None = None, data: PromptData | None = None
+) -> Batch:
     """Generate the step's samples through the rollout server's client; rewards and GRPO advantages."""
     e, t = cfg.experiment, cfg.task
-    prompts = step_prompts(cfg, step)
+    prompts, rows = prompts_of(cfg, step, data)
     seeds = [sampling_seed(e.seed, step, i) for i in range(len(prompts))]
     if is_multi_turn(t.name):
         return collect_episodes(cfg, client, prompts, seeds, score)
@@ -82,7 +102,7 @@ def collect_batch(cfg: Config, client: Any, step: int, score: Score | None = Non
     # (routing_agreement is null, and router replay refuses to run)
     if m.is_moe and all(o.get("routed_experts") is not None for o in outs):
         routes = [rollout_routes(o["routed_experts"], m.num_layers, m.num_experts_per_tok) for o in outs]
-    rewards, failed = rewards_of(cfg, prompts, responses, score)
+    rewards, failed = rewards_of(cfg, prompts, responses, score, rows)
     return Batch(
         prompts=prompts,
         seeds=seeds,

@@ -52,6 +52,7 @@ from tonpolicy.loop.staleness import async_metrics, logprobs_under_sampling_vers
 from tonpolicy.loop.weight_sync import WeightSync, policy_version, weight_sync_for
 from tonpolicy.model.tokenizer import load_tokenizer
 from tonpolicy.rl.objective import train_rollout_metrics
+from tonpolicy.rl.prompt_data import PromptData
 
 if TYPE_CHECKING:
     from tonpolicy.trainer.worker import TrainerWorker
@@ -78,11 +79,12 @@ class Loop:
     producer: BatchProducer | None = None
     snapshots: Any = None  # tonpolicy.trainer.snapshots.PolicySnapshots
     score: Score | None = None  # rank 0's: the user's reward function (reward.function), else the task's
+    data: PromptData | None = None  # rank 0's: the user's prompts (data.train_files), else the task's
 
 
 def make_batch(loop: Loop, step: int) -> Batch:
     """Rank 0: step `step`'s batch from the rollout server (with the test hooks' faults)."""
-    return with_fault_logprobs(with_fault_advantages(collect_batch(loop.cfg, loop.server, step, loop.score)))
+    return with_fault_logprobs(with_fault_advantages(collect_batch(loop.cfg, loop.server, step, loop.score, loop.data)))
 
 
 def take_step(loop: Loop, step: int) -> Verdict:
@@ -299,6 +301,10 @@ def run_trainer(
         loop.score = UserReward(
             r.function, timeout_s=r.timeout_s, on_error=r.on_error, batched=r.batched, decode=decode
         )
+    if rank0 and cfg.data.train_files:
+        from tonpolicy.rl.prompt_data import load_prompt_data
+
+        loop.data = load_prompt_data(cfg, checkpoint)  # the launcher checked it before the start
     k = cfg.experiment.max_staleness
     if k:
         from tonpolicy.trainer.snapshots import PolicySnapshots

@@ -86,9 +86,12 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i not in self.special_ids])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **kwargs: Any
+    ) -> str:
         """The prompt text for chat `messages`, ending with the assistant's turn; `tools` (OpenAI's function
-        specs) are the template's `tools`, as transformers passes them."""
+        specs) are the template's `tools`, as transformers passes them; `kwargs` are the template's too
+        (transformers' chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
         if self.chat_template is None:
             raise ValueError("the tokenizer has no chat template")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -99,6 +102,7 @@ class TextTokenizer:
             tools=tools,
             add_generation_prompt=True,
             **{k: v or "" for k, v in self.special_tokens.items()},
+            **kwargs,
         )
 
 

@@ -107,15 +107,20 @@ class UserReward:
         print(f"tonpolicy: reward.function {self.spec} failed on {what}: {exc!r} (scored 0.0)", file=sys.stderr)
 
     def __call__(
-        self, prompts: list[list[int]], responses: list[list[int]], labels: list[Any] | None = None
+        self,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        labels: list[Any] | None = None,
+        extras: list[dict[str, Any]] | None = None,
     ) -> tuple[list[float], int]:
         """Each sample's reward, and how many calls failed."""
         labels = labels if labels is not None else [None] * len(prompts)
+        extras = extras if extras is not None else [{} for _ in prompts]
         decode = self.decode or (lambda ids: None)
         texts = [(decode(p), decode(r)) for p, r in zip(prompts, responses, strict=True)]
         rows = [
-            {"prompt": t[0], "response": t[1], "prompt_ids": p, "response_ids": r, "label": lab, "extra": {}}
-            for t, p, r, lab in zip(texts, prompts, responses, labels, strict=True)
+            {"prompt": t[0], "response": t[1], "prompt_ids": p, "response_ids": r, "label": lab, "extra": ex}
+            for t, p, r, lab, ex in zip(texts, prompts, responses, labels, extras, strict=True)
         ]
         if self.batched:
             try:
