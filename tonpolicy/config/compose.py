@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from tonpolicy.config.learning_rate import given_lr_wins
 from tonpolicy.config.schema import Config, register_configs
 from tonpolicy.config.validate import ConfigError, unknown_keys
 
@@ -20,6 +22,9 @@ def compose_config(overrides: list[str] | None = None) -> Config:
     unknown = unknown_keys(dcfg)
     if unknown:
         raise ConfigError(unknown)
+    said = given_lr_wins(dcfg, overrides or [])
+    if said:
+        print(f"tonpolicy: {said}", file=sys.stderr)
     return OmegaConf.to_object(dcfg)  # type: ignore[return-value]
 
 
