@@ -1,39 +1,38 @@
 """`python -m tonpolicy [group=option ...]`: thin Hydra glue around tonpolicy.app.run.
 
 The command line is checked first (tonpolicy.config.command_line), so a bad one ends with exit 2
-in tonpolicy's words before Hydra writes or starts anything."""
+in tonpolicy's words before Hydra writes or starts anything. `--version` is tonpolicy's, answered
+before Hydra (whose own flag prints Hydra's version) or torch is imported."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from tonpolicy.config.command_line import check_command_line
-from tonpolicy.config.compose import CONF_DIR
-from tonpolicy.config.names import layout_label
-from tonpolicy.config.schema import Config, register_configs
-from tonpolicy.config.validate import ConfigError, unknown_keys
-from tonpolicy.files import write_json_atomic
-from tonpolicy.loop.exit_codes import EXIT_INVALID_CONFIG
-from tonpolicy.process_exit import exit_now
-
-register_configs()
+from tonpolicy.version import build_info, version_line
 
 
-# An absolute path: the console script (module tonpolicy.__main__) would otherwise look for a
-# `tonpolicy.conf` Python package, which the config folder is not.
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def job(dcfg: DictConfig) -> None:
+    """The task function Hydra runs (wrapped by hydra.main in `main`)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     from tonpolicy.app import run
+    from tonpolicy.config.learning_rate import given_lr_wins
+    from tonpolicy.config.names import layout_label
+    from tonpolicy.config.schema import Config
+    from tonpolicy.config.validate import ConfigError, unknown_keys
+    from tonpolicy.files import write_json_atomic
+    from tonpolicy.loop.exit_codes import EXIT_INVALID_CONFIG
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     unknown = unknown_keys(dcfg)  # before to_object, which would drop them silently
+    said = given_lr_wins(dcfg, list(hc.overrides.task))
+    if said:
+        print(f"tonpolicy: {said}", file=sys.stderr)
     cfg: Config = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
     try:
         code = run(cfg, run_dir, unknown)
@@ -48,6 +47,7 @@ def job(dcfg: DictConfig) -> None:
                 "layout": layout_label(cfg.parallel),
                 "contract": cfg.contract.name,
                 "error": str(exc),
+                "tonpolicy": build_info(),
             },
         )
     if code and hc.mode == RunMode.MULTIRUN:
@@ -59,13 +59,32 @@ def job(dcfg: DictConfig) -> None:
 
 
 def main() -> None:
+    if "--version" in sys.argv[1:]:
+        print(version_line())
+        sys.exit(0)
+    import hydra
+
+    from tonpolicy.config.command_line import check_command_line
+    from tonpolicy.config.compose import CONF_DIR
+    from tonpolicy.config.help_groups import register_help_resolver
+    from tonpolicy.config.schema import register_configs
+    from tonpolicy.config.validate import ConfigError
+    from tonpolicy.loop.exit_codes import EXIT_INVALID_CONFIG
+    from tonpolicy.process_exit import exit_now
+
+    register_configs()
+    register_help_resolver()
     try:
-        check_command_line(sys.argv[1:])
+        for warning in check_command_line(sys.argv[1:]):
+            print(f"tonpolicy: warning: {warning}", file=sys.stderr)
     except ConfigError as exc:
         print(f"tonpolicy: {exc}", file=sys.stderr)
         sys.exit(EXIT_INVALID_CONFIG)
+    # An absolute path: the console script (module tonpolicy.__main__) would otherwise look for a
+    # `tonpolicy.conf` Python package, which the config folder is not.
+    hydra_job = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(job)
     try:
-        job()
+        hydra_job()
     except SystemExit as done:
         exit_now(done.code)
     # Every child is stopped and every file written: no teardown of what the launcher imported.

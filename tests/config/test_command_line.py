@@ -3,6 +3,7 @@ at once, before Hydra writes or starts anything (issue 39)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tonpolicy.config.command_line import unusable_dir
+from tonpolicy.config.compose import load_config
 
 HEADER = "tonpolicy: invalid configuration ("
 
@@ -126,14 +128,56 @@ def test_every_other_bad_override_at_once(tmp_path: Path) -> None:
         " holds spaces or any of = , [ ] { } ( ) ' \"",
         "trainer.device='': not a valid override (missing EQUAL at '<EOF>'); write key=value, quoting a value"
         " that holds spaces or any of = , [ ] { } ( ) ' \"",
-        "parallel='tp2': given twice (parallel=tp1 and parallel=tp2); Hydra would keep the last: give it once",
         "foo='bar': unknown key (not in the schema); the config groups are contract, experiment, logger, model,"
         " parallel, rollout, task, trainer",
         "experiment.temperature='hot': must be a number",
         "parallel.pp_layers=['a', 1]: must be a list of integers",
-        "parallel='tp1,tp4': given twice (parallel=tp1 and parallel=tp1,tp4); Hydra would keep the last: give it once",
         "parallel='tp1,tp4': a sweep needs -m (--multirun); for a list write key=[a,b], for a string quote it",
     ]
+
+
+def test_a_key_given_twice_warns_and_the_last_stands(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tonpolicy", "mode=plan", "parallel=tp1", "trainer.lr=0.1", "parallel=tp2"]
+        + ["trainer.lr=0.2", "mode=plan", "trainer.lr=0.5", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("tonpolicy: warning:")]
+    assert warned == [  # mode=plan given twice alike changes nothing: no warning
+        "tonpolicy: warning: parallel is given twice (parallel=tp1, then parallel=tp2); the last one stands:"
+        " parallel=tp2",
+        "tonpolicy: warning: trainer.lr is given 3 times (trainer.lr=0.1, then trainer.lr=0.2, then"
+        " trainer.lr=0.5); the last one stands: trainer.lr=0.5",
+    ]
+    assert json.loads((run_dir / "launch_plan.json").read_text())["layout"] == "tp2"
+    # The trainer.lr given wins over the default task's own (tests/config/test_learning_rate.py).
+    assert "tonpolicy: trainer.lr=0.5, as given, replaces the learning rate task first_parity sets" in proc.stderr
+    cfg = load_config(run_dir / "resolved_config.yaml")
+    assert (cfg.trainer.lr, cfg.task.lr) == (0.5, None)
+
+
+def test_a_sweep_given_twice_keeps_the_last_as_hydras_sweeper_does(tmp_path: Path) -> None:
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from tonpolicy.config.command_line import command_line_findings
+
+    sweep = f"hydra.sweep.dir={tmp_path / 'sweep'}"
+    for first, last, jobs in (
+        ("parallel=tp1,tp2", "parallel=tp4", ["tp4"]),
+        ("parallel=tp1", "parallel=tp2,tp4", ["tp2", "tp4"]),
+    ):
+        issues, warnings = command_line_findings(["-m", "mode=plan", first, last, sweep])
+        assert issues == []
+        assert warnings == [f"parallel is given twice ({first}, then {last}); the last one stands: {last}"]
+        (batch,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides([first, last]), None)
+        assert batch == [[f"parallel={job}"] for job in jobs]
+    assert command_line_findings(["-m", "mode=plan", "parallel=tp1,tp2", "parallel=tp1,tp2", sweep]) == ([], [])
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ FAST = [
 
 
 def with_fast(*overrides: str) -> list[str]:
-    # A test's own value for a key of FAST replaces FAST's: tonpolicy refuses a key given twice.
+    # A test's own value for a key of FAST replaces FAST's (a key given twice would stand, with a warning).
     given = {o.partition("=")[0].lstrip("+~") for o in overrides}
     return [*(o for o in FAST if o.partition("=")[0] not in given), *overrides]
 

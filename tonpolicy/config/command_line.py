@@ -4,8 +4,15 @@ Hydra reports a bad command line in its own words (or a traceback) and exits 1, 
 time, and only after it has made the sweep folder. Everything Hydra would trip on is checked here
 first, in tonpolicy's format (`ConfigIssue`, every problem at once), before anything is written or
 started: options of a group, keys the schema lacks (written with or without `+`), values of the
-wrong type, overrides Hydra cannot parse, a group or key given twice, sweeps without `-m`, and the
-run (or sweep) folder. Whatever else Hydra refuses is found by composing each job as Hydra will.
+wrong type, overrides Hydra cannot parse, sweeps without `-m`, and the run (or sweep) folder.
+Whatever else Hydra refuses is found by composing each job as Hydra will.
+
+A group or key given twice with different values is no error: as in Hydra, the last one stands (a
+wrapper script ending in `"$@"` relies on it), and a warning names the key and its values. Every value
+given is still checked, a superseded one too: a typo is reported wherever it is. A sweep follows the
+same rule, as Hydra's sweeper does (it keeps one entry per key, the last): `-m parallel=tp1,tp2
+parallel=tp4` runs one job, with tp4, and `-m parallel=tp1 parallel=tp2,tp4` sweeps tp2 and tp4; one
+rule for every override is less surprising than an exception for sweeps.
 """
 
 from __future__ import annotations
@@ -45,38 +52,47 @@ def _parser_error(message: str) -> NoReturn:
     raise _ArgvError(message)
 
 
-def check_command_line(argv: list[str]) -> None:
-    """Raise ConfigError listing every problem of `argv` (sys.argv[1:]); return when Hydra may run."""
-    issues = command_line_problems(argv)
+def check_command_line(argv: list[str]) -> list[str]:
+    """Raise ConfigError listing every problem of `argv` (sys.argv[1:]); when Hydra may run, return the
+    warnings (a key given twice), one line each."""
+    issues, warnings = command_line_findings(argv)
     if issues:
         raise ConfigError(issues)
+    return warnings
 
 
 def command_line_problems(argv: list[str]) -> list[ConfigIssue]:
+    return command_line_findings(argv)[0]
+
+
+def command_line_findings(argv: list[str]) -> tuple[list[ConfigIssue], list[str]]:
+    """(the problems that stop the line, the warnings that do not)."""
     from hydra._internal.utils import get_args_parser
 
     if any(a in ("--version", "--shell-completion", "-sc", "--hydra-help") for a in argv):
-        return []  # Hydra's own commands: nothing of tonpolicy's is composed
+        return [], []  # Hydra's own commands: nothing of tonpolicy's is composed
     parser = get_args_parser()
     parser.error = _parser_error  # type: ignore[method-assign]
     try:
         args = parser.parse_args(argv)
     except _ArgvError as exc:
-        return [ConfigIssue(COMMAND_LINE, " ".join(argv), f"{exc} (see python -m tonpolicy --help)")]
+        return [ConfigIssue(COMMAND_LINE, " ".join(argv), f"{exc} (see python -m tonpolicy --help)")], []
     # Hydra raises these two as bare exceptions, after it has set itself up.
     if args.resolve and not (args.cfg or args.help):
-        return [ConfigIssue(COMMAND_LINE, "--resolve", "only with --cfg or --help")]
+        return [ConfigIssue(COMMAND_LINE, "--resolve", "only with --cfg or --help")], []
     flags = {"--run": args.run, "--multirun": args.multirun, "--cfg": args.cfg, "--info": args.info}
     commands = [flag for flag, given in flags.items() if given]
     if len(commands) > 1:
-        return [ConfigIssue(COMMAND_LINE, " ".join(commands), "give one of them")]
-    return _Check(args).run()
+        return [ConfigIssue(COMMAND_LINE, " ".join(commands), "give one of them")], []
+    check = _Check(args)
+    return check.run(), check.warnings
 
 
 @dataclass
 class _Check:
     args: argparse.Namespace
     issues: list[ConfigIssue] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     def run(self) -> list[ConfigIssue]:
         from hydra.core.utils import JobRuntime, setup_globals
@@ -141,19 +157,10 @@ class _Check:
 
         self.groups = sorted(GROUPS)
         self.schema = OmegaConf.structured(Config)
-        seen: dict[str, str] = {}
+        self._warn_repeats(parsed)
         for ov in parsed:
             key, line = ov.key_or_group, ov.input_line
             before = len(self.issues)
-            typed = line.partition("=")[2]
-            if key in seen and seen[key] != typed:
-                first = f"{key}={seen[key]}"
-                self.issues.append(
-                    ConfigIssue(
-                        key, _shown(ov), f"given twice ({first} and {line}); Hydra would keep the last: give it once"
-                    )
-                )
-            seen.setdefault(key, typed)
             if ov.is_sweep_override() and not self.multirun:
                 self.issues.append(
                     ConfigIssue(
@@ -173,6 +180,17 @@ class _Check:
                 self._check_key(ov)
             if len(self.issues) > before:
                 self.bad_lines.add(line)
+
+    def _warn_repeats(self, parsed: list[Any]) -> None:
+        """A key given more than once with different values: the last stands (see the module's docstring)."""
+        given: dict[str, list[str]] = {}
+        for ov in parsed:
+            given.setdefault(ov.key_or_group, []).append(ov.input_line)
+        for key, lines in given.items():
+            if len({line.partition("=")[2] for line in lines}) < 2:
+                continue  # the same value again changes nothing
+            times = "twice" if len(lines) == 2 else f"{len(lines)} times"
+            self.warnings.append(f"{key} is given {times} ({', then '.join(lines)}); the last one stands: {lines[-1]}")
 
     def _unknown_option(self, group: str, value: str, options: list[str]) -> str:
         shown = [o for o in options if not o.startswith("base_")]  # the schemas the options extend

@@ -40,6 +40,7 @@ from tonpolicy.loop.exit_codes import (
     STATUS_FILE,
 )
 from tonpolicy.ports import free_port, port_is_free
+from tonpolicy.version import build_info
 
 
 class JobFailed(Exception):
@@ -335,6 +336,7 @@ def summarize(
         "task": cfg.task.name,
         "rewards": [r["reward_mean"] for r in records],
         "wall_s": round(wall_s, 2),
+        "tonpolicy": build_info(),  # the code that ran: version, git commit, uncommitted changes
     }
     if served is not None:  # a fleet's: requests each replica ran (one per sample, through the router)
         summary["replica_requests"] = served
@@ -354,6 +356,7 @@ def summarize(
 
 def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
     t0 = time.monotonic()
+    build_info()  # the checkout as the job starts (remembered), not as it is when the summary is written
     procs = ProcessGroup()
     procs.start_watchdog(run_dir / ".children")  # children die with the launcher, even on kill -9
     # SIGTERM takes the same clean-up path as Ctrl-C. Ctrl-C interrupts even when SIGINT came in ignored

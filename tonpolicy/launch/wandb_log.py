@@ -9,6 +9,7 @@ from typing import Any
 from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import identity
+from tonpolicy.version import build_info
 
 
 class MetricsLogger:
@@ -20,6 +21,7 @@ class MetricsLogger:
 
         config = asdict(cfg)
         config["contract_identity"] = identity(cfg.contract).to_dict()
+        config["tonpolicy"] = build_info()
         self.run = wandb.init(
             project=cfg.logger.project,
             entity=cfg.logger.entity,
