@@ -50,6 +50,25 @@ def _check_data(cfg: Config) -> None:
         )
 
 
+def _resumed(cfg: Config, run_dir: Path) -> Config:
+    """checkpoint.resume: the servers and the trainer start from the saved step's weights (the trainer
+    also from its optimizer state), and the records after that step are dropped (made again, the same)."""
+    from dataclasses import replace
+
+    from tonpolicy.loop.resume import drop_records_from, resume_dir
+
+    path, reason = resume_dir(cfg, run_dir)
+    if reason:
+        raise ConfigError([ConfigIssue("checkpoint.resume", cfg.checkpoint.resume, reason)])
+    if path is None:
+        print(f"tonpolicy: no saved step to resume in {run_dir / 'checkpoints'}: starting afresh", file=sys.stderr)
+        return cfg
+    completed = int(path.name.removeprefix("step_"))
+    drop_records_from(run_dir, completed)
+    print(f"tonpolicy: resuming after step {completed - 1} from {path}", file=sys.stderr)
+    return replace(cfg, model=replace(cfg.model, checkpoint=str(path)))
+
+
 def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) -> int:
     """Return the process exit code. `unknown`: keys the composed config had that the schema lacks."""
     validate(cfg, unknown=unknown)
@@ -72,6 +91,8 @@ def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) ->
         problems = host_problems(cfg.model, cfg.contract)
         if problems:
             raise ConfigError([ConfigIssue("contract.kernels", cfg.contract.kernels, line) for line in problems])
+    if cfg.mode == "run" and cfg.checkpoint.resume is not None:
+        cfg = _resumed(cfg, run_dir)
     if cfg.mode == "run":  # which node this launcher is (a scheduler's task, $NODE_RANK, ...)
         from tonpolicy.launch.nodes import node_dir, place, scheduler_task
 

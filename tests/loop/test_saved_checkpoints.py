@@ -30,6 +30,10 @@ class Worker:
         path.mkdir(parents=True)
         self.saved.append(path.name)
 
+    def save_trainer_state(self, path: Path, completed: int) -> None:
+        assert path.name == f"step_{completed}" and path.is_dir()
+        (path / "trainer_state.safetensors").touch()
+
 
 @pytest.mark.parametrize(
     ("sync", "save_every", "keep_last", "kept", "written_by_save"),

@@ -272,6 +272,10 @@ class CheckpointConfig:
     # Saved checkpoints kept, newest first (the final one is always among them); with
     # rollout.weight_sync=disk the per-step checkpoints the server loads are deleted once superseded.
     keep_last: int = 2
+    # Continue a run from a saved step (its weights and optimizer state; the step records after it are
+    # dropped and made again, bit for bit): "auto", the run directory's newest (a fresh start when there
+    # is none: give the same hydra.run.dir), or the path of a step_<k> directory. Same layout only.
+    resume: str | None = None
 
 
 @dataclass

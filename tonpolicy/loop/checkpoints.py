@@ -4,7 +4,9 @@ checkpoint.save_every steps and after the last step, the newest checkpoint.keep_
 
 With rollout.weight_sync=disk every step already writes such a directory for the servers to load: a
 saved step keeps it, any other is deleted once the next step's weights are loaded. With the
-distributed sync the saved steps are written here (every rank takes part in the gather)."""
+distributed sync the saved steps are written here (every rank takes part in the gather). A saved
+step also holds the trainer's state (the optimizer's, in HF names), from which checkpoint.resume
+continues the run."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class Checkpoints:
         if self.saves(completed):
             if not self.disk:
                 worker.save_hf(self.path(completed))  # a collective: rank 0 writes
+            worker.save_trainer_state(self.path(completed), completed)  # what a resumed run continues from
             self.saved.append(self.path(completed))
         if not self.rank0:
             return

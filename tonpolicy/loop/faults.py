@@ -41,3 +41,9 @@ def with_fault_logprobs(batch: Batch) -> Batch:
     first = batch.rollout_logprobs[0].clone()
     first.view(torch.int32)[0] ^= 1
     return replace(batch, rollout_logprobs=[first, *batch.rollout_logprobs[1:]])
+
+
+def forgets_optimizer_state() -> bool:
+    """TONPOLICY_FAULT=resume_without_optimizer_state: a resumed run restores the weights but starts the
+    optimizer afresh (the control that shows a resume must carry the optimizer's state)."""
+    return os.environ.get("TONPOLICY_FAULT") == "resume_without_optimizer_state"

@@ -44,15 +44,17 @@ from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.loop.batch import Batch, Score, collect_batch
 from tonpolicy.loop.checkpoints import Checkpoints
 from tonpolicy.loop.exit_codes import EXIT_GATE_FAILED, EXIT_HANDSHAKE, EXIT_INVALID_CONFIG, EXIT_OK
-from tonpolicy.loop.faults import injected_fault, with_fault_advantages, with_fault_logprobs
+from tonpolicy.loop.faults import forgets_optimizer_state, injected_fault, with_fault_advantages, with_fault_logprobs
 from tonpolicy.loop.gate import Gate, Verdict, model_tokens, recomputes_logprobs, routing_agreement
 from tonpolicy.loop.producer import BatchProducer
 from tonpolicy.loop.records import MetricsLogger, StepRecords, write_status
+from tonpolicy.loop.resume import bring_servers_to
 from tonpolicy.loop.staleness import async_metrics, logprobs_under_sampling_versions, token_versions, with_current
 from tonpolicy.loop.weight_sync import WeightSync, policy_version, weight_sync_for
 from tonpolicy.model.tokenizer import load_tokenizer
 from tonpolicy.rl.objective import train_rollout_metrics
 from tonpolicy.rl.prompt_data import PromptData
+from tonpolicy.trainer.optimizer_state import TRAINER_STATE
 
 if TYPE_CHECKING:
     from tonpolicy.trainer.worker import TrainerWorker
@@ -274,6 +276,9 @@ def run_trainer(
             print("tonpolicy trainer: " + "\n".join(problems), file=sys.stderr, flush=True)
             return EXIT_INVALID_CONFIG
     worker = TrainerWorker(cfg, checkpoint)
+    # checkpoint.resume: the launcher made the saved step's directory this run's checkpoint
+    resuming = cfg.checkpoint.resume is not None and (Path(checkpoint) / TRAINER_STATE).is_file()
+    start = worker.load_trainer_state(checkpoint, optimizer=not forgets_optimizer_state()) if resuming else 0
     rank0 = dist.get_rank() == 0
     server = records = refusal = tokenizer = None
     if rank0:
@@ -314,8 +319,10 @@ def run_trainer(
             loop.producer = BatchProducer(lambda j: make_batch(loop, j), cfg.experiment.steps, k)
     code, message = EXIT_OK, ""
     checkpoints = Checkpoints(cfg, run_dir, rank0)
+    if start:
+        bring_servers_to(loop, checkpoint, start)
     try:
-        for step in range(cfg.experiment.steps):
+        for step in range(start, cfg.experiment.steps):
             verdict = take_step(loop, step)
             if verdict.failed:
                 code, message = EXIT_GATE_FAILED, loop.gate.failure_message(verdict, step)

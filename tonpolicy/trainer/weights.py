@@ -161,17 +161,13 @@ def megatron_to_hf(
     return hf
 
 
-def load_into(
-    model: torch.nn.Module,
-    hf: dict[str, torch.Tensor],
-    cfg: ModelConfig,
-    padded_vocab: int,
-    pp_layers: tuple[int, ...] | None = None,
-) -> None:
-    """Load an HF state dict into this rank's GPTModel (strict: every parameter must be covered)."""
+def megatron_state(
+    hf: dict[str, torch.Tensor], cfg: ModelConfig, padded_vocab: int, pp_layers: tuple[int, ...] | None = None
+) -> dict[str, torch.Tensor]:
+    """This rank's Megatron-named slices of HF-named tensors (weights, or anything of their shapes)."""
     from megatron.core import parallel_state as ps
 
-    sd = hf_to_megatron(
+    return hf_to_megatron(
         hf,
         cfg,
         ps.get_tensor_model_parallel_rank(),
@@ -185,6 +181,17 @@ def load_into(
         ps.get_expert_tensor_parallel_rank(),
         ps.get_expert_tensor_parallel_world_size(),
     )
+
+
+def load_into(
+    model: torch.nn.Module,
+    hf: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    padded_vocab: int,
+    pp_layers: tuple[int, ...] | None = None,
+) -> None:
+    """Load an HF state dict into this rank's GPTModel (strict: every parameter must be covered)."""
+    sd = megatron_state(hf, cfg, padded_vocab, pp_layers)
     own = model.state_dict()
     sd = {k: t.to(own[k].dtype) for k, t in sd.items()}
     extra = {k: own[k] for k in own if k.endswith("_extra_state")}
