@@ -29,7 +29,7 @@ def write_plan(cfg: Config, run_dir: Path) -> dict:
 
 
 def _check_data(cfg: Config) -> None:
-    """The training data read and tokenized as the trainer will, before anything starts."""
+    """The training and held-out data read and tokenized as the trainer will, before anything starts."""
     import tempfile
 
     from tonpolicy.model.tokenizer import save_tokenizer
@@ -38,16 +38,19 @@ def _check_data(cfg: Config) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if cfg.model.checkpoint is None:  # the run's init checkpoint will carry this tokenizer
             save_tokenizer(tmp, cfg.model.vocab_size)
-        try:
-            data = load_prompt_data(cfg, cfg.model.checkpoint or tmp)
-        except DataError as exc:
-            raise ConfigError([ConfigIssue("data.train_files", cfg.data.train_files, str(exc))]) from exc
-    if data.dropped:
-        print(
-            f"tonpolicy: {data.dropped} of {data.dropped + len(data.rows)} training prompts are longer than "
-            f"experiment.max_prompt_len={cfg.experiment.max_prompt_len} tokens: left out",
-            file=sys.stderr,
-        )
+        for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+            if not files:
+                continue
+            try:
+                data = load_prompt_data(cfg, cfg.model.checkpoint or tmp, files)
+            except DataError as exc:
+                raise ConfigError([ConfigIssue(key, files, str(exc))]) from exc
+            if data.dropped:
+                print(
+                    f"tonpolicy: {key}: {data.dropped} of {data.dropped + len(data.rows)} prompts are longer than "
+                    f"experiment.max_prompt_len={cfg.experiment.max_prompt_len} tokens: left out",
+                    file=sys.stderr,
+                )
 
 
 def _resumed(cfg: Config, run_dir: Path) -> Config:
@@ -82,7 +85,7 @@ def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) ->
             raise ConfigError(
                 [ConfigIssue("reward.function", cfg.reward.function, str(exc).partition(": ")[2])]
             ) from exc
-    if cfg.data.train_files and cfg.mode == "run":
+    if (cfg.data.train_files or cfg.data.val_files) and cfg.mode == "run":
         _check_data(cfg)
     if cfg.mode in ("run", "align") and resolve_device(cfg) == "cpu":
         # This host's invariances at the job's shapes, on a sound config, before anything starts.

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from support.e2e_common import records, run_job, samples
 
+from tonpolicy.model.tokenizer import load_tokenizer
 from tonpolicy.rl.prompt_data import PromptData, Row
 
 REWARD = """
@@ -46,15 +47,19 @@ def exact(response, label, extra):
     return float(response.split()[:1] == [label])
 """
 ROWS = [{"prompt": f"first {d} :", "label": str(d % 2), "source": "mine"} for d in (3, 8, 5)]
+VAL = [{"prompt": f"first {d} :", "label": str(d % 2), "source": "mine"} for d in (2, 7)]
 
 
 def test_a_job_on_the_users_prompts_and_labels(tmp_path: Path) -> None:
     (tmp_path / "mine.py").write_text(LABELLED)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in VAL))
     proc, run_dir = run_job(
         tmp_path,
         "experiment.steps=2",
         f"data.train_files=[{tmp_path / 'train.jsonl'}]",
+        f"data.val_files=[{tmp_path / 'val.jsonl'}]",
+        "trainer.eval_every=1",
         f"reward.function={tmp_path / 'mine.py'}:exact",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -67,3 +72,13 @@ def test_a_job_on_the_users_prompts_and_labels(tmp_path: Path) -> None:
         labels = [str(int(p.split()[1]) % 2) for p in step["prompt_texts"]]
         expected = [float(t.split()[:1] == [lab]) for t, lab in zip(step["response_texts"], labels, strict=True)]
         assert step["rewards"] == expected
+    # Held-out prompts, greedily decoded after each step: the recorded rewards are the function's.
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 1]
+    tokenizer = load_tokenizer(run_dir / "checkpoints" / "init")
+    for e in evals:
+        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in e["responses"]]
+        assert e["rewards"] == [float(t.split()[:1] == [v["label"]]) for t, v in zip(texts, VAL, strict=True)]
+        assert len(e["responses"]) == len(VAL) and e["reward_errors"] == 0
+        assert e["reward_mean"] == sum(e["rewards"]) / len(VAL)
+        assert e["pass_rate"] == sum(r > 0 for r in e["rewards"]) / len(VAL)

@@ -162,6 +162,7 @@ class TrainerConfig:
     # Samples per microbatch (padded rows, or packed into one row); null: derived, see
     # config.sizes.micro_batch_size. Set it for long sequences: activation memory grows with it.
     micro_batch_size: int | None = None
+    eval_every: int = 0  # evaluate data.val_files every this many steps (0: after the last step only)
     # Pack each microbatch's samples into one row (positions restart at 0 per sample; the contract
     # attention splits the row there), instead of padding each to the longest. Not with CP.
     pack_sequences: bool = False
@@ -246,6 +247,9 @@ class DataConfig:
     # Your training prompts (JSON Lines), instead of the task's: tonpolicy.rl.prompt_data says how.
     # They need a reward function of yours (reward.function), which receives each row's label and columns.
     train_files: list[str] = field(default_factory=list)
+    # Held-out prompts (same format), decoded greedily through the rollout server every
+    # trainer.eval_every steps and after the last; reward mean and pass rate in eval.jsonl and W&B.
+    val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"  # a string, or a list of {role, content} chat messages
     label_key: str | None = "label"
     # Render a string prompt as one user message through the checkpoint's chat template (a list of

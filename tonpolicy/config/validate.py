@@ -238,6 +238,10 @@ def _check_layout(cfg: Config, bad: Any) -> None:
                 )
     if cfg.data.train_files and cfg.reward.function is None:
         bad("data.train_files", "needs reward.function (yours): the built-in tasks score only their own prompts")
+    if cfg.data.val_files and cfg.reward.function is None:
+        bad("data.val_files", "needs reward.function (yours): it scores the held-out prompts")
+    if cfg.trainer.eval_every < 0:
+        bad("trainer.eval_every", "must be >= 0 (0: after the last step only)")
     if cfg.data.train_files and cfg.task.max_turns > 1:
         bad("data.train_files", f"is for single-turn prompts: task={cfg.task.name} is multi-turn")
     if cfg.trainer.pack_sequences and p.cp > 1:

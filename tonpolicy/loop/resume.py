@@ -53,7 +53,7 @@ def resume_dir(cfg: Config, run_dir: Path) -> tuple[Path | None, str | None]:
 
 def drop_records_from(run_dir: Path, step: int) -> None:
     """Keep only the records of steps before `step` (they are made again, the same, by the resumed run)."""
-    for name in ("metrics.jsonl", "samples.jsonl"):
+    for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
         path = run_dir / name
         if path.exists():
             kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]

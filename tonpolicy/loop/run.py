@@ -310,6 +310,12 @@ def run_trainer(
         from tonpolicy.rl.prompt_data import load_prompt_data
 
         loop.data = load_prompt_data(cfg, checkpoint)  # the launcher checked it before the start
+    evaluation = None
+    if rank0 and cfg.data.val_files:
+        from tonpolicy.loop.evaluation import Evaluation
+        from tonpolicy.rl.prompt_data import load_prompt_data
+
+        evaluation = Evaluation(cfg, load_prompt_data(cfg, checkpoint, cfg.data.val_files), loop.score, run_dir)
     k = cfg.experiment.max_staleness
     if k:
         from tonpolicy.trainer.snapshots import PolicySnapshots
@@ -328,6 +334,8 @@ def run_trainer(
                 code, message = EXIT_GATE_FAILED, loop.gate.failure_message(verdict, step)
                 break
             checkpoints.after_step(worker, step)
+            if evaluation is not None and evaluation.due(step + 1):
+                evaluation.run(server, step, records.logger)
     finally:
         if loop.producer is not None:  # a batch still being generated is dropped (it trains nothing)
             loop.producer.close()

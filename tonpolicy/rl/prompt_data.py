@@ -37,10 +37,10 @@ def read_rows(files: list[str], prompt_key: str, label_key: str | None) -> list[
     for name in files:
         path = Path(name)
         if not path.is_file():
-            problems.append(f"data.train_files: {name}: no such file")
+            problems.append(f"{name}: no such file")
             continue
         if path.suffix not in (".jsonl", ".json"):
-            problems.append(f"data.train_files: {name}: must be JSON Lines (.jsonl)")
+            problems.append(f"{name}: must be JSON Lines (.jsonl)")
             continue
         for n, line in enumerate(path.read_text().splitlines(), start=1):
             if not line.strip():
@@ -61,10 +61,10 @@ def read_rows(files: list[str], prompt_key: str, label_key: str | None) -> list[
             label = obj.pop(label_key, None) if label_key else None
             rows.append(Row(prompt, label, obj))
     if not rows and not problems:
-        problems.append(f"data.train_files={files}: no rows")
+        problems.append(f"{files}: no rows")
     if problems:
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise DataError("\n  ".join(["the training data cannot be used:", *problems[:20]]) + more)
+        raise DataError("\n  ".join(["the data cannot be used:", *problems[:20]]) + more)
     return rows
 
 
@@ -112,12 +112,13 @@ class PromptData:
         return out
 
 
-def load_prompt_data(cfg: Config, tokenizer_dir: str | Path) -> PromptData:
-    """The config's training data through the tokenizer (and chat template) of `tokenizer_dir`."""
+def load_prompt_data(cfg: Config, tokenizer_dir: str | Path, files: list[str] | None = None) -> PromptData:
+    """The config's training data (or `files`: the held-out ones) through the tokenizer (and chat
+    template) of `tokenizer_dir`."""
     from tonpolicy.model.tokenizer import TOKENIZER_FILE, TextTokenizer
 
     d = cfg.data
-    rows = read_rows(d.train_files, d.prompt_key, d.label_key)
+    rows = read_rows(d.train_files if files is None else files, d.prompt_key, d.label_key)
     if not (Path(tokenizer_dir) / TOKENIZER_FILE).is_file():
         raise DataError(f"the checkpoint {tokenizer_dir} has no {TOKENIZER_FILE}: prompts need the model's tokenizer")
     tokenizer = TextTokenizer(tokenizer_dir)
