@@ -4,12 +4,16 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+from support.hermetic_env import scrub_environment
 
-import tonpolicy  # noqa: F401
+# Before torch or tonpolicy is imported: the user's instruction-set caps, thread counts, hooks and W&B
+# settings never reach the suite (support/hermetic_env.py).
+SCRUBBED = scrub_environment()
 
-# Tests must not reach W&B's servers.
-os.environ.setdefault("WANDB_MODE", "offline")
+import torch  # noqa: E402 - after the scrub: its OpenMP runtime reads the thread count when it loads
+
+import tonpolicy  # noqa: E402, F401
+
 # Without a GPU the `triton` kernel set runs in Triton's interpreter (set before Triton is imported:
 # `triton.jit` reads it when a kernel is defined).
 if not torch.cuda.is_available():
@@ -18,6 +22,10 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 # Markers given by a test's folder (pyproject.toml lists them all).
 FOLDER_MARKERS = {"e2e": "e2e", "sglang": "sglang"}
+
+
+def pytest_report_header() -> str | None:
+    return f"environment scrubbed of: {', '.join(SCRUBBED)}" if SCRUBBED else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
