@@ -32,17 +32,18 @@ def _check_data(cfg: Config) -> None:
     """The training and held-out data read and tokenized as the trainer will, before anything starts."""
     import tempfile
 
-    from tonpolicy.model.tokenizer import save_tokenizer
+    from tonpolicy.model.tokenizer import load_text_tokenizer, save_tokenizer
     from tonpolicy.rl.prompt_data import DataError, load_prompt_data
 
     with tempfile.TemporaryDirectory() as tmp:
         if cfg.model.checkpoint is None:  # the run's init checkpoint will carry this tokenizer
             save_tokenizer(tmp, cfg.model.vocab_size)
+        tokenizer = load_text_tokenizer(cfg.model.checkpoint or tmp)
         for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
             if not files:
                 continue
             try:
-                data = load_prompt_data(cfg, cfg.model.checkpoint or tmp, files)
+                data = load_prompt_data(cfg, tokenizer, files)
             except DataError as exc:
                 raise ConfigError([ConfigIssue(key, files, str(exc))]) from exc
             if data.dropped:

@@ -13,7 +13,7 @@ import pytest
 from tonpolicy.app import run
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.validate import ConfigError
-from tonpolicy.model.tokenizer import save_tokenizer
+from tonpolicy.model.tokenizer import load_text_tokenizer, save_tokenizer
 from tonpolicy.rl.prompt_data import DataError, PromptData, Row, load_prompt_data, read_rows
 
 
@@ -56,7 +56,7 @@ def test_long_prompts_are_left_out_and_chat_messages_use_the_template(tmp_path: 
     cfg = compose_config(
         ["experiment.max_prompt_len=5", f"data.train_files=[{files}]", "+data.chat_template_kwargs.shout=true"]
     )
-    data = load_prompt_data(cfg, tmp_path)
+    data = load_prompt_data(cfg, load_text_tokenizer(tmp_path))
     assert data.dropped == 1 and data.ids == [[5, 13, 4, 6]]  # "first 3 : say"
 
 

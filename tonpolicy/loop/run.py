@@ -51,7 +51,7 @@ from tonpolicy.loop.records import MetricsLogger, StepRecords, write_status
 from tonpolicy.loop.resume import bring_servers_to
 from tonpolicy.loop.staleness import async_metrics, logprobs_under_sampling_versions, token_versions, with_current
 from tonpolicy.loop.weight_sync import WeightSync, policy_version, weight_sync_for
-from tonpolicy.model.tokenizer import load_tokenizer
+from tonpolicy.model.tokenizer import load_text_tokenizer, load_tokenizer
 from tonpolicy.rl.objective import train_rollout_metrics
 from tonpolicy.rl.prompt_data import PromptData
 from tonpolicy.trainer.optimizer_state import TRAINER_STATE
@@ -309,13 +309,14 @@ def run_trainer(
     if rank0 and cfg.data.train_files:
         from tonpolicy.rl.prompt_data import load_prompt_data
 
-        loop.data = load_prompt_data(cfg, checkpoint)  # the launcher checked it before the start
+        loop.data = load_prompt_data(cfg, load_text_tokenizer(checkpoint))  # the launcher checked it
     evaluation = None
     if rank0 and cfg.data.val_files:
         from tonpolicy.loop.evaluation import Evaluation
         from tonpolicy.rl.prompt_data import load_prompt_data
 
-        evaluation = Evaluation(cfg, load_prompt_data(cfg, checkpoint, cfg.data.val_files), loop.score, run_dir)
+        held_out = load_prompt_data(cfg, load_text_tokenizer(checkpoint), cfg.data.val_files)
+        evaluation = Evaluation(cfg, held_out, loop.score, run_dir)
     k = cfg.experiment.max_staleness
     if k:
         from tonpolicy.trainer.snapshots import PolicySnapshots

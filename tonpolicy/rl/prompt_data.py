@@ -112,20 +112,17 @@ class PromptData:
         return out
 
 
-def load_prompt_data(cfg: Config, tokenizer_dir: str | Path, files: list[str] | None = None) -> PromptData:
-    """The config's training data (or `files`: the held-out ones) through the tokenizer (and chat
-    template) of `tokenizer_dir`."""
-    from tonpolicy.model.tokenizer import TOKENIZER_FILE, TextTokenizer
-
+def load_prompt_data(cfg: Config, tokenizer: Any, files: list[str] | None = None) -> PromptData:
+    """The config's training data (or `files`: the held-out ones) through the checkpoint's `tokenizer`
+    (tonpolicy.model.tokenizer.TextTokenizer: its encode and chat template; None when it has none)."""
     d = cfg.data
     rows = read_rows(d.train_files if files is None else files, d.prompt_key, d.label_key)
-    if not (Path(tokenizer_dir) / TOKENIZER_FILE).is_file():
-        raise DataError(f"the checkpoint {tokenizer_dir} has no {TOKENIZER_FILE}: prompts need the model's tokenizer")
-    tokenizer = TextTokenizer(tokenizer_dir)
+    if tokenizer is None:
+        raise DataError("the model's checkpoint has no tokenizer.json: prompts need the model's tokenizer")
 
     def render(messages: list[dict[str, Any]]) -> str:
         if tokenizer.chat_template is None:
-            raise DataError(f"the tokenizer in {tokenizer_dir} has no chat template (data.chat_template, chat prompts)")
+            raise DataError("the model's tokenizer has no chat template (data.chat_template, chat prompts)")
         return tokenizer.apply_chat_template(messages, **d.chat_template_kwargs)
 
     e = cfg.experiment
