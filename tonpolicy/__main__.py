@@ -60,8 +60,10 @@ def job(dcfg: DictConfig) -> None:
 
 def main() -> None:
     if "--version" in sys.argv[1:]:
+        from tonpolicy.loop.exit_codes import EXIT_OK  # no imports of its own: --version stays instant
+
         print(version_line())
-        sys.exit(0)
+        sys.exit(EXIT_OK)
     import hydra
 
     from tonpolicy.config.command_line import check_command_line
