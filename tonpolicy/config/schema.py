@@ -212,7 +212,7 @@ class TaskConfig:
     graded_tokens: int = 4  # the reward grades the first N response tokens
     target_digit: int = 7  # the constant task's answer
     max_digits: int | None = None  # digits per prompt (1..max_digits); None: as many as max_prompt_len allows
-    lr: float | None = None  # overrides trainer.lr for this task when set
+    lr: float | None = None  # this task's learning rate when set (a trainer.lr given on the command line wins)
     # Model turns of a multi-turn task (tonpolicy.rl.multi_turn; the environment replies between them);
     # a single-turn task takes 1.
     max_turns: int = 1
