@@ -306,17 +306,17 @@ def run_trainer(
         loop.score = UserReward(
             r.function, timeout_s=r.timeout_s, on_error=r.on_error, batched=r.batched, decode=decode
         )
-    if rank0 and cfg.data.train_files:
-        from tonpolicy.rl.prompt_data import load_prompt_data
-
-        loop.data = load_prompt_data(cfg, load_text_tokenizer(checkpoint))  # the launcher checked it
     evaluation = None
-    if rank0 and cfg.data.val_files:
+    if rank0 and (cfg.data.train_files or cfg.data.val_files):  # the launcher checked both before the start
         from tonpolicy.loop.evaluation import Evaluation
         from tonpolicy.rl.prompt_data import load_prompt_data
 
-        held_out = load_prompt_data(cfg, load_text_tokenizer(checkpoint), cfg.data.val_files)
-        evaluation = Evaluation(cfg, held_out, loop.score, run_dir)
+        text_tokenizer = load_text_tokenizer(checkpoint)
+        if cfg.data.train_files:
+            loop.data = load_prompt_data(cfg, text_tokenizer)
+        if cfg.data.val_files:
+            held_out = load_prompt_data(cfg, text_tokenizer, cfg.data.val_files)
+            evaluation = Evaluation(cfg, held_out, loop.score, run_dir)
     k = cfg.experiment.max_staleness
     if k:
         from tonpolicy.trainer.snapshots import PolicySnapshots

@@ -11,9 +11,11 @@ rebuilt as zero.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 KINDS = ("main", "exp_avg", "exp_avg_sq")
 TRAINER_STATE = "trainer_state.safetensors"  # beside a saved checkpoint's weights
@@ -62,3 +64,47 @@ def load_local_state(
             "exp_avg": state["exp_avg"][name].to(main.dtype).clone(),
             "exp_avg_sq": state["exp_avg_sq"][name].to(main.dtype).clone(),
         }
+
+
+def save_trainer_state(worker: Any, path: Path, completed_steps: int) -> None:
+    """`worker`'s optimizer state, merged to HF names on rank 0, into `path`/TRAINER_STATE (a collective)."""
+    from safetensors.torch import save_file
+
+    from tonpolicy.config.names import layout_label
+
+    if worker.optimizer is None:
+        worker._setup_optimizer()
+    local, adam_step = local_state(worker.module, worker.optimizer)
+    merged = {kind: worker.hf_state_dict(tensors) for kind, tensors in local.items()}
+    if dist.get_rank() == 0:
+        flat = {f"{kind}/{name}": t.contiguous() for kind, sd in merged.items() for name, t in sd.items()}
+        meta = {
+            "completed_steps": str(completed_steps),
+            "adam_step": str(adam_step),
+            "layout": layout_label(worker.cfg.parallel),
+        }
+        save_file(flat, str(path / TRAINER_STATE), metadata=meta)
+    dist.barrier()
+
+
+def load_trainer_state(worker: Any, path: Path, optimizer: bool = True) -> int:
+    """Restore the state `save_trainer_state` wrote, split for this rank's layout; returns the steps the
+    run had completed. `optimizer=False`: that count only (a test's control)."""
+    from safetensors import safe_open
+
+    from tonpolicy.kernels import weights_updated
+    from tonpolicy.trainer.weights import megatron_state
+
+    if worker.optimizer is None:
+        worker._setup_optimizer()
+    with safe_open(str(path / TRAINER_STATE), framework="pt") as f:
+        meta = f.metadata()
+        flat = {k: f.get_tensor(k) for k in f.keys()} if optimizer else {}  # noqa: SIM118 - no __iter__
+    if optimizer:
+        local = {}
+        for kind in KINDS:
+            hf = {k.partition("/")[2]: t for k, t in flat.items() if k.startswith(kind + "/")}
+            local[kind] = megatron_state(hf, worker.model_cfg, worker.vocab_padded, worker.layout.pp_layers)
+        load_local_state(worker.module, worker.optimizer, local, int(meta["adam_step"]))
+        weights_updated()  # an fp32 model's main parameters are its weights
+    return int(meta["completed_steps"])

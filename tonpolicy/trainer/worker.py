@@ -17,7 +17,6 @@ from megatron.core import parallel_state as ps
 from tonpolicy.config.dtypes import dtype_name, torch_dtype
 from tonpolicy.config.learning_rate import learning_rate
 from tonpolicy.config.model import check_same_architecture
-from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
 from tonpolicy.config.sizes import micro_batch_size
 from tonpolicy.contract.identity import kernel_params
@@ -33,9 +32,8 @@ from tonpolicy.rl.objective import PPOConfig, importance_weights, mean_loss, met
 from tonpolicy.trainer import routes, schedule
 from tonpolicy.trainer.model import build_gpt
 from tonpolicy.trainer.moe_weights import is_expert_param
-from tonpolicy.trainer.optimizer_state import TRAINER_STATE
 from tonpolicy.trainer.process_groups import Layout, init_distributed
-from tonpolicy.trainer.weights import load_into, megatron_state, megatron_to_hf
+from tonpolicy.trainer.weights import load_into, megatron_to_hf
 
 
 class TrainerWorker:
@@ -415,47 +413,16 @@ class TrainerWorker:
         dist.barrier()
 
     def save_trainer_state(self, path: str | Path, completed_steps: int) -> None:
-        """The optimizer's state in HF names beside the weights (tonpolicy.trainer.optimizer_state); a
-        collective, rank 0 writes."""
-        from safetensors.torch import save_file
+        """The optimizer's state beside the weights (a collective; rank 0 writes)."""
+        from tonpolicy.trainer.optimizer_state import save_trainer_state
 
-        from tonpolicy.trainer.optimizer_state import local_state
-
-        if self.optimizer is None:
-            self._setup_optimizer()
-        local, adam_step = local_state(self.module, self.optimizer)
-        merged = {kind: self.hf_state_dict(tensors) for kind, tensors in local.items()}
-        if dist.get_rank() == 0:
-            flat = {f"{kind}/{name}": t.contiguous() for kind, sd in merged.items() for name, t in sd.items()}
-            meta = {
-                "completed_steps": str(completed_steps),
-                "adam_step": str(adam_step),
-                "layout": layout_label(self.cfg.parallel),
-            }
-            save_file(flat, str(Path(path) / TRAINER_STATE), metadata=meta)
-        dist.barrier()
+        save_trainer_state(self, Path(path), completed_steps)
 
     def load_trainer_state(self, path: str | Path, optimizer: bool = True) -> int:
-        """Restore the optimizer's state saved by `save_trainer_state`, split for this rank's layout;
-        returns the steps the run had completed. `optimizer=False`: that count only (a test's control)."""
-        from safetensors import safe_open
+        """Restore `save_trainer_state`'s state for this rank's layout; returns the steps completed."""
+        from tonpolicy.trainer.optimizer_state import load_trainer_state
 
-        from tonpolicy.trainer.optimizer_state import KINDS, load_local_state
-
-        if self.optimizer is None:
-            self._setup_optimizer()
-        with safe_open(str(Path(path) / TRAINER_STATE), framework="pt") as f:
-            meta = f.metadata()
-            flat = {k: f.get_tensor(k) for k in f.keys()} if optimizer else {}  # noqa: SIM118 - no __iter__
-        if not optimizer:
-            return int(meta["completed_steps"])
-        local = {}
-        for kind in KINDS:
-            hf = {k.partition("/")[2]: t for k, t in flat.items() if k.startswith(kind + "/")}
-            local[kind] = megatron_state(hf, self.model_cfg, self.vocab_padded, self.layout.pp_layers)
-        load_local_state(self.module, self.optimizer, local, int(meta["adam_step"]))
-        weights_updated()  # an fp32 model's main parameters are its weights
-        return int(meta["completed_steps"])
+        return load_trainer_state(self, Path(path), optimizer)
 
     def close(self) -> None:
         from tonpolicy.trainer.process_groups import reset_model_parallel
