@@ -54,6 +54,22 @@ def _check_data(cfg: Config) -> None:
                 )
 
 
+def _check_task_vocabulary(cfg: Config) -> None:
+    """A built-in task writes its prompts in the tiny model's word ids: on a checkpoint whose tokenizer
+    reads those ids as other text the run would train on noise, so it is refused before start."""
+    from tonpolicy.model.tokenizer import load_tokenizer, task_words_read_otherwise
+
+    tokenizer = load_tokenizer(cfg.model.checkpoint)
+    wrong = task_words_read_otherwise(tokenizer) if tokenizer is not None else []
+    if wrong:
+        reason = (
+            f"a built-in task's prompts are ids of the tiny model's word vocabulary, but model.checkpoint="
+            f"{cfg.model.checkpoint}'s tokenizer reads them otherwise ({'; '.join(wrong[:3])}): give your "
+            "prompts with data.train_files and a reward.function"
+        )
+        raise ConfigError([ConfigIssue("task.name", cfg.task.name, reason)])
+
+
 def _resumed(cfg: Config, run_dir: Path) -> Config:
     """checkpoint.resume: the servers and the trainer start from the saved step's weights (the trainer
     also from its optimizer state), and the records after that step are dropped (made again, the same)."""
@@ -88,6 +104,8 @@ def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) ->
             ) from exc
     if (cfg.data.train_files or cfg.data.val_files) and cfg.mode == "run":
         _check_data(cfg)
+    if not cfg.data.train_files and cfg.model.checkpoint is not None and cfg.mode == "run":
+        _check_task_vocabulary(cfg)
     if cfg.mode in ("run", "align") and resolve_device(cfg) == "cpu":
         # This host's invariances at the job's shapes, on a sound config, before anything starts.
         from tonpolicy.contract.host import host_problems

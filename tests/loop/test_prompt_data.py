@@ -68,3 +68,50 @@ def test_data_is_checked_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         run(compose_config([f"data.train_files=[{bad}]"]), tmp_path / "run")
     assert "data.train_files=" in str(e.value) and "needs reward.function" in str(e.value)
+
+
+def test_parquet_rows_read_as_jsonl_rows_and_a_broken_file_is_named(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    messages = [{"role": "user", "content": "first 3 :"}]
+    pq.write_table(pa.Table.from_pylist([{"prompt": "say 4", "label": "4", "source": "a"}]), tmp_path / "s.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": messages, "label": None}]), tmp_path / "chat.parquet")
+    first, second = read_rows([str(tmp_path / "s.parquet"), str(tmp_path / "chat.parquet")], "prompt", "label")
+    assert first == Row("say 4", "4", {"source": "a"}) and second.prompt == messages
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    pq.write_table(pa.Table.from_pylist([{"question": "x"}]), tmp_path / "nokey.parquet")
+    with pytest.raises(DataError) as e:
+        read_rows([str(tmp_path / "broken.parquet"), str(tmp_path / "nokey.parquet")], "prompt", None)
+    assert "broken.parquet: not a Parquet file" in str(e.value)
+    assert "nokey.parquet: row 1: no key data.prompt_key='prompt'" in str(e.value)
+
+
+def test_responses_end_at_the_checkpoints_end_of_response_ids(tmp_path: Path) -> None:
+    save_tokenizer(tmp_path, 2003)
+    files = _jsonl(tmp_path / "d.jsonl", [{"prompt": "say 4"}])
+    cfg = compose_config([f"data.train_files=[{files}]"])
+    assert load_prompt_data(cfg, load_text_tokenizer(tmp_path)).stop_ids == (2,)  # the tokenizer's <eos>
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    assert load_prompt_data(cfg, load_text_tokenizer(tmp_path)).stop_ids == (2, 7)  # as Qwen3's <|im_end|>
+
+
+def test_a_built_in_task_on_a_tokenizer_that_reads_its_ids_otherwise_is_refused(tmp_path: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from tonpolicy.model.checkpoint import init_state_dict, save_hf
+    from tonpolicy.model.tokenizer import build_tokenizer, task_words_read_otherwise
+
+    cfg = compose_config([])
+    ckpt = tmp_path / "ckpt"
+    save_hf(init_state_dict(cfg.model, torch.bfloat16, 0), cfg.model, ckpt)
+    assert task_words_read_otherwise(build_tokenizer(cfg.model.vocab_size)) == []  # the tiny model's: accepted
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(["first say copy add call 0 1 2 3 4 5 6 7 8 9 : ="] * 50, trainers.BpeTrainer())
+    bpe.save(str(ckpt / "tokenizer.json"))
+    with pytest.raises(ConfigError) as e:
+        run(compose_config([f"model.checkpoint={ckpt}"]), tmp_path / "run")
+    assert "task.name='first_parity'" in str(e.value) and "data.train_files" in str(e.value)
+    assert not (tmp_path / "run").exists()

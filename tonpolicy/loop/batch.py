@@ -93,7 +93,7 @@ def collect_batch(
     seeds = [sampling_seed(e.seed, step, i) for i in range(len(prompts))]
     if is_multi_turn(t.name):
         return collect_episodes(cfg, client, prompts, seeds, score)
-    params = [sampling_params(cfg, s) for s in seeds]
+    params = [sampling_params(cfg, s, *([data.stop_ids] if data is not None else [])) for s in seeds]
     m = cfg.model
     outs = client.generate(prompts, params, **({"return_routed_experts": True} if m.is_moe else {}))
     responses = [o["output_ids"] for o in outs]

@@ -11,7 +11,6 @@ from typing import Any
 from tonpolicy.config.schema import Config
 from tonpolicy.loop.records import append_jsonl
 from tonpolicy.rl.prompt_data import PromptData
-from tonpolicy.rl.task import EOS
 
 EVAL_FILE = "eval.jsonl"
 
@@ -27,7 +26,8 @@ class Evaluation:
     def run(self, client: Any, step: int, logger: Any) -> dict[str, Any]:
         e = self.cfg.experiment
         greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": e.max_new_tokens}
-        params = [{**greedy, "stop_token_ids": [EOS], "sampling_seed": i} for i in range(len(self.data.ids))]
+        greedy["stop_token_ids"] = list(self.data.stop_ids)
+        params = [{**greedy, "sampling_seed": i} for i in range(len(self.data.ids))]
         outs = client.generate(self.data.ids, params)
         responses = [o["output_ids"] for o in outs]
         rows = self.data.rows

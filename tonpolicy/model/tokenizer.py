@@ -52,6 +52,17 @@ def save_tokenizer(path: str | Path, vocab_size: int) -> None:
     )
 
 
+def task_words_read_otherwise(tokenizer: Tokenizer) -> list[str]:
+    """The built-in tasks' words and digits that `tokenizer` does not read as the ids the tasks write
+    them with (empty for the tiny model's tokenizer: a real checkpoint's BPE reads the ids as other text)."""
+    words = {**WORDS, **{DIGIT0 + d: str(d) for d in range(10)}}
+    return [
+        f"{word!r} is {tokenizer.token_to_id(word)}, the tasks' id {i}"
+        for i, word in sorted(words.items())
+        if tokenizer.token_to_id(word) != i
+    ]
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
     """The checkpoint's tokenizer, or None when it ships none (e.g. a bare safetensors checkpoint)."""
     f = Path(path) / TOKENIZER_FILE
@@ -75,6 +86,7 @@ class TextTokenizer:
         self.special_ids = {i for i in map(self.tokenizer.token_to_id, filter(None, specials)) if i is not None}
         eos = self.special_tokens["eos_token"]
         self.eos_token_id = self.tokenizer.token_to_id(eos) if eos else None
+        self.stop_token_ids = _stop_token_ids(path, self.eos_token_id)
         template_file = path / "chat_template.jinja"
         self.chat_template: str | None = (
             template_file.read_text() if template_file.exists() else config.get("chat_template")
@@ -104,6 +116,17 @@ class TextTokenizer:
             **{k: v or "" for k, v in self.special_tokens.items()},
             **kwargs,
         )
+
+
+def _stop_token_ids(path: Path, eos_token_id: int | None) -> tuple[int, ...]:
+    """Where a response ends: the tokenizer's EOS and generation_config.json's eos_token_id (an id or a
+    list: Qwen3's chat models also end at <|im_end|>), as SGLang and transformers' generate read them."""
+    ids = {eos_token_id} if eos_token_id is not None else set()
+    config_file = path / "generation_config.json"
+    if config_file.exists():
+        eos = json.loads(config_file.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    return tuple(sorted(ids))
 
 
 def _token_text(token: Any) -> str | None:

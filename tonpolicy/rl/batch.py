@@ -29,14 +29,15 @@ def sampling_seed(seed: int, step: int, index: int) -> int:
     return seed * 1_000_003 + step * 10_007 + index
 
 
-def sampling_params(cfg: Config, seed: int) -> dict[str, Any]:
-    """One sample's SGLang sampling parameters."""
+def sampling_params(cfg: Config, seed: int, stop_ids: tuple[int, ...] = (EOS,)) -> dict[str, Any]:
+    """One sample's SGLang sampling parameters; `stop_ids` end a response (the built-in tasks' <eos>, or
+    the checkpoint's end-of-response ids for the user's prompts)."""
     e = cfg.experiment
     return {
         "temperature": e.temperature,
         "top_p": e.top_p,
         "top_k": e.top_k,
         "max_new_tokens": e.max_new_tokens,
-        "stop_token_ids": [EOS],
+        "stop_token_ids": list(stop_ids),
         "sampling_seed": seed,
     }

@@ -1,17 +1,19 @@
-"""Training prompts from the user's JSONL files (`data.train_files`), instead of a built-in task's.
+"""Training prompts from the user's JSON Lines or Parquet files (`data.train_files`), instead of a
+built-in task's.
 
-Each line is a JSON object: `data.prompt_key` holds the prompt (a string, or a list of chat messages
-rendered by the checkpoint's chat template), `data.label_key` (optional) the label the reward function
-receives; every other column reaches it as `extra`. Prompts longer than experiment.max_prompt_len
-tokens are left out (counted). The order is a pure function of (seed, epoch, position): epoch e is the
-rows in a permutation drawn from a generator seeded with (seed, e), so step k always draws the same
-prompts, whatever ran before it.
+Each row (a JSONL line's object, a Parquet table's row) maps column names to values: `data.prompt_key`
+holds the prompt (a string, or a list of chat messages rendered by the checkpoint's chat template),
+`data.label_key` (optional) the label the reward function receives; every other column reaches it as
+`extra`. Prompts longer than experiment.max_prompt_len tokens are left out (counted). The order is a
+pure function of (seed, epoch, position): epoch e is the rows in a permutation drawn from a generator
+seeded with (seed, e), so step k always draws the same prompts, whatever ran before it.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,18 +41,10 @@ def read_rows(files: list[str], prompt_key: str, label_key: str | None) -> list[
         if not path.is_file():
             problems.append(f"{name}: no such file")
             continue
-        if path.suffix not in (".jsonl", ".json"):
-            problems.append(f"{name}: must be JSON Lines (.jsonl)")
+        if path.suffix not in READERS:
+            problems.append(f"{name}: must be JSON Lines (.jsonl) or Parquet (.parquet)")
             continue
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{name}:{n}"
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                problems.append(f"{where}: not JSON ({exc})")
-                continue
+        for where, obj in READERS[path.suffix](path, problems):
             if not isinstance(obj, dict) or prompt_key not in obj:
                 problems.append(f"{where}: no key data.prompt_key={prompt_key!r}")
                 continue
@@ -68,6 +62,34 @@ def read_rows(files: list[str], prompt_key: str, label_key: str | None) -> list[
     return rows
 
 
+def _jsonl_rows(path: Path, problems: list[str]) -> Iterator[tuple[str, Any]]:
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{n}", json.loads(line)
+        except ValueError as exc:
+            problems.append(f"{path}:{n}: not JSON ({exc})")
+
+
+def _parquet_rows(path: Path, problems: list[str]) -> Iterator[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        problems.append(f"{path}: reading Parquet needs pyarrow: pip install 'tonpolicy[data]'")
+        return
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds for a broken file
+        problems.append(f"{path}: not a Parquet file ({exc})")
+        return
+    for n, obj in enumerate(table.to_pylist(), start=1):
+        yield f"{path}: row {n}", obj
+
+
+READERS = {".jsonl": _jsonl_rows, ".json": _jsonl_rows, ".parquet": _parquet_rows}
+
+
 def _is_messages(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
 
@@ -77,8 +99,17 @@ class PromptData:
     those within `max_len` tokens kept, drawn `per_step` at a time in the seeded order."""
 
     def __init__(
-        self, rows: list[Row], encode: Any, render: Any, *, max_len: int, seed: int, chat_template: bool
+        self,
+        rows: list[Row],
+        encode: Any,
+        render: Any,
+        *,
+        max_len: int,
+        seed: int,
+        chat_template: bool,
+        stop_ids: tuple[int, ...] = (),
     ) -> None:
+        self.stop_ids = stop_ids  # the checkpoint's end-of-response ids, not the built-in tasks' <eos>
         self.rows: list[Row] = []
         self.ids: list[list[int]] = []
         for row in rows:
@@ -127,5 +158,11 @@ def load_prompt_data(cfg: Config, tokenizer: Any, files: list[str] | None = None
 
     e = cfg.experiment
     return PromptData(
-        rows, tokenizer.encode, render, max_len=e.max_prompt_len, seed=e.seed, chat_template=d.chat_template
+        rows,
+        tokenizer.encode,
+        render,
+        max_len=e.max_prompt_len,
+        seed=e.seed,
+        chat_template=d.chat_template,
+        stop_ids=tokenizer.stop_token_ids,
     )

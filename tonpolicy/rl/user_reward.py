@@ -1,4 +1,5 @@
-"""A reward function the user names (`reward.function=package.module:function` or `path/to/file.py:function`).
+"""A reward function the user names (`reward.function=package.module:function` or `path/to/file.py:function`,
+or a built-in's name: tonpolicy.rl.rewards).
 
 This is the one place user code runs, and only where the user names it, as in verl's
 custom_reward_function or slime's --custom-rm-path. The function is called per sample with the
@@ -27,6 +28,8 @@ from concurrent.futures import TimeoutError as CallTimeout
 from pathlib import Path
 from typing import Any
 
+from tonpolicy.rl.rewards import BUILTIN
+
 NAMES = ("prompt", "response", "prompt_ids", "response_ids", "label", "extra")
 PLURAL = {"prompt": "prompts", "response": "responses", "prompt_ids": "prompt_ids", "response_ids": "response_ids"}
 PLURAL |= {"label": "labels", "extra": "extras"}
@@ -37,10 +40,16 @@ class RewardError(RuntimeError):
 
 
 def load_function(spec: str) -> Callable[..., Any]:
-    """`package.module:function`, or `path/to/file.py:function` (relative to the working directory)."""
+    """A built-in's name (tonpolicy.rl.rewards), `package.module:function`, or `path/to/file.py:function`
+    (relative to the working directory)."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
-        raise RewardError(f"reward.function={spec!r}: must be 'package.module:function' or 'path/to/file.py:function'")
+        raise RewardError(
+            f"reward.function={spec!r}: must be a built-in ({', '.join(BUILTIN)}), 'package.module:function' "
+            "or 'path/to/file.py:function'"
+        )
     try:
         if where.endswith(".py"):
             path = Path(where).resolve()
