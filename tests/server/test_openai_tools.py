@@ -25,7 +25,7 @@ TEMPLATE = (
     "{% for t in tools or [] %}tool {{ t['function']['name'] }} {% endfor %}"
     "{% for m in messages %}{% if m['role'] == 'tool' %}= {{ m['content'] }} "
     "{% elif m['tool_calls'] is defined %}call {{ m['tool_calls'][0]['function']['name'] }} "
-    "{% else %}{{ m['role'] }} : {{ m['content'] }} {% endif %}{% endfor %}say"
+    "{% else %}{{ m['role'] }} : {{ m['content'] }} {% endif %}{% endfor %}say{% if twice %} say{% endif %}"
 )
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 
@@ -100,3 +100,16 @@ def test_chat_with_tools_returns_the_sampled_ids_and_their_logprobs(served: tupl
     for extra, says in [({"tool_choice": "required"}, "constrained"), ({"stream": True}, "stream")]:
         status, err = post(url, "/v1/chat/completions", {**body, **extra})
         assert status == 400 and says in err["error"]["message"], err
+
+
+def test_chat_template_kwargs_reach_the_template(served: tuple[str, Path]) -> None:
+    url, ck = served
+    body = {"messages": [{"role": "user", "content": "add 3 4"}], "max_tokens": 1, "return_token_ids": True}
+    status, plain = post(url, "/v1/chat/completions", body)
+    status_kw, twice = post(url, "/v1/chat/completions", {**body, "chat_template_kwargs": {"twice": True}})
+    assert status == status_kw == 200, (plain, twice)
+    tok = load_text_tokenizer(ck)
+    assert twice["choices"][0]["prompt_token_ids"] == tok.encode("user : add 3 4 say say")
+    assert plain["choices"][0]["prompt_token_ids"] == tok.encode("user : add 3 4 say")
+    status, err = post(url, "/v1/chat/completions", {**body, "chat_template_kwargs": ["twice"]})
+    assert status == 400 and "chat_template_kwargs must be an object" in err["error"]["message"], err

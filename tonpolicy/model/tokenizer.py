@@ -9,6 +9,7 @@ other id. So prompts and responses read as text in samples.jsonl and W&B, and an
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -106,16 +107,56 @@ class TextTokenizer:
         (transformers' chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
         if self.chat_template is None:
             raise ValueError("the tokenizer has no chat template")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=True,
-            **{k: v or "" for k, v in self.special_tokens.items()},
-            **kwargs,
+        return (
+            chat_environment()
+            .from_string(self.chat_template)
+            .render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=True,
+                **{k: v for k, v in self.special_tokens.items() if v is not None},
+                **kwargs,
+            )
         )
+
+
+@cache
+def chat_environment() -> Any:
+    """A sandboxed Jinja environment with transformers' chat-template semantics, so a prompt renders here
+    as `apply_chat_template` (and SGLang, which calls it) renders it: its `tojson` (key order kept, no
+    HTML escaping, non-ASCII kept), loop controls, `{% generation %}` blocks, `raise_exception` and
+    `strftime_now`."""
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        # transformers marks the assistant's tokens with it; a prompt renders its body as is
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, "jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 def _stop_token_ids(path: Path, eos_token_id: int | None) -> tuple[int, ...]:

@@ -57,6 +57,7 @@ _CHAT_USED = {
     "parallel_tool_calls",
     "return_token_ids",
     "return_prompt_token_ids",
+    "chat_template_kwargs",
     *_SAMPLING,
 }
 
@@ -134,8 +135,12 @@ def route_chat_completions(state: ServerState, body: Any) -> Response:
     ids = bool(body.get("return_token_ids")) or bool(body.get("return_prompt_token_ids"))
     if ids and body.get("stream"):
         raise ProtocolError("return_token_ids / return_prompt_token_ids with stream=true: set stream=false")
+    template_kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
+        raise ProtocolError('chat_template_kwargs must be an object (e.g. {"enable_thinking": false})')
     try:
-        prompt = tok.apply_chat_template([{**m, "content": m.get("content") or ""} for m in messages], tools)
+        contents = [{**m, "content": m.get("content") or ""} for m in messages]
+        prompt = tok.apply_chat_template(contents, tools, **template_kwargs)
     except Exception as e:  # noqa: BLE001 - a template that fails on these messages is the client's 400
         raise ProtocolError(f"the chat template failed on these messages: {e}") from e
     top = body.get("top_logprobs") if body.get("logprobs") else None
