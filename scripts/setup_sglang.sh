@@ -32,7 +32,8 @@ else
   "$VENV/bin/python" scripts/sglang_cpu_requirements.py >"$VENV/sglang-cpu-requirements.txt"
   "$VENV/bin/python" -m pip install -q --no-warn-conflicts -r "$VENV/sglang-cpu-requirements.txt"
 fi
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+# the lock: scripts/setup.sh may be installing tonpolicy (its egg-info in this tree) at the same time
+flock .editable-install.lock "$VENV/bin/python" -m pip install -q -e ".[test]"
 # On a machine without a GPU SGLang runs its CPU engine; the few sgl_kernel CPU ops it calls come from
 # tonpolicy/inside_sglang/cpu_standin (PyPI ships sgl_kernel for CUDA only), put on PYTHONPATH by the launch plan.
 "$VENV/bin/python" - <<'PYCHECK'
