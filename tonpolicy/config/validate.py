@@ -7,6 +7,7 @@ whole command line in one go, before any process starts.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,15 +304,18 @@ def _check_layout(cfg: Config, bad: Any) -> None:
     if c.kernels == "triton":
         _check_triton(cfg, bad)
     if c.kernels in INVARIANT_KERNEL_SETS:
+        # The fix is one more override: a shard count both TPs divide (other bits, so a new fingerprint).
+        fix = math.lcm(c.canonical_shards, p.tp, rtp) if p.tp > 0 and rtp > 0 else c.canonical_shards
+        hint = f" (set contract.canonical_shards={fix}: every TP dividing it gives the same bits)"
         if c.canonical_shards % p.tp:
             bad(
                 "parallel.tp",
-                f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}",
+                f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}" + hint,
             )
         if c.canonical_shards % rtp:
             bad(
                 "parallel.rollout_tp",
-                f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}",
+                f"contract {c.name} reproduces bits only for TP dividing canonical_shards={c.canonical_shards}" + hint,
             )
 
 
