@@ -5,7 +5,12 @@ control)."""
 
 from __future__ import annotations
 
-from tonpolicy.kernels.base import AttnPartial, KernelSet
+from typing import TYPE_CHECKING, Any
+
+from tonpolicy.kernels.sets import LOGITS_DTYPES, kernel_set, kernel_sets
+
+if TYPE_CHECKING:
+    from tonpolicy.kernels.base import AttnPartial, KernelSet
 
 __all__ = [
     "AttnPartial",
@@ -19,15 +24,19 @@ __all__ = [
     "weights_updated",
 ]
 
-# Kernel sets that keep the contract's invariances (the others are negative controls).
-INVARIANT_KERNEL_SETS = ("ordered", "invariant", "triton")
-# Kernel sets whose logits may be rounded to bf16 (`logits_dtype`).
-BF16_LOGITS_KERNEL_SETS = ("ordered", "invariant")
+# Read from the registry (tonpolicy.kernels.sets); this package imports torch only when a set is built,
+# so configuration code can ask these without it.
+INVARIANT_KERNEL_SETS = tuple(s.name for s in kernel_sets() if s.invariant)
+BF16_LOGITS_KERNEL_SETS = tuple(s.name for s in kernel_sets() if s.bf16_logits)
+TRITON_ATTENTION_TILE = kernel_set("triton").fixed_attention_tile
 
-# The triton set's key tile (tonpolicy.kernels.triton_attention.TILE; here so config validation need
-# not import Triton).
-TRITON_ATTENTION_TILE = 64
-LOGITS_DTYPES = ("float32", "bfloat16")
+
+def __getattr__(name: str) -> Any:
+    if name in ("AttnPartial", "KernelSet"):
+        from tonpolicy.kernels import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'tonpolicy.kernels' has no attribute {name!r}")
 
 
 def weights_updated() -> None:
@@ -63,40 +72,27 @@ def get_kernels(
     prefill_row_tile: int = 512,
     logits_dtype: str = "float32",
 ) -> KernelSet:
-    """Build a kernel set by name ("ordered", "invariant", "triton" or "plain").
+    """Build a kernel set by its registered name (tonpolicy.kernels.sets: "ordered", "invariant", "triton",
+    "plain").
 
     attention_tile: keys per split-KV tile; canonical_shards: K-shards of the row-parallel linears (TP
     must divide it); row_tile: every GEMM's row count is a multiple of it; prefill_row_tile: rows per
     linear GEMM for long inputs (same bits);
     logits_dtype: "float32" (an fp32 LM head GEMM) or "bfloat16" (the native bf16 one, contract only)."""
+    spec = kernel_set(name)
     if logits_dtype not in LOGITS_DTYPES:
         raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype!r}")
-    if name not in BF16_LOGITS_KERNEL_SETS and logits_dtype != "float32":
+    if not spec.bf16_logits and logits_dtype != "float32":
         raise ValueError(f"logits_dtype={logits_dtype!r} is a choice of the contract kernel set, not of {name!r}")
-    if name in BF16_LOGITS_KERNEL_SETS:
-        if name == "ordered":
-            from tonpolicy.kernels.ordered import OrderedKernels as Set
-        else:
-            from tonpolicy.kernels.invariant import InvariantKernels as Set
-
-        return Set(
-            attention_tile=attention_tile,
-            canonical_shards=canonical_shards,
-            row_tile=row_tile,
-            prefill_row_tile=prefill_row_tile,
-            logits_dtype=logits_dtype,
+    if spec.fixed_attention_tile is not None and attention_tile != spec.fixed_attention_tile:
+        raise ValueError(
+            f"the {name} kernel set uses {spec.fixed_attention_tile}-key tiles, got attention_tile={attention_tile}"
         )
-    if name == "triton":
-        # Fixed tiles of its own (64-key attention tiles); only the canonical shard count is a choice.
-        from tonpolicy.kernels.triton_set import TritonKernels
-
-        if attention_tile != TRITON_ATTENTION_TILE:
-            raise ValueError(
-                f"the triton kernel set uses {TRITON_ATTENTION_TILE}-key tiles, got attention_tile={attention_tile}"
-            )
-        return TritonKernels(canonical_shards=canonical_shards)
-    if name == "plain":
-        from tonpolicy.kernels.plain import PlainKernels
-
-        return PlainKernels(attention_tile=attention_tile, canonical_shards=canonical_shards)
-    raise ValueError(f"unknown kernel set {name!r} (expected 'ordered', 'invariant', 'triton' or 'plain')")
+    given = {
+        "attention_tile": attention_tile,
+        "canonical_shards": canonical_shards,
+        "row_tile": row_tile,
+        "prefill_row_tile": prefill_row_tile,
+        "logits_dtype": logits_dtype,
+    }
+    return spec.build_class()(**{k: given[k] for k in spec.params})
