@@ -1,5 +1,5 @@
 """SGLang's own benchmark client and the official OpenAI client against the embedded server, each run
-from the SGLang environment exactly as a user would (tests/sglang_proc.py finds it)."""
+from the SGLang environment exactly as a user would (tests/support/sglang_proc.py finds it)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Run under the SGLang environment's Python (it has the `openai` package): drive a server with the
 official OpenAI client and print what it got as one JSON line.
 
-    python tests/openai_client_check.py BASE_URL
+    python tests/support/openai_client_check.py BASE_URL
 """
 
 from __future__ import annotations

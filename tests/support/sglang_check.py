@@ -6,7 +6,7 @@ The model is the checkpoint family's engine model (tonpolicy/families.py). With 
 (ascending expert ids, -1 in dense layers): `route_rows`, `route_mismatched_rows` in the JSON. With
 `small`, the prompts are sent once (not twice) and 8 tokens are sampled (slow reference models).
 
-    python tests/sglang_check.py URL CHECKPOINT DTYPE KERNELS TEMPERATURE [routes] [small]
+    python tests/support/sglang_check.py URL CHECKPOINT DTYPE KERNELS TEMPERATURE [routes] [small]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Compile every `triton` kernel the kernel set launches for a CUDA target, on a machine without a GPU.
 
-Run as a script (`python tests/triton_compile.py [arch]`, Triton's interpreter off): each kernel
+Run as a script (`python tests/support/triton_compile.py [arch]`, Triton's interpreter off): each kernel
 launch is intercepted and compiled with Triton's own compiler and ptxas for the given architecture
 (default 90: H100/H200) instead of run, from the real call sites (a bf16 and an fp32 Qwen3 forward,
 prefill and decode, the ring-CP tile ops, partials and fold, logprobs). Catches what the interpreter

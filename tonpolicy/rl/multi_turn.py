@@ -4,7 +4,7 @@
 Token in, token out: each turn's request is the previous context's token ids, the ids the server
 sampled and the environment's ids, concatenated; nothing is decoded to text and re-encoded in
 between (a re-tokenising client would hand the trainer ids the rollout never sampled:
-tests/rl/test_multi_turn.py shows one with the project's tokenizer). A sample's response is every
+tests/loop/test_multi_turn.py shows one with the project's tokenizer). A sample's response is every
 token after its prompt; its mask says whose each token is (True: the model's, scored by the gate and
 the loss; False: the environment's, in the context only). The rollout has logprobs only for the
 model's tokens: the environment's are 0.0 (finite, so a masked-out loss term stays exactly 0; a

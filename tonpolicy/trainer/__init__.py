@@ -3,12 +3,15 @@
 Entry point: `worker.TrainerWorker(cfg, checkpoint_dir)` inside an initialized process group
 (torchrun, or `dist.spawn` in tests): `.logprobs(prompts, responses)`, `.ppo_step(...)`, `.save_hf(dir)`.
 
-Modules: `model` (GPTModel for a ModelConfig), `layer_spec` (the kernel layer spec: Megatron modules
-that call the kernel set), `cp_attention`, `ring_attention` and `cp` (Ulysses / zigzag-ring context
-parallelism, the one response slicer), `comm` (autograd collectives), `kernel_autograd` (kernel forward,
-plain backward), `logprobs` (the recipe with `comm.replicated_all_gather`), `forward` (megatron schedules
-over samples), `weights` (HF <-> Megatron), `dist` (process groups, spawn), `cpu_compat` (megatron on
-CPU). The RL objective lives in `tonpolicy.rl`; the trainer-vs-rollout harness in `tonpolicy.align.harness`.
+Modules: `model` (GPTModel for a ModelConfig), `layer_spec` and `moe_layer` (the kernel layer specs:
+Megatron modules that call the kernel set), `cp_layout`, `cp_attention` and `ring_attention` (Ulysses /
+zigzag-ring context parallelism, the one response slicer), `ep_exchange` (expert parallelism's token
+exchange), `comm` (autograd collectives), `kernel_autograd` (kernel forward, plain backward), `logprobs`
+(the recipe with `comm.replicated_all_gather`), `schedule` (megatron's schedules over samples),
+`weights` and `moe_weights` (HF <-> Megatron), `optimizer_state` (the trainer state a checkpoint keeps),
+`routes` (MoE routes recorded and replayed), `snapshots` (weights of versions still in flight),
+`process_groups` (process groups, spawn), `cpu_compat` (megatron on CPU). The RL objective lives in
+`tonpolicy.rl`; the trainer-vs-rollout harness in `tonpolicy.align.harness`.
 """
 
 import sys as _sys

@@ -6,7 +6,7 @@ round-robin), and `assemble` gathers every replica's results so all ranks hold t
 
 Every microbatch is padded to the same length (megatron's p2p shapes are static); padding sits after
 the real tokens, which causal attention never lets back in. Under CP each rank holds its positions
-(contiguous for Ulysses, zigzag for ring) and `cp.slice_responses` picks its response rows.
+(contiguous for Ulysses, zigzag for ring) and `cp_layout.slice_responses` picks its response rows.
 """
 
 from __future__ import annotations
