@@ -44,6 +44,10 @@ class Handler(BaseHTTPRequestHandler):
             payload = json.dumps([SAMPLE] * len(s.bodies[-1]["input_ids"])).encode()
         elif status == 200:
             payload = json.dumps({"success": True, "message": "ok"}).encode()
+        elif status == 409:  # released SGLang's refusal of a rid still in flight (a 400)
+            status = 400
+            payload = json.dumps({"error": {"message": f"Duplicate request ID detected: {s.bodies[-1]['rid']}_0"}})
+            payload = payload.encode()
         else:
             payload = json.dumps({"error": {"message": f"stand-in says {status}"}}).encode()
         self.send_response(status)
@@ -95,14 +99,16 @@ def test_two_503s_then_an_answer_is_two_counted_retries_of_the_same_request(serv
 def test_a_server_that_keeps_answering_503_fails_after_the_bound_naming_the_status(serve) -> None:
     srv, client = serve([503])
     client.retries = 3
-    with pytest.raises(RolloutError, match=r"HTTP 503 \(after 3 retries\).*stand-in says 503"):
+    with pytest.raises(
+        RolloutError, match=r"HTTP 503 \(after 3 retries, bound: rollout.client_retries\).*stand-in says 503"
+    ):
         _generate(client)
     assert len(srv.bodies) == 4 and client.take_retries() == 3
 
 
 def test_a_refused_connection_is_retried_then_named(serve) -> None:
     client = RolloutClient(f"http://127.0.0.1:{free_port()}", timeout_s=5, retries=2, backoff_s=0.01)
-    with pytest.raises(RolloutError, match=r"(?i)refused.*\(after 2 retries\)"):
+    with pytest.raises(RolloutError, match=r"(?i)refused.*\(after 2 retries, bound: rollout.client_retries\)"):
         client.server_info()
     assert client.take_retries() == 2
 
@@ -139,3 +145,32 @@ def test_health_polls_are_not_retried(serve) -> None:
     srv, client = serve([503, 200])
     assert client.health() is False and len(srv.bodies) == 1 and client.take_retries() == 0
     assert client.health() is True
+
+
+def test_a_duplicate_rid_refusal_is_re_sent_under_the_next_attempts_rid(serve) -> None:
+    """Released SGLang answers 400 to a rid still in flight (the original of a re-send, cut off by a reset):
+    the re-send carries `<rid>-r1`, then `-r2` (derived from the content: the same in every run), with
+    the same seeds; counted as retries. Control: any other 400 is not re-sent."""
+    srv, client = serve([409, 409, 200])
+    assert len(_generate(client)) == 2 and client.take_retries() == 2
+    rid = srv.bodies[0]["rid"]
+    assert [b["rid"] for b in srv.bodies] == [rid, f"{rid}-r1", f"{rid}-r2"]
+    assert all({**b, "rid": rid} == srv.bodies[0] for b in srv.bodies)  # nothing else changed
+    srv, client = serve([409])
+    client.retries = 2
+    with pytest.raises(RolloutError, match=r"HTTP 400 \(after 2 retries, bound: rollout.client_retries\): .*Dup"):
+        _generate(client)
+    assert [b["rid"][-3:] for b in srv.bodies[1:]] == ["-r1", "-r2"]
+
+
+def test_the_retry_bound_is_a_validated_key_the_trainers_client_takes() -> None:
+    from tonpolicy.config.compose import compose_config
+    from tonpolicy.config.validate import ConfigError, validate
+    from tonpolicy.rollout.fleet import FleetClient, rollout_client
+
+    fleet = rollout_client("http://127.0.0.1:1", ["http://127.0.0.1:2"], retries=1)
+    assert isinstance(fleet, FleetClient) and {c.retries for c in (fleet.router, *fleet.replicas)} == {1}
+    assert rollout_client("http://127.0.0.1:1", retries=0).retries == 0
+    assert compose_config(["mode=plan"]).rollout.client_retries == 5
+    with pytest.raises(ConfigError, match=r"rollout.client_retries.*-1.*must be an integer in \[0, 20\]"):
+        validate(compose_config(["mode=plan", "rollout.client_retries=-1"]))

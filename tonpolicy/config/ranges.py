@@ -99,6 +99,8 @@ def check_ranges(cfg: Config, bad: Any) -> None:
 
 
 ROUTER_POLICIES = ("round_robin", "random", "cache_aware", "power_of_two")
+# Re-sends back off exponentially up to the client's cap: more than this only stretches a failing step.
+MAX_CLIENT_RETRIES = 20
 
 
 def check_fleet(cfg: Config, bad: Any) -> None:
@@ -112,6 +114,8 @@ def check_fleet(cfg: Config, bad: Any) -> None:
         )
     if r.replicas < 1:
         bad("rollout.replicas", "must be a positive integer (1: one server, no router)")
+    if not 0 <= r.client_retries <= MAX_CLIENT_RETRIES:
+        bad("rollout.client_retries", f"must be an integer in [0, {MAX_CLIENT_RETRIES}] (0: no re-sends)")
     if r.router_policy not in ROUTER_POLICIES:
         bad("rollout.router_policy", f"must be one of {list(ROUTER_POLICIES)} (sglang-router's --policy)")
     if r.replicas > 1 and r.nnodes > 1:

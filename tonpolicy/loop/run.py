@@ -284,7 +284,7 @@ def run_trainer(
     if rank0:
         from tonpolicy.rollout.fleet import rollout_client
 
-        server = rollout_client(server_url, replica_urls)
+        server = rollout_client(server_url, replica_urls, cfg.rollout.client_retries)
         server.wait_healthy(cfg.rollout.health_timeout_s)  # launch.sh starts both at once
         refusal = handshake(cfg, server, runtime_identity(worker.kernels, cfg.contract.dtype, device))
         tokenizer = load_tokenizer(checkpoint)  # None for a checkpoint without one: ids only

@@ -72,8 +72,19 @@ def generate_rid(body: dict[str, Any]) -> str:
     return "tonpolicy-" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:24]
 
 
+# Released SGLang refuses a request whose rid is still in flight (its original, cut off from the client
+# by a reset, may still be running there): the re-send then carries the next attempt's rid.
+DUPLICATE_RID = "Duplicate request ID"
+
+
+def attempt_rid(rid: str, attempt: int) -> str:
+    """The rid of a re-sent /generate after a duplicate-rid refusal: derived from the content's rid and
+    the attempt, so a run's requests stay the same from one run to the next (the seeds decide the bits)."""
+    return rid if attempt == 0 else f"{rid}-r{attempt}"
+
+
 def _after(retries: int) -> str:
-    return f" (after {retries} retries)" if retries else ""
+    return f" (after {retries} retries, bound: rollout.client_retries)" if retries else ""
 
 
 class _Answer:
@@ -213,8 +224,20 @@ class RolloutClient:
         body: dict[str, Any] = {"input_ids": batch, "sampling_params": sp, "return_logprob": True}
         if return_routed_experts:  # only then: SGLang and the embedded server refuse it for a dense model
             body["return_routed_experts"] = True
-        body["rid"] = generate_rid(body)  # re-sent, it is recognisably the same request
-        outs = self._json("POST", "/generate", body)
+        rid = generate_rid(body)  # re-sent, it is recognisably the same request
+        retries = 0
+        for attempt in range(self.retries + 1):
+            body["rid"] = attempt_rid(rid, attempt)
+            answer = self._request("POST", "/generate", body)
+            retries += answer.retries
+            if answer.status != 400 or DUPLICATE_RID not in answer.text() or attempt == self.retries:
+                break
+            with self._lock:
+                self._retried += 1
+            retries += 1
+        if answer.status != 200:
+            raise RolloutError(f"POST /generate -> HTTP {answer.status}{_after(retries)}: {answer.text()}")
+        outs = json.loads(answer.raw)
         if not isinstance(outs, list) or len(outs) != len(batch):
             raise RolloutError(f"/generate answered {type(outs).__name__} for a batch of {len(batch)}")
         return [parse_generate_output(o) for o in outs]

@@ -16,18 +16,20 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tonpolicy.rollout.client import RolloutClient, RolloutError
+from tonpolicy.rollout.client import RETRIES, RolloutClient, RolloutError
 
 # Samples in flight through the router at once (each a blocking HTTP request on its own thread).
 MAX_CONCURRENT_SAMPLES = 64
 
 
 class FleetClient:
-    def __init__(self, router_url: str, replica_urls: Sequence[str], timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, router_url: str, replica_urls: Sequence[str], timeout_s: float = 600.0, retries: int = RETRIES
+    ) -> None:
         if not replica_urls:
             raise ValueError("a fleet needs at least one replica url")
-        self.router = RolloutClient(router_url, timeout_s=timeout_s)
-        self.replicas = [RolloutClient(u, timeout_s=timeout_s) for u in replica_urls]
+        self.router = RolloutClient(router_url, timeout_s=timeout_s, retries=retries)
+        self.replicas = [RolloutClient(u, timeout_s=timeout_s, retries=retries) for u in replica_urls]
         self.base_url = self.router.base_url
 
     def _each(self, call: Callable[[RolloutClient], Any]) -> list[Any]:
@@ -149,6 +151,11 @@ class FleetClient:
         self._each(lambda r: r.flush_cache())
 
 
-def rollout_client(server_url: str, replica_urls: Sequence[str] = ()) -> RolloutClient | FleetClient:
-    """The trainer's client: one server, or a fleet (`server_url` is then the router's)."""
-    return FleetClient(server_url, replica_urls) if replica_urls else RolloutClient(server_url)
+def rollout_client(
+    server_url: str, replica_urls: Sequence[str] = (), retries: int = RETRIES
+) -> RolloutClient | FleetClient:
+    """The trainer's client: one server, or a fleet (`server_url` is then the router's); `retries`:
+    rollout.client_retries."""
+    if replica_urls:
+        return FleetClient(server_url, replica_urls, retries=retries)
+    return RolloutClient(server_url, retries=retries)
