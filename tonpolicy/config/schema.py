@@ -120,6 +120,9 @@ class RolloutConfig:
     replicas: int = 1
     # sglang-router's --policy: how it spreads the samples over the replicas.
     router_policy: str = "round_robin"
+    # Re-sends of one rollout request that failed on the way (connection refused or reset, a 5xx from a
+    # restarting server or router, a duplicate rid) before the step fails; 0: none.
+    client_retries: int = 5
     # How the trainer hands each step's weights to the server: "disk" (an HF checkpoint per step and
     # /update_weights_from_disk; needs a file system both see) or "distributed" (a broadcast over a
     # process group of the trainer's rank 0 and the engine ranks, SGLang's
