@@ -72,7 +72,10 @@ def rollout(
 
     cfg, sd = load_hf(checkpoint)
     dtype = next(iter(sd.values())).dtype
-    params = {"attention_tile": CONTRACTS["triton"]["attention_tile"]} if kernels == "triton" else {}
+    from tonpolicy.kernels.sets import kernel_set
+
+    tile = kernel_set(kernels).fixed_attention_tile
+    params = {"attention_tile": tile} if tile is not None else {}
     engine_model = resolve(family(cfg.family).engine_model)
     model = engine_model(cfg, get_kernels(kernels, **params), dtype, sd).to(device)
     engine = Engine(model, max_running_requests=max(2, n // 2))

@@ -4,6 +4,7 @@ embedded server (whose engine follows the trainer) all ask this."""
 from __future__ import annotations
 
 from tonpolicy.config.schema import Config
+from tonpolicy.kernels.sets import kernel_set
 
 
 def resolve_device(cfg: Config) -> str:
@@ -17,12 +18,13 @@ def resolve_device(cfg: Config) -> str:
 
 def cuda_graphs_on(cfg: Config) -> bool:
     """Whether the embedded engine decodes in CUDA graphs: rollout.cuda_graphs, or where it is null,
-    on exactly where graphs apply (embedded engine, triton kernel set, CUDA, dense model)."""
+    on exactly where graphs apply (embedded engine, a kernel set whose decode needs no host work, CUDA,
+    dense model)."""
     if cfg.rollout.cuda_graphs is not None:
         return bool(cfg.rollout.cuda_graphs)
     return (
         cfg.rollout.backend == "embedded"
-        and cfg.contract.kernels == "triton"
+        and kernel_set(cfg.contract.kernels).cuda_graphs
         and not cfg.model.is_moe
         and resolve_device(cfg) == "cuda"
     )

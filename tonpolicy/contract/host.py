@@ -10,14 +10,12 @@ from tonpolicy.contract.identity import build_info, kernel_params
 from tonpolicy.cpu_numerics import describe_host
 from tonpolicy.kernels.host_check import Failure, Shapes, probe_cached
 from tonpolicy.kernels.ordered_gemm import OrderedKernelsUnavailable
-
-# Kernel sets whose invariances are probed on a CPU (the triton set runs on GPUs; default promises none).
-PROBED_KERNEL_SETS = ("ordered", "invariant")
+from tonpolicy.kernels.sets import kernel_set
 
 
 def kernel_problems(model: ModelConfig, kernels: str, params: dict, dtype: str) -> list[str]:
     """Why this host cannot run kernel set `kernels` (built with `params`) at the model's shapes."""
-    if kernels not in PROBED_KERNEL_SETS:
+    if not kernel_set(kernels).host_probed:
         return []
     shapes = Shapes(
         hidden=model.hidden_size,

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from tonpolicy.config.model import ModelConfig, pipeline_stage_layers
-from tonpolicy.kernels import INVARIANT_KERNEL_SETS, padded_vocab_size
+from tonpolicy.kernels import padded_vocab_size
+from tonpolicy.kernels.sets import kernel_set
 
 
 def transformer_kwargs(
@@ -111,4 +112,4 @@ def gpt_model_kwargs(model: ModelConfig, canonical_shards: int, spec: str) -> di
 
 def layer_spec(kernels: str) -> str:
     """'kernels' (tonpolicy's layer spec on the kernel set) or 'stock' (megatron's local spec)."""
-    return "kernels" if kernels in INVARIANT_KERNEL_SETS else "stock"
+    return kernel_set(kernels).trainer_layer_spec

@@ -22,12 +22,12 @@ from tonpolicy.config.sizes import micro_batch_size
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
 from tonpolicy.kernels import (
-    INVARIANT_KERNEL_SETS,
     get_kernels,
     logprob_temperature,
     padded_vocab_size,
     weights_updated,
 )
+from tonpolicy.kernels.sets import kernel_set
 from tonpolicy.rl.objective import PPOConfig, importance_weights, mean_loss, metrics, token_loss
 from tonpolicy.trainer import routes, schedule
 from tonpolicy.trainer.model import build_gpt
@@ -62,7 +62,7 @@ class TrainerWorker:
         if spec is None:
             # Megatron's local spec has neither CP (TransformerEngine's) nor packed rows (THD, TE's too).
             needs_kernel_spec = self.layout.cp > 1 or cfg.trainer.pack_sequences
-            spec = "kernels" if (c.kernels in INVARIANT_KERNEL_SETS or needs_kernel_spec) else "stock"
+            spec = "kernels" if needs_kernel_spec else kernel_set(c.kernels).trainer_layer_spec
         self.spec = spec
         if state_dict is not None:
             self.model_cfg, hf = cfg.model, state_dict

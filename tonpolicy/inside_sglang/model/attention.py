@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
 from tonpolicy.kernels.invariant_attention import KEY_PAD_POS, QUERY_PAD_POS
+from tonpolicy.kernels.sets import kernel_set
 
 
 @dataclass
@@ -123,8 +124,8 @@ class TritonPoolAttention:
 
 
 def pooled_attention(forward_batch, kernels, scale: float):  # noqa: ANN001, ANN201
-    """The attention plan of one forward: the triton set reads the pool in its kernel, the others
-    gather keys for their split-KV attention."""
-    if kernels.name == "triton":
+    """The attention plan of one forward: a set whose kernel reads the pool (the triton set) gets it in
+    place, the others gather keys for their split-KV attention."""
+    if kernel_set(kernels.name).reads_kv_pool:
         return TritonPoolAttention(forward_batch, scale)
     return PooledAttention(forward_batch, kernels, scale)

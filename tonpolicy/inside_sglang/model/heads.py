@@ -34,16 +34,15 @@ from sglang.srt.layers.sampler import Sampler, register_sampler_backend
 
 from tonpolicy.inside_sglang.model.report import contract_from_env
 from tonpolicy.kernels import get_kernels, logprob_temperature
+from tonpolicy.kernels.sets import kernel_set
 
 SAMPLING_BACKENDS = ("tonpolicy", "pytorch", "flashinfer")
-# Kernel sets whose logprob recipe is not torch's log_softmax (SGLang's own route).
-OWN_LOGPROB_KERNELS = ("ordered", "triton")
 
 
 @functools.cache
 def _logprob_kernels():  # noqa: ANN202 - a KernelSet or None
     contract = contract_from_env()
-    if contract["kernels"] not in OWN_LOGPROB_KERNELS:
+    if not kernel_set(contract["kernels"]).own_logprobs:
         return None
     return get_kernels(contract["kernels"], **contract["kernel_params"])
 

@@ -29,6 +29,7 @@ from tonpolicy.inside_sglang.model.heads import ContractLogitsProcessor, contrac
 from tonpolicy.inside_sglang.model.report import contract_from_env, write_report
 from tonpolicy.kernels import get_kernels, padded_vocab_size
 from tonpolicy.kernels.row_parallel import combine_row_parallel, gather_in_rank_order
+from tonpolicy.kernels.sets import kernel_set
 
 
 def _empty(*shape: int) -> nn.Parameter:
@@ -99,7 +100,7 @@ class Qwen3ForCausalLM(nn.Module):
         """The triton set's cos/sin for every position, built once (on the CPU, as the kernel set builds
         them) and kept on the model's device: a forward then only gathers rows (the same values), with
         no host work, so decode can run in CUDA graphs. The other sets build them per forward."""
-        if self.kernels.name != "triton":
+        if not kernel_set(self.kernels.name).rope_table:
             return None
         cfg = self.cfg
         positions = torch.arange(max(cfg.max_position_embeddings, getattr(config, "max_position_embeddings", 0)))
