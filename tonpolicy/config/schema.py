@@ -200,11 +200,14 @@ class TrainerConfig:
 @dataclass
 class LoggerConfig:
     backend: str = "wandb"  # "wandb" | "none"
-    mode: str = "offline"  # "offline" | "online" | "disabled"
-    project: str = "tonpolicy"
+    # None: W&B's environment (WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY, ...) as wandb reads it, else
+    # offline into the run directory and the project "tonpolicy"; a value given here wins.
+    mode: str | None = None  # "offline" | "online" | "disabled"
+    project: str | None = None
     entity: str | None = None
     group: str | None = None
     tags: list[str] = field(default_factory=list)
+    samples_every: int = 1  # the samples table (per-token logprobs) every N steps; 0: never
 
 
 @dataclass

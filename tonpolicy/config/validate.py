@@ -37,7 +37,7 @@ KNOWN = {
     "trainer.backend": ("megatron",),
     "trainer.device": ("auto", "cpu", "cuda"),
     "logger.backend": ("wandb", "none"),
-    "logger.mode": ("offline", "online", "disabled"),
+    "logger.mode": (None, "offline", "online", "disabled"),
     "task.name": ("echo_digit", "first_digit", "first_parity", "digit_copy", "constant", "calculator"),
     "reward.on_error": ("zero", "fail"),
 }
@@ -241,6 +241,8 @@ def _check_layout(cfg: Config, bad: Any) -> None:
         bad("data.train_files", "needs reward.function (yours): the built-in tasks score only their own prompts")
     if cfg.data.val_files and cfg.reward.function is None:
         bad("data.val_files", "needs reward.function (yours): it scores the held-out prompts")
+    if cfg.logger.samples_every < 0:
+        bad("logger.samples_every", "must be >= 0 (0: no samples table)")
     if cfg.trainer.eval_every < 0:
         bad("trainer.eval_every", "must be >= 0 (0: after the last step only)")
     if cfg.data.train_files and cfg.task.max_turns > 1:
