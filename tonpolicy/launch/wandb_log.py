@@ -68,11 +68,11 @@ class MetricsLogger:
             reinit="create_new",
             **wandb_settings(cfg, run_dir),
         )
-        # every panel's x axis is the training step, as verl and slime chart theirs
-        self.run.define_metric("step")
-        for ns in NAMESPACES:
-            self.run.define_metric(f"{ns}/*", step_metric="step")
-        self.run.define_metric("samples", step_metric="step")
+        if self.run is not None:  # every panel's x axis is the training step, as verl and slime chart theirs
+            self.run.define_metric("step")
+            for ns in NAMESPACES:
+                self.run.define_metric(f"{ns}/*", step_metric="step")
+            self.run.define_metric("samples", step_metric="step")
 
     def log(self, record: dict[str, Any]) -> None:
         if self.run is None:
