@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from tonpolicy.config.rollout_backends import rollout_backend
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import identity, runtime_differences
 
@@ -45,7 +46,7 @@ def handshake_one(cfg: Config, client: Any, ours_runtime: dict[str, Any]) -> str
                 f"{ours_runtime['fingerprint']}; differing parts (trainer, server): {diff}"
             )
         return None
-    if cfg.rollout.backend != "sglang" or cfg.contract.sglang.model_package:
+    if rollout_backend(cfg.rollout.backend).reports_contract or cfg.contract.sglang.model_package:
         return f"the rollout server reports no tonpolicy contract (expected {ours})"
     info, policy = client.server_info(), cfg.contract.sglang
     expected = {

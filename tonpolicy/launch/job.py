@@ -19,6 +19,7 @@ from typing import Any
 
 from tonpolicy.config.names import layout_label
 from tonpolicy.config.ranges import API_KEY_ENV
+from tonpolicy.config.rollout_backends import rollout_backend
 from tonpolicy.config.schema import Config
 from tonpolicy.config.sizes import world_size
 from tonpolicy.contract.identity import identity
@@ -155,7 +156,7 @@ def _start_server(
     port_file = run_dir / f"{name}.port"
     port_file.unlink(missing_ok=True)
     # The plan's command, with only what is decided at launch filled in (interpreter, port, weights).
-    if cfg.rollout.backend == "embedded":
+    if rollout_backend(cfg.rollout.backend).reports_port:
         argv = with_flags(template, {"--port": port, "--model-path": ckpt}, python=sys.executable)
         argv += ["--port-file", str(port_file)]  # the server reports the free port it bound
     else:

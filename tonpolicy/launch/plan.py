@@ -13,7 +13,9 @@ from typing import Any
 
 from tonpolicy.config.device import resolve_device  # its callers import it from here too
 from tonpolicy.config.names import layout_label
+from tonpolicy.config.rollout_backends import rollout_backend
 from tonpolicy.config.schema import Config
+from tonpolicy.config.sglang_rules import sglang_python
 from tonpolicy.config.sizes import (
     micro_batch_size,
     microbatches_per_replica,
@@ -27,8 +29,6 @@ from tonpolicy.cpu_memory import CPU_ALLOCATOR_ENV
 from tonpolicy.launch.memory import memory_per_rank
 from tonpolicy.launch.sglang_env import (
     CPU_MAX_TOTAL_TOKENS,
-    server_environment,
-    sglang_python,
     trainer_python,
 )
 
@@ -210,7 +210,7 @@ def torchrun_argv(cfg: Config, run_dir: Path, model_path: str) -> list[str]:
     t = cfg.trainer
     nproc = t.nproc_per_node or world_size(cfg) // t.nnodes
     # With real SGLang the trainer runs in SGLang's environment: one torch build for both engines.
-    py = trainer_python(cfg) if cfg.rollout.backend == "sglang" else "python"
+    py = trainer_python(cfg) if rollout_backend(cfg.rollout.backend).interpreter else "python"
     # One node: as before. Several: each node runs this with its own NODE_RANK (launch.sh sets it from
     # $NODE_RANK or SLURM's $SLURM_NODEID); static rendezvous keeps global rank 0 on node 0.
     nodes = ["--node-rank", NODE_RANK_PLACEHOLDER] if t.nnodes > 1 else []
@@ -246,9 +246,15 @@ def torchrun_argv(cfg: Config, run_dir: Path, model_path: str) -> list[str]:
 
 
 def server_argv(cfg: Config, run_dir: Path, model_path: str, device: str, port: int) -> list[str]:
-    """One rollout server's command: released SGLang's, or the embedded server's."""
-    if cfg.rollout.backend == "sglang":
-        return sglang_argv(cfg, model_path, device, port)
+    """One rollout server's command, as its backend renders it (tonpolicy.config.rollout_backends)."""
+    return rollout_backend(cfg.rollout.backend).command(cfg, run_dir, model_path, device, port)
+
+
+def sglang_server_argv(cfg: Config, run_dir: Path, model_path: str, device: str, port: int) -> list[str]:
+    return sglang_argv(cfg, model_path, device, port)
+
+
+def embedded_server_argv(cfg: Config, run_dir: Path, model_path: str, device: str, port: int) -> list[str]:
     return [
         "python",
         "-m",
@@ -312,8 +318,9 @@ def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
         ports = replica_ports(cfg)
         plan["rollout"]["replica_commands"] = [server_argv(cfg, run_dir, model_path, device, p) for p in ports]
         plan["rollout"]["router_command"] = router_argv(cfg, [f"http://{cfg.rollout.host}:{p}" for p in ports])
-    if cfg.rollout.backend == "sglang":
-        plan["rollout"]["environment"] = server_environment(cfg, device, ident.fingerprint)
+    server_env = rollout_backend(cfg.rollout.backend).environment(cfg, device, ident.fingerprint)
+    if server_env is not None:
+        plan["rollout"]["environment"] = server_env
     # The SGLang command is always rendered so a GPU user can take it to a cluster.
     plan["sglang_command"] = sglang_argv(cfg, model_path, device)
     if not cfg.model.checkpoint:  # a seeded random init, written before the engines start

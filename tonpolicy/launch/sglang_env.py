@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from tonpolicy.config.rollout_backends import rollout_backend
 from tonpolicy.config.schema import Config
-from tonpolicy.config.sglang_rules import sglang_python
 from tonpolicy.contract.identity import CONTRACT_ENV
 
 # KV pool on CPU when rollout.max_total_tokens is unset (SGLang would size it from RAM: GBs).
@@ -23,7 +23,9 @@ CPU_STANDIN_DIR = Path(__file__).resolve().parents[1] / "inside_sglang" / "cpu_s
 
 
 def trainer_python(cfg: Config) -> str:
-    return sglang_python(cfg) if cfg.rollout.backend == "sglang" else sys.executable
+    """The trainer's interpreter: the one its rollout backend's server needs, or this one."""
+    own = rollout_backend(cfg.rollout.backend).interpreter
+    return own(cfg) if own is not None else sys.executable
 
 
 def contract_env(cfg: Config, fingerprint: str) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tonpolicy.config.rollout_backends import rollout_backend
 from tonpolicy.config.schema import Config
 from tonpolicy.rollout.weight_group import (
     DEFAULT_GROUP,
@@ -286,7 +287,7 @@ def weight_sync_for(cfg: Config, client: Any, run_dir: Path, device: str) -> Wei
     if client is None:
         return GroupWeightSync(None)
     # Every replica's engine ranks join the one group; the fleet's client gives each its rank offset.
-    engine_ranks = (cfg.parallel.rollout_tp if cfg.rollout.backend == "sglang" else 1) * cfg.rollout.replicas
+    engine_ranks = rollout_backend(cfg.rollout.backend).engine_ranks(cfg) * cfg.rollout.replicas
     backend = cfg.rollout.weight_sync_backend or ("nccl" if device == "cuda" else "gloo")
     # The group meets at rank 0's node (node 0): engine ranks on other nodes must reach it there.
     pusher = WeightPusher(

@@ -10,6 +10,7 @@ the loss; False: the environment's, in the context only). The rollout has logpro
 model's tokens: the environment's are 0.0 (finite, so a masked-out loss term stays exactly 0; a
 comparison that forgot the mask would find them differing from the trainer's negative logprobs).
 
+Each multi-turn task's environment is a field of its `Task` (tonpolicy.rl.task).
 The calculator (`task=calculator`): prompt `add a b :`. After each model turn but the last, the
 environment replies `= s` with s = (a + b) mod 10 (the tool's result). The final turn's first token
 must be s (by id modulo 10): read from the environment's reply, the token it is predicted at, it is
@@ -25,24 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tonpolicy.config.sizes import MAX_ENV_REPLY_TOKENS
-from tonpolicy.rl.task import DIGIT0, RESULT, calculator_sum
-
-
-def calculator_reply(prompt: list[int], turn: list[int]) -> list[int]:
-    """The environment's tokens after a model turn: the calculator's result `= s`, whatever the turn
-    said. Why always: an untrained policy never samples a `call` token among its top 16, so a tool that
-    answered only a call never answered and the reward stayed at chance (issue 38). Why no `:` after s:
-    the next model turn is then predicted at s itself (as echo_digit's answer is), not at a `:` that the
-    first turn is also predicted at, whose distribution the first turn's noisy updates also move."""
-    return [RESULT, DIGIT0 + calculator_sum(prompt)]
-
-
-# task name -> the environment's reply to a model turn (prompt, the turn's ids) -> token ids
-ENVIRONMENTS: dict[str, Callable[[list[int], list[int]], list[int]]] = {"calculator": calculator_reply}
+from tonpolicy.rl.task import calculator_reply as calculator_reply  # the calculator's environment
+from tonpolicy.rl.task import get_task
 
 
 def is_multi_turn(task: str) -> bool:
-    return task in ENVIRONMENTS
+    return get_task(task).multi_turn
 
 
 @dataclass
@@ -91,7 +80,8 @@ def run_episodes(
 ) -> list[Episode]:
     """Every prompt's episode. `generate(contexts, turn)`: one batched request per turn (the rollout
     client's outputs: output_ids, output_logprobs, cached_tokens), all episodes advancing together."""
-    reply = ENVIRONMENTS[task]
+    reply = get_task(task).environment
+    assert reply is not None, f"task {task} has no environment"
     episodes = [Episode(list(p)) for p in prompts]
     for turn in range(max_turns):
         outs = generate([e.context for e in episodes], turn)

@@ -15,13 +15,15 @@ so an untrained model already scores at chance and GRPO has advantages to work w
 - digit_copy: `copy d1 .. dn :` -> d1 .. dn (out of reach for a random-init model in a CPU run).
 Sampling the whole vocabulary (top_k off), none of the prompt-conditioned tasks was learnt within
 40-60 steps: a reward spread over ~200 random tokens per class barely reinforces any one of them.
-A fixed registry, chosen by name: nothing from the config is imported or instantiated.
+A registry of `Task`s (`TASKS`, `register_task`), chosen by name: nothing from the config is imported or
+instantiated.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 PAD, BOS, EOS, COPY, SEP, FIRST, SAY, ADD, CALL, RESULT, DIGIT0 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
 WORDS = {
@@ -101,24 +103,76 @@ def calculator_reward(prompt: list[int], response: list[int], graded: int, targe
     return _graded([DIGIT0 + calculator_sum(prompt)] * graded, response, graded)
 
 
-TASKS: dict[str, tuple[Callable[..., list[int]], Callable[..., float]]] = {
-    "echo_digit": (echo_prompt, echo_reward),
-    "first_digit": (first_digit_prompt, first_digit_reward),
-    "first_parity": (first_digit_prompt, first_parity_reward),
-    "digit_copy": (copy_prompt, copy_reward),
-    "constant": (constant_prompt, constant_reward),
-    "calculator": (calculator_prompt, calculator_reward),  # multi-turn: tonpolicy.rl.multi_turn
-}
+def calculator_reply(prompt: list[int], turn: list[int]) -> list[int]:
+    """The calculator's reply after a model turn: its result `= s`, whatever the turn said. Why always:
+    an untrained policy never samples a `call` token among its top 16, so a tool that answered only a
+    call never answered and the reward stayed at chance. Why no `:` after s: the next model turn is then
+    predicted at s itself (as echo_digit's answer is), not at a `:` that the first turn is also
+    predicted at, whose distribution the first turn's noisy updates also move."""
+    return [RESULT, DIGIT0 + calculator_sum(prompt)]
+
+
+Prompt = Callable[[random.Random, int, int], list[int]]  # (rng, max digits, target digit) -> ids
+Reward = Callable[[list[int], list[int], int, int], float]  # (prompt, response, graded, target) -> [0, 1]
+Environment = Callable[[list[int], list[int]], list[int]]  # (prompt, a model turn's ids) -> reply ids
+
+
+@dataclass(frozen=True)
+class Task:
+    """A built-in task, chosen by `task.name`: its prompts, its reward and, for a multi-turn task, the
+    environment that replies after each model turn but the last (tonpolicy.rl.multi_turn)."""
+
+    name: str
+    prompt: Prompt
+    reward: Reward
+    environment: Environment | None = None
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.environment is not None
+
+
+TASKS: dict[str, Task] = {}
+
+
+def register_task(task: Task) -> Task:
+    """Add a task: `task.name` then validates, makes prompts and scores them with no other edit."""
+    if task.name in TASKS:
+        raise ValueError(f"task {task.name!r} is already registered")
+    TASKS[task.name] = task
+    return task
+
+
+def unregister_task(name: str) -> None:
+    TASKS.pop(name, None)
+
+
+def get_task(name: str) -> Task:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise KeyError(f"task.name={name!r}: unknown task; known: {', '.join(TASKS)}") from None
+
+
+for _task in (
+    Task("echo_digit", echo_prompt, echo_reward),
+    Task("first_digit", first_digit_prompt, first_digit_reward),
+    Task("first_parity", first_digit_prompt, first_parity_reward),
+    Task("digit_copy", copy_prompt, copy_reward),
+    Task("constant", constant_prompt, constant_reward),
+    Task("calculator", calculator_prompt, calculator_reward, environment=calculator_reply),
+):
+    register_task(_task)
 
 
 def make_prompts(
     task: str, step: int, count: int, *, seed: int, max_prompt_len: int, target: int = 0, max_digits: int | None = None
 ) -> list[list[int]]:
     rng = random.Random(seed * 1_000_003 + step)
-    make = TASKS[task][0]
+    make = get_task(task).prompt
     digits = max_prompt_len - 2 if max_digits is None else min(max_digits, max_prompt_len - 2)
     return [make(rng, digits, target) for _ in range(count)]
 
 
 def reward(task: str, prompt: list[int], response: list[int], graded_tokens: int, target: int = 0) -> float:
-    return TASKS[task][1](prompt, response, graded_tokens, target)
+    return get_task(task).reward(prompt, response, graded_tokens, target)
