@@ -21,7 +21,8 @@ LAYOUTS = {"tp1": True, "tp2_pp2": False}  # layout -> whether its runs include 
 
 
 def _strip(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k != "time" and not k.endswith("_s")}
+    # times, rates and the process's peak memory differ between runs
+    return {k: v for k, v in record.items() if k != "time" and not k.endswith(("_s", "_mib"))}
 
 
 def _run(run_dir: Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:

@@ -11,7 +11,8 @@ from tonpolicy.config.compose import compose_config
 from tonpolicy.config.schema import Config
 from tonpolicy.config.validate import ConfigError, validate
 from tonpolicy.launch.wandb_keys import split_record, wandb_key
-from tonpolicy.launch.wandb_log import MetricsLogger, due, samples_table, wandb_settings
+from tonpolicy.launch.wandb_log import MetricsLogger, samples_table, wandb_settings
+from tonpolicy.loop.records import due
 
 RECORD = {
     "step": 3,

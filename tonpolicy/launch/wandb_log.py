@@ -16,6 +16,7 @@ from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import identity
 from tonpolicy.launch.wandb_keys import NAMESPACES, split_record
+from tonpolicy.loop.records import due
 from tonpolicy.version import build_info
 
 log = logging.getLogger(__name__)
@@ -105,10 +106,6 @@ class MetricsLogger:
         self.run.finish(exit_code=exit_code)
         if sync:
             log.info("W&B offline run; to upload it: %s", sync)
-
-
-def due(step: int, every: int) -> bool:
-    return every > 0 and step % every == 0
 
 
 def samples_table(samples: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:

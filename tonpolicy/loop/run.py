@@ -47,7 +47,7 @@ from tonpolicy.loop.exit_codes import EXIT_GATE_FAILED, EXIT_HANDSHAKE, EXIT_INV
 from tonpolicy.loop.faults import forgets_optimizer_state, injected_fault, with_fault_advantages, with_fault_logprobs
 from tonpolicy.loop.gate import Gate, Verdict, model_tokens, recomputes_logprobs, routing_agreement
 from tonpolicy.loop.producer import BatchProducer
-from tonpolicy.loop.records import MetricsLogger, StepRecords, write_status
+from tonpolicy.loop.records import MetricsLogger, StepRecords, by_sample, write_status
 from tonpolicy.loop.resume import bring_servers_to
 from tonpolicy.loop.staleness import async_metrics, logprobs_under_sampling_versions, token_versions, with_current
 from tonpolicy.loop.weight_sync import WeightSync, policy_version, weight_sync_for
@@ -222,7 +222,9 @@ def take_step(loop: Loop, step: int) -> Verdict:
             "step_s": round(time.monotonic() - t0, 3),
             "time": round(time.time(), 3),  # when the record was written (unix seconds): steps end to end
         }
-        loop.records.write(record, batch)
+        # the trainer's logprobs the gate compared: the recompute's, else the first training forward's
+        trained = old if recompute else by_sample(len(batch.prompts), checked, seen)
+        loop.records.write(record, batch, trained)
         print(
             f"step {step}: tokens={parity.tokens_scored} mismatched={parity.mismatched_tokens} "
             f"max|Δ|={parity.max_abs_logprob_diff:.3e} grad_norm={metrics.get('grad_norm')}"
@@ -288,7 +290,7 @@ def run_trainer(
         server.wait_healthy(cfg.rollout.health_timeout_s)  # launch.sh starts both at once
         refusal = handshake(cfg, server, runtime_identity(worker.kernels, cfg.contract.dtype, device))
         tokenizer = load_tokenizer(checkpoint)  # None for a checkpoint without one: ids only
-        records = StepRecords(run_dir, new_logger(), tokenizer)
+        records = StepRecords(run_dir, new_logger(), tokenizer, cfg.logger.samples_every)
     refusal = broadcast(refusal)
     if refusal:
         if rank0:
