@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from support.server_proc import ServerProc
-from support.sglang_proc import SGLangServer, save_checkpoint, sglang_env_python
+from support.sglang_proc import SGLangServer
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.model import ModelConfig
@@ -81,19 +81,9 @@ def top_bits(tops: list[Any]) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def sglang_py() -> str:
-    return sglang_env_python()
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", DTYPE, seed=5)
-
-
-@pytest.fixture(scope="module")
-def embedded(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[list[dict[str, Any]]]:
+def embedded(tmp_path_factory: pytest.TempPathFactory, fp32_ckpt: Path) -> Iterator[list[dict[str, Any]]]:
     ident = identity(compose_config([f"contract={CONTRACT}", f"contract.dtype={DTYPE}"]).contract)
-    args = ["--model-path", str(ckpt), "--dtype", DTYPE, "--kernels", "ordered", "--max-running-requests", "32",
+    args = ["--model-path", str(fp32_ckpt), "--dtype", DTYPE, "--kernels", "ordered", "--max-running-requests", "32",
             "--chunked-prefill-size", "64", "--contract-name", ident.name, "--contract-version", str(ident.version),
             "--contract-fingerprint", ident.fingerprint]  # fmt: skip
     srv = ServerProc(tmp_path_factory.mktemp("embedded"), "embedded", args)
@@ -107,20 +97,10 @@ def embedded(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[l
 CONTRACT = "qwen3_dense_v2"
 
 
-def sglang_answers(tmp: Path, ckpt: Path, overrides: list[str]) -> list[dict[str, Any]]:
-    server = SGLangServer(tmp, "sglang", ckpt, [f"contract.dtype={DTYPE}", "rollout.skip_tokenizer_init=false",
-                                                 "rollout.chunked_prefill_size=64", *overrides])  # fmt: skip
-    try:
-        server.start_healthy()
-        return send_all(server.url, request_stream(VOCAB))
-    finally:
-        server.stop()
-
-
 def test_sglang_with_the_contract_answers_bit_for_bit_alike(
-    tmp_path: Path, ckpt: Path, embedded: list[dict[str, Any]], sglang_py: str
+    contract_fp32_server: SGLangServer, embedded: list[dict[str, Any]]
 ) -> None:
-    theirs = sglang_answers(tmp_path, ckpt, [f"contract={CONTRACT}"])
+    theirs = send_all(contract_fp32_server.url, request_stream(VOCAB))
     assert len(theirs) == len(embedded)
     tokens = 0
     for ours, real in zip(embedded, theirs, strict=True):
@@ -137,11 +117,11 @@ def test_sglang_with_the_contract_answers_bit_for_bit_alike(
 
 
 def test_stock_sglang_agrees_where_the_gaps_allow(
-    tmp_path: Path, ckpt: Path, embedded: list[dict[str, Any]], sglang_py: str
+    stock_fp32_server: SGLangServer, embedded: list[dict[str, Any]]
 ) -> None:
     """Negative control: stock SGLang's logprobs differ a little; its greedy tokens differ only
     where the two most likely tokens are closer than that noise."""
-    theirs = sglang_answers(tmp_path, ckpt, ["contract=off_policy"])
+    theirs = send_all(stock_fp32_server.url, request_stream(VOCAB))
     compared = diverged = 0
     worst = 0.0
     for ours, real in zip(embedded, theirs, strict=True):

@@ -14,12 +14,11 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support.e2e_common import records, run_job, samples, summary
-from support.sglang_proc import SGLangServer, check_parity, save_checkpoint, sglang_env_python
+from support.sglang_proc import SGLangServer, check_parity, save_checkpoint
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.contract.handshake import handshake
@@ -27,22 +26,10 @@ from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.kernels import get_kernels
 
 
-@pytest.fixture(scope="module")
-def sglang_py() -> str:
-    return sglang_env_python()
-
-
-@pytest.fixture(scope="module")
-def fp32_server(tmp_path_factory: pytest.TempPathFactory, sglang_py: str) -> Iterator[tuple[SGLangServer, Path]]:
-    """One fp32 TP 1 contract server for the checks that need no other (a start costs ~30 s here)."""
-    tmp = tmp_path_factory.mktemp("fp32_server")
-    ckpt = save_checkpoint(tmp / "ckpt", "float32")
-    server = SGLangServer(tmp, "contract_fp32", ckpt, ["contract.dtype=float32", "rollout.chunked_prefill_size=64"])
-    try:
-        server.start_healthy()
-        yield server, ckpt
-    finally:
-        server.stop()
+@pytest.fixture
+def fp32_server(contract_fp32_server: SGLangServer, fp32_ckpt: Path) -> tuple[SGLangServer, Path]:
+    """The folder's fp32 TP 1 contract server (tests/sglang/conftest.py) and its checkpoint."""
+    return contract_fp32_server, fp32_ckpt
 
 
 def _package_gives_the_contract_bits(
@@ -117,16 +104,10 @@ def test_out_of_vocab_ids_are_refused_not_fatal(fp32_server: tuple[SGLangServer,
     assert len(good[0]["output_ids"]) == 3 and server.proc.poll() is None
 
 
-def test_stock_sglang_is_close_but_not_exact(tmp_path: Path, sglang_py: str) -> None:
+def test_stock_sglang_is_close_but_not_exact(stock_fp32_server: SGLangServer, fp32_ckpt: Path, sglang_py: str) -> None:
     """Negative control: the same check against SGLang's own model and kernels."""
-    ckpt = save_checkpoint(tmp_path / "ckpt", "float32")
-    server = SGLangServer(tmp_path, "stock", ckpt, ["contract=off_policy", "contract.dtype=float32"])
-    try:
-        client = server.start_healthy()
-        result = check_parity(sglang_py, server, ckpt, "ordered", 1.0)
-        assert client.contract() is None  # stock SGLang reports no tonpolicy contract
-    finally:
-        server.stop()
+    result = check_parity(sglang_py, stock_fp32_server, fp32_ckpt, "ordered", 1.0)
+    assert stock_fp32_server.client.contract() is None  # stock SGLang reports no tonpolicy contract
     assert result["mismatched"] > 0 and 0 < result["max_abs_diff"] < 1e-3, result
 
 
