@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from tonpolicy.kernels import exact_gemm, exact_gemv
+from tonpolicy.kernels import exact_gemm, exact_gemv, weights_updated
 
 pytestmark = pytest.mark.skipif(exact_gemv.kernel() is None, reason="no C++ compiler: the torch path runs")
 
@@ -59,8 +59,9 @@ def test_weight_updates_reach_the_column_scales() -> None:
     before = exact_gemv.linear_partials(x, w, 1)
     w.mul_(4.0)  # bumps the version: new scales
     assert torch.equal(exact_gemv.linear_partials(x, w, 1), before * 4.0)
-    w.data.mul_(0.5)  # no version bump: weights_updated() tells the caches
-    exact_gemm.weights_updated()
+    w.data.mul_(0.5)  # no version bump: stale until weights_updated() tells the caches
+    assert torch.equal(exact_gemv.linear_partials(x, w, 1), before * 4.0)
+    weights_updated()
     assert torch.equal(exact_gemv.linear_partials(x, w, 1), before * 2.0)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tonpolicy.kernels import exact_gemm, ordered_gemm
+from tonpolicy.kernels import exact_gemm, ordered_gemm, weights_updated
 
 try:
     ordered_gemm.require()
@@ -216,11 +216,23 @@ def test_the_packed_weight_cache_sees_in_place_writes_and_weights_updated() -> N
     assert same(ordered_gemm.linear(x, w), before * 4.0)
     w.data.mul_(0.5)  # no version bump: stale until told
     assert same(ordered_gemm.linear(x, w), before * 4.0)
-    ordered_gemm.weights_updated()
+    weights_updated()  # the one call a weight writer makes
     assert same(ordered_gemm.linear(x, w), before * 2.0)
-    w.data.mul_(0.5)
-    exact_gemm.weights_updated()  # the v1 kernels' signal reaches these caches too
-    assert same(ordered_gemm.linear(x, w), before)
+
+
+def test_one_weights_update_reaches_every_sets_weight_cache() -> None:
+    """v1's quantized weights and v2's packed panels key on the same generation: one call refreshes both,
+    and without it both stay stale (the control)."""
+    x, w = operands(5, 64, 20, torch.float32, torch.float32, seed=10)  # 5 rows: v1 quantizes the weight
+    x, w = x.nan_to_num(0.0, 0.0, 0.0), w.nan_to_num(0.0, 0.0, 0.0)
+    v2, v1 = ordered_gemm.linear(x, w), exact_gemm.linear_partials(x, w, 1)
+    w.data.mul_(2.0)
+    assert same(ordered_gemm.linear(x, w), v2) and same(exact_gemm.linear_partials(x, w, 1), v1)  # stale
+    assert not same(ordered_gemm.linear(x, w.clone()), v2)  # a fresh weight: other bits
+    weights_updated()
+    fresh = w.clone()  # never cached
+    assert same(ordered_gemm.linear(x, w), ordered_gemm.linear(x, fresh))
+    assert same(exact_gemm.linear_partials(x, w, 1), exact_gemm.linear_partials(x, fresh, 1))
 
 
 def test_empty_zero_k_errors_and_autograd() -> None:

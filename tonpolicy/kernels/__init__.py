@@ -42,10 +42,9 @@ def __getattr__(name: str) -> Any:
 def weights_updated() -> None:
     """Forget every kernel set's cached weights (quantized in v1, packed in v2): call after writing weights
     in a way that bumps no tensor version (Megatron's optimizer writes its params through `.data`)."""
-    from tonpolicy.kernels import exact_gemm, ordered_gemm
+    from tonpolicy.kernels import weight_cache
 
-    exact_gemm.weights_updated()
-    ordered_gemm.weights_updated()
+    weight_cache.weights_updated()
 
 
 def logprob_temperature(temperature: float) -> float:

@@ -22,32 +22,13 @@ the keys of a tile would let a masked key change the visible ones' bits).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-# Bits an fp32 A operand must keep near its row's max to be taken in one slice (its significand has 24).
-WHOLE_FP32_BITS = 23
-# Bits of a B operand (weights, keys, values) whenever A or B is fp32: an fp32 significand, whole.
-B_BITS = 24
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+from tonpolicy.kernels import exact_gemv, weight_cache
+from tonpolicy.kernels.exact_bits import contraction_bits, pow2
 
-
-def contraction_bits(a_dtype: torch.dtype, b_dtype: torch.dtype, k: int) -> tuple[int, int, int]:
-    """(bits of A, bits of B, slices of A) for a contraction of length k."""
-    lg = math.ceil(math.log2(max(k, 1)))
-    if a_dtype in _LOW_PRECISION and b_dtype in _LOW_PRECISION:
-        bits = (53 - lg) // 2
-        return bits, bits, 1
-    bits_b = min(B_BITS, 41 - lg)
-    bits_a = 53 - lg - bits_b
-    return bits_a, bits_b, 1 if a_dtype in _LOW_PRECISION or bits_a >= WHOLE_FP32_BITS else 2
-
-
-def pow2(e: torch.Tensor) -> torch.Tensor:
-    """2^e in fp64, built from its bit pattern (exact by construction; e within fp64's normal range)."""
-    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+__all__ = ["contraction_bits", "pow2"]  # re-exported: the GEMM's definition reads as one module
 
 
 def quantize(a: torch.Tensor, dim: int, bits: int, slices: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,13 +81,6 @@ class _TextbookGrad(torch.autograd.Function):
         return da, db, None
 
 
-def _compiled():  # noqa: ANN202
-    """tonpolicy.kernels.exact_gemv: the compiled products for few rows (it imports this module)."""
-    from tonpolicy.kernels import exact_gemv
-
-    return exact_gemv
-
-
 def _tracked(*ts: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
@@ -121,24 +95,17 @@ def matmul_as(
     if _tracked(a, b):
         return _TextbookGrad.apply(a, b, lambda x, y: matmul_as(x, a_dtype, y, b_dtype, short_k))
     bits_a, bits_b, slices_a = contraction_bits(a_dtype, b_dtype, a.shape[-1])
-    out = _compiled().bmm(a, b, bits_a, bits_b, slices_a, per_row_b=False, any_rows=short_k)  # same bits
+    out = exact_gemv.bmm(a, b, bits_a, bits_b, slices_a, per_row_b=False, any_rows=short_k)  # same bits
     if out is not None:
         return out
     qb, scale_b = quantize(b, -2, bits_b)
     return exact_matmul(a, qb, scale_b, bits_a, slices_a)
 
 
-# Quantized weights, kept while the weight's storage, version and the weights generation are unchanged:
-# the quantisation of a weight costs more than a decode step's GEMM. Writes through `.data` (Megatron's
-# optimizer copies its main params into the model's that way) bump no version: whoever writes weights so
-# calls `weights_updated()`.
+# Quantized weights, kept while the weight's storage, version and the weights generation
+# (tonpolicy.kernels.weight_cache) are unchanged: the quantisation of a weight costs more than a decode
+# step's GEMM.
 _weight_cache = WeakIdKeyDictionary()
-_generation = [0]
-
-
-def weights_updated() -> None:
-    """Forget every quantized weight (call after writing weights in a way that bumps no tensor version)."""
-    _generation[0] += 1
 
 
 def quantized_weight(w: torch.Tensor, num_shards: int, x_dtype: torch.dtype):
@@ -147,7 +114,7 @@ def quantized_weight(w: torch.Tensor, num_shards: int, x_dtype: torch.dtype):
     n, k = w.shape
     ks = k // num_shards
     bits_a, bits_b, slices_a = contraction_bits(x_dtype, w.dtype, ks)
-    key = (_generation[0], w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype, num_shards, bits_b)
+    key = (weight_cache.generation(), w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype, num_shards, bits_b)
     hit = _weight_cache.get(w)
     if hit is not None and hit[0] == key:
         qb, scale = hit[1]
@@ -170,8 +137,8 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, num_shards: int) -> torch.
     n = w.shape[0]
     if w.shape[1] != k or k % num_shards:
         raise ValueError(f"K={k} must match weight {tuple(w.shape)} and divide into {num_shards} shards")
-    if not _tracked(x, w) and x.numel() <= _compiled().MAX_ROWS * k:  # one stream's decode: the same bits
-        out = _compiled().linear_partials(x.reshape(-1, k), w, num_shards)
+    if not _tracked(x, w) and x.numel() <= exact_gemv.MAX_ROWS * k:  # one stream's decode: the same bits
+        out = exact_gemv.linear_partials(x.reshape(-1, k), w, num_shards)
         if out is not None:
             return out.view(num_shards, *lead, n)
     x3 = x.reshape(-1, num_shards, k // num_shards).transpose(0, 1)  # [C, M, K/C]
@@ -179,7 +146,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, num_shards: int) -> torch.
         out = matmul_as(x3, x.dtype, w.reshape(n, num_shards, k // num_shards).permute(1, 2, 0), w.dtype)
     else:
         qb, scale, bits_a, slices_a = quantized_weight(w, num_shards, x.dtype)
-        out = _compiled().linear_rows(x.reshape(-1, k), qb, scale, num_shards, bits_a, slices_a)  # the same bits
+        out = exact_gemv.linear_rows(x.reshape(-1, k), qb, scale, num_shards, bits_a, slices_a)  # the same bits
         if out is None:
             out = exact_matmul(x3, qb, scale, bits_a, slices_a)
     return out.view(num_shards, *lead, n)
@@ -192,7 +159,7 @@ def pv_product(p: torch.Tensor, v: torch.Tensor, v_dtype: torch.dtype) -> torch.
     if _tracked(p, v):
         return _TextbookGrad.apply(p, v, lambda x, y: pv_product(x, y, v_dtype))
     bits_p, bits_v, slices_p = contraction_bits(torch.float32, v_dtype, p.shape[-1])
-    out = _compiled().bmm(p, v, bits_p, bits_v, slices_p, per_row_b=True, any_rows=True)  # over a key tile
+    out = exact_gemv.bmm(p, v, bits_p, bits_v, slices_p, per_row_b=True, any_rows=True)  # over a key tile
     if out is not None:
         return out
     qv, v_scale = quantize(v, -1, bits_v)  # per key: v_scale [..., T, 1]

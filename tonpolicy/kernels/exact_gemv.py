@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tonpolicy.kernels import exact_gemm, native_build
+from tonpolicy.kernels import native_build, weight_cache
+from tonpolicy.kernels.exact_bits import contraction_bits, pow2
 
 MAX_ROWS = 4  # rows x slices accumulators live in registers: up to 8
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -93,14 +94,14 @@ _scales = WeakIdKeyDictionary()
 
 
 def column_scales(w: torch.Tensor, num_shards: int, bits_b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (exact_gemm._generation[0], w.data_ptr(), w._version, tuple(w.shape), w.dtype, num_shards, bits_b)
+    key = (weight_cache.generation(), w.data_ptr(), w._version, tuple(w.shape), w.dtype, num_shards, bits_b)
     hit = _scales.get(w)
     if hit is not None and hit[0] == key:
         return hit[1]
     n, k = w.shape
     amax = w.detach().reshape(n, num_shards, k // num_shards).abs().amax(-1).t().to(torch.float64)  # exact
     _, e = torch.frexp(amax)
-    scales = (exact_gemm.pow2(bits_b - e).contiguous(), exact_gemm.pow2(e - bits_b).contiguous())
+    scales = (pow2(bits_b - e).contiguous(), pow2(e - bits_b).contiguous())
     try:
         _scales[w] = (key, scales)
     except TypeError:
@@ -118,7 +119,7 @@ def linear_partials(x2: torch.Tensor, w: torch.Tensor, num_shards: int) -> torch
     if lib is None or not w.is_contiguous():
         return None
     n = w.shape[0]
-    bits_a, bits_b, slices = exact_gemm.contraction_bits(x2.dtype, w.dtype, k // num_shards)
+    bits_a, bits_b, slices = contraction_bits(x2.dtype, w.dtype, k // num_shards)
     su, sd = column_scales(w, num_shards, bits_b)
     x2 = x2.contiguous()
     out = torch.empty(num_shards, m, n, dtype=torch.float32)

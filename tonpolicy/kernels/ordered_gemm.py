@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tonpolicy.kernels import exact_gemm, native_build
+from tonpolicy.kernels import native_build, weight_cache
 from tonpolicy.kernels.exact_gemm import _TextbookGrad
 
 ISA_ENV = "TONPOLICY_ORDERED_ISA"
@@ -196,14 +196,12 @@ def build_all() -> list[str]:
 # ---------------------------------------------------------------------------------------------------
 # Packed weights: fp32 [N/16][K][16]; bf16 [N/16][C][Ks2][16][2] pairs (each shard padded to even, so with
 # K/C even the layout is [N/16][K/2][16][2] for any C). Cached per weight in a WeakIdKeyDictionary while the
-# weight's storage, version, shape, stride and dtype and both weight generations (this module's,
-# exact_gemm's) are unchanged: writes through `.data` bump no version, whoever writes so calls
-# weights_updated(). `_front` finds the same entries by id(w) in ~0.2 us where the dictionary's lookup
-# costs ~1.6 (a decode step's tiny GEMMs feel it); an entry found there is used only if its weak reference
-# is still w, and it leaves with w.
+# weight's storage, version, shape, stride and dtype and the weights generation
+# (tonpolicy.kernels.weight_cache) are unchanged. `_front` finds the same entries by id(w) faster than the
+# dictionary's lookup (a decode step's tiny GEMMs feel it); an entry found there is used only if its weak
+# reference is still w, and it leaves with w.
 _packed = WeakIdKeyDictionary()
 _front: dict[int, _Entry] = {}
-_generation = [0]
 
 
 class _Entry:
@@ -211,11 +209,6 @@ class _Entry:
 
     def __init__(self) -> None:
         self.ref, self.key, self.packs = None, None, {}
-
-
-def weights_updated() -> None:
-    """Forget every packed weight (after writing weights in a way that bumps no tensor version)."""
-    _generation[0] += 1
 
 
 def _entry(w: torch.Tensor) -> _Entry:
@@ -263,7 +256,7 @@ def packed_weight(w: torch.Tensor, num_shards: int) -> torch.Tensor:
     e = _front.get(id(w))
     if e is None or e.ref() is not w:
         e = _entry(w)
-    key = (w._version, w.data_ptr(), _generation[0] + exact_gemm._generation[0], w.shape, w.stride(), w.dtype)
+    key = (w._version, w.data_ptr(), weight_cache.generation(), w.shape, w.stride(), w.dtype)
     if e.key != key:
         e.key, e.packs = key, {}
     got = e.packs.get(layout)
