@@ -29,6 +29,7 @@ from tonpolicy.launch.init_checkpoint import write_init_checkpoint
 from tonpolicy.launch.plan import API_KEY_PLACEHOLDER, router_argv
 from tonpolicy.launch.procs import Child, ProcessGroup, wait_until
 from tonpolicy.launch.records import read_jsonl, step_table
+from tonpolicy.launch.run_report import startup_line, where_lines
 from tonpolicy.launch.sglang_env import trainer_python
 from tonpolicy.launch.trainer_main import ROLLOUT_ADDRESS_FILE
 from tonpolicy.loop.exit_codes import (
@@ -380,6 +381,7 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
             address = run_dir / ROLLOUT_ADDRESS_FILE
             address.unlink(missing_ok=True)
             trainer = start_trainer(cfg, run_dir, plan, f"@{address}", ckpt, procs)
+            print(startup_line(cfg, run_dir, len(started), world_size(cfg)), file=sys.stderr, flush=True)
             rollout = await_rollout(cfg, plan, started, procs, run_dir)
             write_json_atomic(address, {"url": rollout.url, "replica_urls": rollout.server_urls})
             if rollout.router is None:
@@ -410,6 +412,8 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
         json.dumps({k: summary[k] for k in ("status", "steps_completed", "mismatched_tokens", "wall_s")}),
         file=sys.stderr,
     )
+    for line in where_lines(run_dir):  # on success too: where the results are
+        print(line, file=sys.stderr)
     if code:
         print(f"tonpolicy: job {status} (exit {code}); logs in {run_dir / 'logs'}", file=sys.stderr)
     return code
