@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from support.e2e_common import FAST, records, run_job, run_sweep, summary
 
 
-def test_tp1_multi_step_with_weight_sync(tmp_path: Path) -> None:
-    proc, run_dir = run_job(tmp_path, "parallel=tp1", "experiment.steps=3")
+@pytest.fixture(scope="module")
+def tp1_wandb_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One TP 1 job of three steps on the default logger (W&B, offline), read by the two tests below:
+    the logger only writes what the run computes, so one job serves both."""
+    proc, run_dir = run_job(tmp_path_factory.mktemp("tp1"), "parallel=tp1", "experiment.steps=3", "logger=wandb")
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, run_dir
+
+
+def test_tp1_multi_step_with_weight_sync(tp1_wandb_job: tuple[subprocess.CompletedProcess, Path]) -> None:
+    proc, run_dir = tp1_wandb_job
     recs = records(run_dir)
     assert [r["step"] for r in recs] == [0, 1, 2]
     for r in recs:
@@ -92,17 +102,18 @@ def test_gate_fails_the_run_when_forced_on_off_policy(tmp_path: Path) -> None:
     assert not (run_dir / "checkpoints" / "step_1").exists()
 
 
-def test_wandb_offline_run_holds_parity_and_grad_norm_per_step(tmp_path: Path) -> None:
+def test_wandb_offline_run_holds_parity_and_grad_norm_per_step(
+    tp1_wandb_job: tuple[subprocess.CompletedProcess, Path],
+) -> None:
     """The default logger (W&B, offline): one history row per step with the parity and grad_norm keys,
     equal to the step records."""
     from support.wandb_records import history
 
-    proc, run_dir = run_job(tmp_path, "parallel=tp1", "experiment.steps=2", "logger=wandb")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _, run_dir = tp1_wandb_job
     (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     rows = history(run_file)
     recs = records(run_dir)
-    assert len(rows) == len(recs) == 2
+    assert len(rows) == len(recs) == 3
     for row, rec in zip(rows, recs, strict=True):
         for key in ("mismatched_tokens", "max_abs_logprob_diff", "train_rollout_logprob_abs_diff", "grad_norm"):
             assert row[key] == rec[key], key
