@@ -165,12 +165,18 @@ def test_a_duplicate_rid_refusal_is_re_sent_under_the_next_attempts_rid(serve) -
 
 def test_the_retry_bound_is_a_validated_key_the_trainers_client_takes() -> None:
     from tonpolicy.config.compose import compose_config
-    from tonpolicy.config.validate import ConfigError, validate
+    from tonpolicy.config.ranges import check_fleet
     from tonpolicy.rollout.fleet import FleetClient, rollout_client
 
     fleet = rollout_client("http://127.0.0.1:1", ["http://127.0.0.1:2"], retries=1)
     assert isinstance(fleet, FleetClient) and {c.retries for c in (fleet.router, *fleet.replicas)} == {1}
     assert rollout_client("http://127.0.0.1:1", retries=0).retries == 0
     assert compose_config(["mode=plan"]).rollout.client_retries == 5
-    with pytest.raises(ConfigError, match=r"rollout.client_retries.*-1.*must be an integer in \[0, 20\]"):
-        validate(compose_config(["mode=plan", "rollout.client_retries=-1"]))
+    for value, errors in ((-1, 1), (0, 0), (20, 0), (21, 1)):
+        found: list[tuple[str, str]] = []
+        check_fleet(
+            compose_config(["mode=plan", f"rollout.client_retries={value}"]),
+            lambda k, r, found=found: found.append((k, r)),
+        )
+        assert [k for k, _ in found] == ["rollout.client_retries"] * errors
+        assert all("must be an integer in [0, 20]" in r for _, r in found)

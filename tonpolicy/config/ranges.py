@@ -101,6 +101,8 @@ def check_ranges(cfg: Config, bad: Any) -> None:
 ROUTER_POLICIES = ("round_robin", "random", "cache_aware", "power_of_two")
 # Re-sends back off exponentially up to the client's cap: more than this only stretches a failing step.
 MAX_CLIENT_RETRIES = 20
+# A member that keeps dying is a bad node or a bad configuration, not a transient loss.
+MAX_RESTARTS = 100
 
 
 def check_fleet(cfg: Config, bad: Any) -> None:
@@ -116,6 +118,11 @@ def check_fleet(cfg: Config, bad: Any) -> None:
         bad("rollout.replicas", "must be a positive integer (1: one server, no router)")
     if not 0 <= r.client_retries <= MAX_CLIENT_RETRIES:
         bad("rollout.client_retries", f"must be an integer in [0, {MAX_CLIENT_RETRIES}] (0: no re-sends)")
+    if not 0 <= r.max_restarts <= MAX_RESTARTS:
+        bad(
+            "rollout.max_restarts",
+            f"must be an integer in [0, {MAX_RESTARTS}] (0: a dead replica or router ends the run)",
+        )
     if r.router_policy not in ROUTER_POLICIES:
         bad("rollout.router_policy", f"must be one of {list(ROUTER_POLICIES)} (sglang-router's --policy)")
     if r.replicas > 1 and r.nnodes > 1:

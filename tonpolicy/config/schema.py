@@ -123,6 +123,9 @@ class RolloutConfig:
     # Re-sends of one rollout request that failed on the way (connection refused or reset, a 5xx from a
     # restarting server or router, a duplicate rid) before the step fails; 0: none.
     client_retries: int = 5
+    # A fleet's members (replicas, router) the launcher starts again per run when one dies; the next
+    # death ends the job (exit 4). A replica is replaced only under weight_sync=disk.
+    max_restarts: int = 2
     # How the trainer hands each step's weights to the server: "disk" (an HF checkpoint per step and
     # /update_weights_from_disk; needs a file system both see) or "distributed" (a broadcast over a
     # process group of the trainer's rank 0 and the engine ranks, SGLang's

@@ -139,6 +139,8 @@ class Fleet:
     server_urls: list[str]
     router: Child | None
     url: str
+    checkpoint: Path | None = None  # the weights the servers started from ("default")
+    restarts: int = 0  # members replaced so far (rollout.max_restarts bounds them)
 
     def watched(self) -> list[tuple[Child, str]]:
         """Every process whose death or silence ends the job, with its health url."""
@@ -252,9 +254,73 @@ def _progress(record: dict[str, Any], steps: int) -> str:
     )
 
 
-def supervise(cfg: Config, run_dir: Path, rollout: Fleet, trainer: Child) -> int:
-    """Wait for the trainer, printing each step as its record lands; a dead or silent server (any
-    replica of a fleet, or its router) ends the job at once."""
+def replace_member(cfg: Config, run_dir: Path, rollout: Fleet, dead: Child, procs: ProcessGroup | None) -> Child:
+    """A fleet member that died, started again at its url (the router's list of workers stands; the
+    trainer's client keeps its urls): a replica from the weights the others serve, under their version,
+    so no sample can reach it at other weights. JobFailed (exit 4) for one server, past
+    rollout.max_restarts, or where the current weights are not on disk."""
+    what = "rollout server" if dead.name == "rollout" else dead.name.replace("-", " ")
+    died = f"{what} died (exit {dead.proc.returncode})"
+    if procs is None or rollout.router is None:
+        raise JobFailed(EXIT_CHILD_FAILED, f"{died}; log tail:\n{dead.tail()}")
+    if rollout.restarts >= cfg.rollout.max_restarts:
+        raise JobFailed(
+            EXIT_CHILD_FAILED,
+            f"{died}, after {rollout.restarts} replacement(s) this run "
+            f"(rollout.max_restarts={cfg.rollout.max_restarts}); log tail:\n{dead.tail()}",
+        )
+    version: str | None = None
+    if dead is rollout.router:
+        argv = dead.argv
+        port = int(argv[argv.index("--port") + 1])
+    else:
+        if cfg.rollout.weight_sync != "disk":
+            raise JobFailed(
+                EXIT_CHILD_FAILED,
+                f"{died}; a replacement cannot join the weight-update group of rollout.weight_sync="
+                f"{cfg.rollout.weight_sync} (use rollout.weight_sync=disk for a fleet that replaces replicas); "
+                f"log tail:\n{dead.tail()}",
+            )
+        from tonpolicy.rollout.client import RolloutClient, RolloutError
+
+        i = rollout.servers.index(dead)
+        url = rollout.server_urls[i]
+        other = next(u for j, u in enumerate(rollout.server_urls) if j != i)
+        try:
+            version = str(RolloutClient(other, timeout_s=10.0).model_info()["weight_version"])
+        except (RolloutError, KeyError, ValueError) as e:
+            raise JobFailed(EXIT_CHILD_FAILED, f"{died}; the weight version to replace it at is unknown: {e}") from e
+        weights = rollout.checkpoint if version == "default" else run_dir / "checkpoints" / version
+        if weights is None or not weights.is_dir():
+            raise JobFailed(
+                EXIT_CHILD_FAILED, f"{died}; the weights of version {version!r} are not on disk ({weights})"
+            )
+        port = int(url.rsplit(":", 1)[1])
+        flags: dict[str, Any] = {"--port": port, "--model-path": weights}
+        argv = dead.argv if "--weight-version" in dead.argv else [*dead.argv, "--weight-version", version]
+        argv = with_flags(argv, {**flags, "--weight-version": version})
+    print(f"tonpolicy: {died}; starting it again" + (f" at weight version {version}" if version else ""),
+          file=sys.stderr, flush=True)  # fmt: skip
+    fresh = procs.start(dead.name, argv, dead.log_path, env=dead.env)
+    _await_healthy(cfg, fresh, None, port)
+    if dead is rollout.router:
+        rollout.router = fresh
+    else:
+        rollout.servers[rollout.servers.index(dead)] = fresh
+    rollout.restarts += 1
+    from tonpolicy.rollout.fleet import RESTARTS_FILE
+
+    event = {"member": dead.name, "exit": dead.proc.returncode, "weight_version": version, "time": time.time()}
+    with open(run_dir / RESTARTS_FILE, "a") as f:
+        f.write(json.dumps(event) + "\n")
+    write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children if c.alive()})
+    return fresh
+
+
+def supervise(cfg: Config, run_dir: Path, rollout: Fleet, trainer: Child, procs: ProcessGroup | None = None) -> int:
+    """Wait for the trainer, printing each step as its record lands. A fleet member that dies is
+    started again (`replace_member`, with `procs`); a silent server, or a dead one that cannot be
+    replaced, ends the job at once."""
     tail = _Tail(run_dir / "metrics.jsonl")
     watched = [(child, _Liveness(url, cfg.rollout.liveness_timeout_s)) for child, url in rollout.watched()]
     while True:
@@ -262,12 +328,12 @@ def supervise(cfg: Config, run_dir: Path, rollout: Fleet, trainer: Child) -> int
             print(_progress(record, cfg.experiment.steps), file=sys.stderr, flush=True)
         if not trainer.alive():
             break
-        for server, liveness in watched:
+        for k, (server, liveness) in enumerate(watched):
             what = "rollout server" if server.name == "rollout" else server.name.replace("-", " ")
             if not server.alive():
-                raise JobFailed(
-                    EXIT_CHILD_FAILED, f"{what} died (exit {server.proc.returncode}); log tail:\n{server.tail()}"
-                )
+                fresh = replace_member(cfg, run_dir, rollout, server, procs)
+                watched[k] = (fresh, _Liveness(liveness.url, cfg.rollout.liveness_timeout_s))
+                continue
             silent = liveness.silent_for()
             if silent > cfg.rollout.liveness_timeout_s:
                 raise JobFailed(
@@ -383,6 +449,7 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
             trainer = start_trainer(cfg, run_dir, plan, f"@{address}", ckpt, procs)
             print(startup_line(cfg, run_dir, len(started), world_size(cfg)), file=sys.stderr, flush=True)
             rollout = await_rollout(cfg, plan, started, procs, run_dir)
+            rollout.checkpoint = ckpt
             write_json_atomic(address, {"url": rollout.url, "replica_urls": rollout.server_urls})
             if rollout.router is None:
                 print(f"rollout server ({cfg.rollout.backend}) healthy at {rollout.url}", file=sys.stderr)
@@ -393,7 +460,7 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
                     file=sys.stderr,
                 )
             write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
-            code = supervise(cfg, run_dir, rollout, trainer)
+            code = supervise(cfg, run_dir, rollout, trainer, procs)
             served = requests_served(rollout)
         status = "ok"
     except JobFailed as exc:

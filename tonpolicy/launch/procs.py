@@ -26,6 +26,9 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    # What started it, so the launcher can start it again (a fleet's replaced replica or router).
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -81,7 +84,7 @@ class ProcessGroup:
                     env={**os.environ, **(env or {})},
                     start_new_session=True,
                 )
-            child = Child(name, proc, log_path)
+            child = Child(name, proc, log_path, list(argv), dict(env or {}))
             self.children.append(child)
             if self.registry is not None:
                 with open(self.registry, "a") as f:

@@ -54,6 +54,7 @@ from tonpolicy.loop.weight_sync import WeightSync, policy_version, weight_sync_f
 from tonpolicy.model.tokenizer import load_text_tokenizer, load_tokenizer
 from tonpolicy.rl.objective import train_rollout_metrics
 from tonpolicy.rl.prompt_data import PromptData
+from tonpolicy.rollout.fleet import fleet_events
 from tonpolicy.trainer.optimizer_state import TRAINER_STATE
 
 if TYPE_CHECKING:
@@ -217,6 +218,8 @@ def take_step(loop: Loop, step: int) -> Verdict:
             "reward_errors": batch.reward_errors,  # calls of the user's reward function that failed (scored 0.0)
             # HTTP requests to the rollout servers re-sent since the last record (a transient error retried)
             "rollout_retries": loop.server.take_retries(),
+            # a fleet's: members the launcher replaced, samples and loads re-sent once it was whole again
+            **fleet_events(loop.server),
             "rollout_s": round(t_rollout, 3),  # asynchronous: the wait for the producer's batch and its broadcast
             **({"rollout_wait_s": round(waited, 3)} if waited is not None else {}),
             "step_s": round(time.monotonic() - t0, 3),
@@ -286,7 +289,9 @@ def run_trainer(
     if rank0:
         from tonpolicy.rollout.fleet import rollout_client
 
-        server = rollout_client(server_url, replica_urls, cfg.rollout.client_retries)
+        # A fleet's failed samples wait for the launcher's replacement: noticed, then started and healthy.
+        recover_s = cfg.rollout.liveness_timeout_s + cfg.rollout.health_timeout_s
+        server = rollout_client(server_url, replica_urls, cfg.rollout.client_retries, recover_s, run_dir)
         server.wait_healthy(cfg.rollout.health_timeout_s)  # launch.sh starts both at once
         refusal = handshake(cfg, server, runtime_identity(worker.kernels, cfg.contract.dtype, device))
         tokenizer = load_tokenizer(checkpoint)  # None for a checkpoint without one: ids only

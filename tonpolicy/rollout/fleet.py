@@ -8,35 +8,71 @@ router picks), the contract handshake (`replicas`), the weight-update group (one
 engine ranks at rank offset 1 + i * ranks per replica).
 
 Same methods as `RolloutClient`, so the step loop and `WeightSync` drive one server or a fleet alike.
+
+A member that dies is replaced by the launcher (tonpolicy.launch.job.replace_member: same url, the weight
+version the others serve, one line in RESTARTS_FILE). Meanwhile, with `recover_s` > 0, a sample whose
+request failed is re-sent once the fleet is whole again (every member healthy, every replica at one weight
+version): the same rid and seeds, so the same bits; a load from disk or a cache flush that failed on a
+replica is sent to it again once it answers. Both are counted (`take_events`).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from tonpolicy.rollout.client import RETRIES, RolloutClient, RolloutError
 
 # Samples in flight through the router at once (each a blocking HTTP request on its own thread).
 MAX_CONCURRENT_SAMPLES = 64
+# In the run directory: one JSON line per fleet member the launcher replaced.
+RESTARTS_FILE = "rollout_restarts.jsonl"
 
 
 class FleetClient:
     def __init__(
-        self, router_url: str, replica_urls: Sequence[str], timeout_s: float = 600.0, retries: int = RETRIES
+        self,
+        router_url: str,
+        replica_urls: Sequence[str],
+        timeout_s: float = 600.0,
+        retries: int = RETRIES,
+        recover_s: float = 0.0,
+        run_dir: Path | None = None,
     ) -> None:
+        """`recover_s`: how long a failed sample or load waits for the fleet to be whole again before it
+        is re-sent (0: not re-sent); `run_dir`: where the launcher logs its replacements."""
         if not replica_urls:
             raise ValueError("a fleet needs at least one replica url")
         self.router = RolloutClient(router_url, timeout_s=timeout_s, retries=retries)
         self.replicas = [RolloutClient(u, timeout_s=timeout_s, retries=retries) for u in replica_urls]
         self.base_url = self.router.base_url
+        self.recover_s = recover_s
+        self.restarts_path = run_dir / RESTARTS_FILE if run_dir is not None else None
+        self._restarts_seen = 0
+        self._resent = 0
+        self._lock = threading.Lock()
+        self._recovering = threading.Lock()  # one sample thread polls the fleet; the others wait for it
 
-    def _each(self, call: Callable[[RolloutClient], Any]) -> list[Any]:
+    def _each(self, call: Callable[[RolloutClient], Any], resend: bool = False) -> list[Any]:
         """`call` on every replica at once (a weight-group call blocks until all ranks join); the
-        first failure is raised, naming the replica."""
+        first failure is raised, naming the replica. `resend`: the call is safe to repeat, and a replica
+        it failed on gets it again once that replica (or its replacement) answers."""
+
+        def once_more(r: RolloutClient) -> Any:
+            try:
+                return call(r)
+            except RolloutError:
+                if not self.recover_s or not self._wait(lambda: r.health(2.0)):
+                    raise
+            self._count_resent()
+            return call(r)
+
         with ThreadPoolExecutor(len(self.replicas), thread_name_prefix="tonpolicy-fleet") as pool:
-            futures = [pool.submit(call, r) for r in self.replicas]
+            futures = [pool.submit(once_more if resend else call, r) for r in self.replicas]
             answers, errors = [], []
             for r, f in zip(self.replicas, futures, strict=True):
                 try:
@@ -50,6 +86,39 @@ class FleetClient:
     def take_retries(self) -> int:
         """Requests re-sent (to the router or any replica) since the last call."""
         return sum(c.take_retries() for c in (self.router, *self.replicas))
+
+    def take_events(self) -> dict[str, int]:
+        """Since the last call: members the launcher replaced (`rollout_restarts`) and requests re-sent
+        once the fleet was whole again (`requests_resent`)."""
+        lines = 0
+        if self.restarts_path is not None and self.restarts_path.exists():
+            lines = sum(1 for line in self.restarts_path.read_text().splitlines() if line.strip())
+        with self._lock:
+            restarts, self._restarts_seen = lines - self._restarts_seen, lines
+            resent, self._resent = self._resent, 0
+        return {"rollout_restarts": restarts, "requests_resent": resent}
+
+    def _count_resent(self) -> None:
+        with self._lock:
+            self._resent += 1
+
+    def _wait(self, ready: Callable[[], bool]) -> bool:
+        deadline = time.monotonic() + self.recover_s
+        while time.monotonic() < deadline:
+            if ready():
+                return True
+            time.sleep(0.2)
+        return False
+
+    def whole(self) -> bool:
+        """Every member answers /health and every replica serves one weight version."""
+        if not all(c.health(2.0) for c in (self.router, *self.replicas)):
+            return False
+        try:
+            versions = {r.model_info().get("weight_version") for r in self.replicas}
+        except (RolloutError, ValueError):
+            return False
+        return len(versions) == 1
 
     # --- generation, through the router ----------------------------------------------------
 
@@ -72,6 +141,15 @@ class FleetClient:
             raise ValueError(f"{len(params)} sampling_params for {n} prompts")
 
         def one(i: int) -> dict[str, Any]:
+            try:
+                return self.router.generate([input_ids_batch[i]], params[i], return_routed_experts)[0]
+            except RolloutError as e:
+                if not self.recover_s:
+                    raise
+                with self._recovering:
+                    if not self._wait(self.whole):
+                        raise RolloutError(f"{e}; the fleet was not whole again within {self.recover_s:.0f}s") from e
+            self._count_resent()  # the same rid and seeds: the same sample, wherever it runs now
             return self.router.generate([input_ids_batch[i]], params[i], return_routed_experts)[0]
 
         if n == 0:
@@ -102,7 +180,7 @@ class FleetClient:
     # --- weights, on every replica ---------------------------------------------------------
 
     def update_weights_from_disk(self, path: str, weight_version: str | None = None) -> dict[str, Any]:
-        return self._each(lambda r: r.update_weights_from_disk(path, weight_version))[0]
+        return self._each(lambda r: r.update_weights_from_disk(path, weight_version), resend=True)[0]
 
     def init_weights_update_group(
         self,
@@ -148,14 +226,23 @@ class FleetClient:
         return self._each(lambda r: r.destroy_weights_update_group(group_name))[0]
 
     def flush_cache(self) -> None:
-        self._each(lambda r: r.flush_cache())
+        self._each(lambda r: r.flush_cache(), resend=True)
 
 
 def rollout_client(
-    server_url: str, replica_urls: Sequence[str] = (), retries: int = RETRIES
+    server_url: str,
+    replica_urls: Sequence[str] = (),
+    retries: int = RETRIES,
+    recover_s: float = 0.0,
+    run_dir: Path | None = None,
 ) -> RolloutClient | FleetClient:
     """The trainer's client: one server, or a fleet (`server_url` is then the router's); `retries`:
-    rollout.client_retries."""
+    rollout.client_retries; `recover_s`, `run_dir`: a fleet's (FleetClient)."""
     if replica_urls:
-        return FleetClient(server_url, replica_urls, retries=retries)
+        return FleetClient(server_url, replica_urls, retries=retries, recover_s=recover_s, run_dir=run_dir)
     return RolloutClient(server_url, retries=retries)
+
+
+def fleet_events(client: Any) -> dict[str, int]:
+    """A step record's fleet fields (none for one server)."""
+    return client.take_events() if isinstance(client, FleetClient) else {}
