@@ -96,13 +96,27 @@ def all_commands() -> list[DocCommand]:
     return [c for f in doc_files() for c in commands(f.read_text(), str(f.relative_to(ROOT)))]
 
 
+def group_option_exists(group: str, option: str) -> bool:
+    """An option of a config group: the package's, or the working directory's conf/ (Hydra searches both)."""
+    return any((base / group / f"{option}.yaml").is_file() for base in (ROOT / "tonpolicy" / "conf", ROOT / "conf"))
+
+
 def sweep(args: list[str]) -> list[list[str]]:
-    """The override lists of a `-m` sweep: every combination of the comma-separated values."""
+    """The override lists a `-m` sweep composes. A swept group's options must exist and its first option
+    is composed with the rest of the line (every option alone is validated by the config tests: composing
+    each here would cost more than this file may); a swept field is expanded value by value."""
     options = []
     for a in args:
         key, _, value = a.partition("=")
-        is_list = value.startswith("[")
-        options.append([f"{key}={v}" for v in value.split(",")] if "," in value and not is_list else [a])
+        if "," not in value or value.startswith("["):
+            options.append([a])
+            continue
+        values = value.split(",")
+        if (ROOT / "tonpolicy" / "conf" / key).is_dir():
+            missing = [v for v in values if not group_option_exists(key, v)]
+            assert not missing, f"{key} has no option {missing}"
+            values = values[:1]
+        options.append([f"{key}={v}" for v in values])
     return [list(c) for c in itertools.product(*options)]
 
 
@@ -210,6 +224,9 @@ def test_a_broken_command_is_caught() -> None:
     (missing,) = commands("```bash\n.venv/bin/python experiments/no_such_bench.py\n```\n", "x.md")
     with pytest.raises(AssertionError, match="no file"):
         check(missing)
+    (typo,) = commands("```bash\npython -m tonpolicy -m parallel=tp1,tp3\n```\n", "x.md")
+    with pytest.raises(AssertionError, match="no option"):
+        check(typo)
 
 
 def test_a_tp_beyond_the_canonical_shards_names_the_fix() -> None:
