@@ -9,10 +9,10 @@ import pytest
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.schema import Config
-from tonpolicy.config.validate import ConfigError, validate
 from tonpolicy.launch.wandb_keys import split_record, wandb_key
 from tonpolicy.launch.wandb_log import MetricsLogger, samples_table, wandb_settings
 from tonpolicy.loop.records import due
+from tonpolicy.validation.validate import ConfigError, validate
 
 RECORD = {
     "step": 3,

@@ -39,6 +39,8 @@ ROLLOUT = {
     "policy_version",
     "trainer_policy_version",
     "max_staleness",
+    "rollout_restarts",
+    "requests_resent",
 }
 # Not charted: the step is the axis; `time` is an epoch timestamp (metrics.jsonl keeps it).
 NOT_CHARTED = {"step", "time"}
