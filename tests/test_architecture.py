@@ -137,3 +137,106 @@ def test_the_client_loads_no_torch_and_no_engine() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# --- the kernels room: no import circles, kernel sets told apart by the registry only ------------------
+
+
+def _module_graph(folder: str) -> dict[str, set[str]]:
+    """Each module of `tonpolicy/<folder>` -> the modules of that folder it imports (lazy imports
+    included, the type checker's names not; `from pkg import name` counts the package's own module)."""
+    imports = _imports_of(folder, runtime_only=True)
+    graph: dict[str, set[str]] = {}
+    for module, names in imports.items():
+        targets = set()
+        for name in names:
+            while name and name not in imports:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of `graph` (the modules on it, the first repeated last), [] when there is none."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str]:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                return [*path[path.index(t) :], t]
+            if t not in state and (found := visit(t)):
+                return found
+        state[m] = 2
+        path.pop()
+        return []
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return []
+
+
+def test_the_kernels_and_the_trainer_have_no_import_circle() -> None:
+    for folder in ("kernels", "trainer"):
+        circle = _circle(_module_graph(folder))
+        assert not circle, f"tonpolicy/{folder}: " + " -> ".join(circle)
+
+
+def test_the_circle_finder_finds_a_lazy_circle() -> None:
+    """The control: a circle closed by a function-level import is found."""
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _circle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def _kernel_set_name_comparisons(path: Path, names: frozenset[str]) -> list[str]:
+    """Lines of `path` comparing something to a kernel set's name (==, !=, in, not in a literal)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        literals = [
+            e.value
+            for o in operands
+            for e in ([o] if isinstance(o, ast.Constant) else getattr(o, "elts", []))
+            if isinstance(e, ast.Constant)
+        ]
+        if names & set(literals):
+            found.append(f"{path}:{node.lineno}")
+    return found
+
+
+# The kernels room itself; the validation rules and the launch plan's SGLang flags, which still name the
+# sets (the registry's `sglang_attention_backend` and `cuda_graphs` fields are there to read instead).
+NAME_COMPARISONS_ALLOWED = ("kernels/", "validation/", "launch/plan.py")
+
+
+def test_only_the_kernels_room_compares_kernel_set_names() -> None:
+    """Everything that differs per kernel set is a field of its spec (tonpolicy.kernels.sets)."""
+    from tonpolicy.kernels.sets import kernel_set_names
+
+    names = frozenset(kernel_set_names())
+    wrong = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not path.relative_to(PACKAGE).as_posix().startswith(NAME_COMPARISONS_ALLOWED)
+        for hit in _kernel_set_name_comparisons(path, names)
+    ]
+    assert not wrong, "compare a kernel-set field instead:\n" + "\n".join(wrong)
+
+
+def test_the_comparison_finder_sees_each_form(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text('a == "triton"\nb not in ("ordered", "x")\nc in {"plain"}\nd == "tritonx"\n')
+    hits = _kernel_set_name_comparisons(probe, frozenset({"triton", "ordered", "plain"}))
+    assert [h.rsplit(":", 1)[1] for h in hits] == ["1", "2", "3"]
+
+
+def test_the_kernel_set_registry_loads_no_torch() -> None:
+    code = "import sys, tonpolicy.kernels.sets\nsys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

@@ -25,7 +25,7 @@ def _head_grads(model: torch.nn.Module) -> torch.Tensor:
 def _worker(kernel_set: str, dtype: torch.dtype) -> dict[str, float]:
     from tonpolicy.kernels import get_kernels, padded_vocab_size
     from tonpolicy.trainer.cp_layout import TokenPositions
-    from tonpolicy.trainer.layer_spec import lm_head_rows
+    from tonpolicy.trainer.kernel_modules import lm_head_rows
     from tonpolicy.trainer.model import build_gpt
     from tonpolicy.trainer.process_groups import init_distributed
     from tonpolicy.trainer.weights import load_into

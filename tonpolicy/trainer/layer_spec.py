@@ -1,289 +1,23 @@
-"""The kernel layer spec: megatron-core's TransformerLayer/SelfAttention/MLP skeleton, with every
-numerical op routed to a tonpolicy kernel set (the same functions the rollout model calls).
-
-- column-parallel linears: `kernels.linear` on the local weight (its columns equal the unsharded op's);
-- row-parallel linears: `kernels.linear_partials` over this rank's canonical K-shards, combined across
-  TP in the fixed tree (`kernels.row_parallel`) -> the same bits at TP=1/2/4;
-- RMSNorm (incl. QK-norm), SwiGLU, RoPE, core attention: the kernels; context parallel (Ulysses and
-  zigzag ring) lives inside the core attention module (megatron's own CP needs TransformerEngine);
-- LM head: a contract column-parallel linear over the TP-independent padded vocab.
-
-The layer tree is megatron's local GPT layout filled from a spec provider (megatron-core's
-BackendSpecProvider): `KernelSpecProvider` for the contract, `StockSpecProvider` (megatron's own
-local modules) for the off-policy control.
+"""The block specs: megatron-core's TransformerLayer/SelfAttention/MLP skeleton of a Qwen3 (dense or MoE)
+stage, every module taken from a spec provider (tonpolicy.trainer.spec_providers), whose kernel modules
+(tonpolicy.trainer.kernel_modules, trainer.moe_layer) route each numerical op to a tonpolicy kernel set.
+The contract spec and the stock spec differ only by the provider.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any
-
-import torch
-from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer import ModuleSpec, TransformerConfig, transformer_block
+from megatron.core.transformer import ModuleSpec, TransformerConfig
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 
-from tonpolicy.kernels.row_parallel import combine_row_parallel
-from tonpolicy.trainer import cp_layout, kernel_autograd
-from tonpolicy.trainer.cp_attention import batched_attention, context_parallel_attention
-from tonpolicy.trainer.kernel_autograd import KernelLinear
-
-
-class _TakesKernels:
-    """The kernel set as a constructor argument (KernelSpecProvider passes it as spec params)."""
-
-    def __init__(self, *args: Any, kernels: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.kernels = kernels
-
-
-def tp_dgrad_group() -> Any:
-    """The group a column-parallel linear all-reduces its input gradient over (None at TP=1)."""
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_tensor_model_parallel_group()
-
-
-class KernelColumnParallelLinear(_TakesKernels, ColumnParallelLinear):
-    def forward(
-        self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
-    ) -> tuple[torch.Tensor, None]:
-        w = self.weight if weight is None else weight
-        return KernelLinear.apply(input_, w, self.kernels.linear, tp_dgrad_group()), None
-
-
-class KernelRowParallelLinear(_TakesKernels, RowParallelLinear):
-    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        shards = self.kernels.canonical_shards
-        if shards % tp:
-            raise ValueError(f"TP={tp} must divide the contract's {shards} canonical shards")
-        group = parallel_state.get_tensor_model_parallel_group()
-
-        def canonical(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            # This rank's canonical K-shard partials, combined across TP in the contract's fixed tree.
-            return combine_row_parallel(self.kernels, self.kernels.linear_partials(x, w, shards // tp), x.dtype, group)
-
-        # Every TP rank holds the same y and receives the same dY, so the local gradients need no
-        # communication (dX_local = dY W_local, dW_local = dY^T X_local): the plain linear backward.
-        return KernelLinear.apply(input_, self.weight, canonical), None
-
-
-class KernelLMHead(KernelColumnParallelLinear):
-    """Column-parallel LM head: the kernel set's own `lm_head` (fp32 logits, never rounded to the
-    activation dtype), the call the rollout model makes, on this rank's vocab rows.
-
-    `rows` (set by `lm_head_rows` for one forward): flat indices into the [s*b] hidden rows whose
-    logits are read; only those go through the head (a contract kernel's row bits do not depend on
-    the row count), the others are zero. Prompt rows then cost nothing in the head, forward or backward."""
-
-    rows: torch.Tensor | None = None
-
-    def forward(
-        self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
-    ) -> tuple[torch.Tensor, None]:
-        w = self.weight if weight is None else weight
-        group = tp_dgrad_group()
-        if self.rows is None:
-            return KernelLinear.apply(input_, w, self.kernels.lm_head, group), None
-        flat = input_.reshape(-1, input_.shape[-1])
-        picked = KernelLinear.apply(flat.index_select(0, self.rows), w, self.kernels.lm_head, group)
-        out = picked.new_zeros(flat.shape[0], picked.shape[-1]).index_copy(0, self.rows, picked)
-        return out.view(*input_.shape[:-1], -1), None
-
-
-@contextlib.contextmanager
-def lm_head_rows(model: torch.nn.Module, rows: torch.Tensor) -> Iterator[None]:
-    """Within the block, the model's kernel LM head (if this stage has one) computes only `rows`
-    (flat indices into its [s*b] input rows); every other row's logits are zero."""
-    heads = [m for m in model.modules() if isinstance(m, KernelLMHead)]
-    for h in heads:
-        h.rows = rows
-    try:
-        yield
-    finally:
-        for h in heads:
-            h.rows = None
-
-
-class KernelRMSNorm(MegatronModule):
-    """RMSNorm with the kernel's formula; `weight` is named as in megatron's local spec."""
-
-    def __init__(
-        self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, kernels: Any = None, **_: Any
-    ) -> None:
-        super().__init__(config=config)
-        self.kernels, self.eps = kernels, eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernel_autograd.KernelRMSNorm.apply(x, self.weight, self.eps, self.kernels.rms_norm)
-
-
-class KernelMLP(_TakesKernels, MLP):
-    """Fused gate/up column-parallel linear -> kernel SwiGLU -> row-parallel linear."""
-
-    def forward(self, hidden_states: torch.Tensor, per_token_scale: Any = None, **_: Any) -> tuple[torch.Tensor, None]:
-        inter, _b = self.linear_fc1(hidden_states)
-        gate, up = inter.chunk(2, dim=-1)
-        out, _b = self.linear_fc2(kernel_autograd.KernelSwiGLU.apply(gate, up, self.kernels.swiglu))
-        return out, None
-
-
-class KernelCoreAttention(MegatronModule):
-    """RoPE (from the microbatch's absolute positions) + split-KV causal attention, with CP inside."""
-
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        kernels: Any = None,
-        rope_theta: float = 1e6,
-        cp_type: str = "ulysses",
-        softmax_scale: float | None = None,
-        **_: Any,
-    ) -> None:
-        super().__init__(config=config)
-        self.kernels, self.theta, self.cp_type = kernels, rope_theta, cp_type
-        self.head_dim = config.kv_channels
-        self.scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Any,
-        attn_mask_type: Any = None,
-        attention_bias: Any = None,
-        packed_seq_params: Any = None,
-    ) -> torch.Tensor:
-        if not isinstance(packed_seq_params, cp_layout.TokenPositions):
-            raise ValueError("the contract attention needs the microbatch's TokenPositions as packed_seq_params")
-        positions = packed_seq_params.positions  # [b, s_local]
-        k_ = self.kernels
-        if parallel_state.get_context_parallel_world_size() == 1 and all(
-            cp_layout.segment_starts(p) == [0] for p in positions
-        ):
-            return self._whole_rows(query, key, value, positions)
-        outs = []
-        for b in range(query.shape[1]):
-            pos = positions[b]
-            cos, sin = k_.rope_cos_sin(pos, self.head_dim, self.theta)
-            q, k = k_.apply_rope_qk(query[:, b], key[:, b], cos, sin)
-            # A packed row holds several samples, each restarting at position 0: attend within each.
-            bounds = [*cp_layout.segment_starts(pos), pos.numel()]
-            outs.append(
-                torch.cat(
-                    [
-                        context_parallel_attention(
-                            k_, q[s:e], k[s:e], value[s:e, b], pos[s:e], self.scale, self.cp_type
-                        )
-                        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
-                    ]
-                )
-            )
-        out = torch.stack(outs, dim=1)  # [s, b, h, d]
-        return out.reshape(out.shape[0], out.shape[1], -1)
-
-    def _whole_rows(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """Every row one sequence, no CP: RoPE and attention for all rows in one call each (the kernels
-        are row- and batch-invariant, so these are the per-row bits, at a fraction of the calls)."""
-        s, b, hq, d = query.shape
-        k_ = self.kernels
-        cos, sin = k_.rope_cos_sin(positions.reshape(-1), self.head_dim, self.theta)
-        q, k = k_.apply_rope_qk(
-            query.transpose(0, 1).reshape(b * s, hq, d), key.transpose(0, 1).reshape(b * s, -1, d), cos, sin
-        )
-        out = batched_attention(
-            k_, q.view(b, s, hq, d), k.view(b, s, -1, d), value.transpose(0, 1), positions, self.scale
-        )
-        return out.transpose(0, 1).reshape(s, b, hq * d)
-
-
-class StockSpecProvider(LocalSpecProvider):
-    """Megatron's own local modules (the off-policy control), plus the slots megatron's
-    BackendSpecProvider protocol lacks: the dense MLP module, the final norm and the LM head."""
-
-    def dense_mlp(self) -> ModuleSpec:
-        return ModuleSpec(
-            module=MLP,
-            submodules=MLPSubmodules(linear_fc1=self.column_parallel_linear(), linear_fc2=self.row_parallel_linear()),
-        )
-
-    def moe_mlp(self) -> ModuleSpec:
-        """megatron's MoELayer: TopKRouter, the all-gather dispatcher, SequentialMLP (trainer.moe_layer)."""
-        from tonpolicy.trainer.moe_layer import stock_moe_spec
-
-        return stock_moe_spec(self)
-
-    def final_norm(self) -> type:
-        return transformer_block.LayerNormImpl  # what megatron's block picks for a layer spec
-
-    def install_head(self, model: GPTModel) -> None:
-        """Megatron's own head: nothing to do."""
-
-
-class KernelSpecProvider(StockSpecProvider):
-    """Every numerical op on one kernel set, the calls the rollout model makes. A kernel set reaches a
-    module one way only: the ModuleSpec's `params={"kernels": ...}` (Megatron passes spec params to the
-    constructor)."""
-
-    def __init__(self, kernels: Any, rope_theta: float, cp_type: str) -> None:
-        self.kernels, self.rope_theta, self.cp_type = kernels, rope_theta, cp_type
-
-    def _spec(self, module: type, **params: Any) -> ModuleSpec:
-        return ModuleSpec(module=module, params={"kernels": self.kernels, **params})
-
-    def column_parallel_linear(self) -> ModuleSpec:  # type: ignore[override]
-        return self._spec(KernelColumnParallelLinear)
-
-    def row_parallel_linear(self) -> ModuleSpec:  # type: ignore[override]
-        return self._spec(KernelRowParallelLinear)
-
-    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> ModuleSpec:  # type: ignore[override]
-        if not rms_norm:
-            raise ValueError("the contract kernels have RMSNorm only")
-        return self._spec(KernelRMSNorm)
-
-    def core_attention(self) -> ModuleSpec:  # type: ignore[override]
-        return self._spec(KernelCoreAttention, rope_theta=self.rope_theta, cp_type=self.cp_type)
-
-    def dense_mlp(self) -> ModuleSpec:
-        spec = super().dense_mlp()
-        return ModuleSpec(module=KernelMLP, params={"kernels": self.kernels}, submodules=spec.submodules)
-
-    def moe_mlp(self) -> ModuleSpec:
-        """The contract's MoE layer on the kernel set, EP by tonpolicy's own exchange (trainer.moe_layer)."""
-        from tonpolicy.trainer.moe_layer import kernel_moe_spec
-
-        return kernel_moe_spec(self.kernels)
-
-    def final_norm(self) -> ModuleSpec:  # type: ignore[override]
-        return self.layer_norm(rms_norm=True)
-
-    def install_head(self, model: GPTModel) -> None:
-        """GPTModel builds its LM head itself, a ColumnParallelLinear with no spec slot to pass: give that
-        module the kernel head's forward (its parameters, names and tied-weight wiring untouched) and the
-        kernel set, as every other module gets it."""
-        head = getattr(model, "output_layer", None)
-        if head is not None:
-            head.__class__ = KernelLMHead
-            head.kernels = self.kernels
+from tonpolicy.trainer.spec_providers import StockSpecProvider
 
 
 def dense_layer_spec(provider: StockSpecProvider) -> ModuleSpec:
@@ -327,7 +61,13 @@ def dense_block_spec(config: TransformerConfig, provider: StockSpecProvider) -> 
 
 
 def moe_block_spec(config: TransformerConfig, provider: StockSpecProvider) -> TransformerBlockSubmodules:
-    """Qwen3-MoE's stage of layers (tonpolicy.families' `layer_spec` for qwen3_moe): trainer.moe_layer."""
-    from tonpolicy.trainer.moe_layer import moe_block_spec as build
-
-    return build(config, provider)
+    """This pipeline stage's Qwen3-MoE layers (tonpolicy.families' `layer_spec` for qwen3_moe): the MoE
+    MLP where `config.moe_layer_freq` routes (megatron_args: mlp_only_layers, decoder_sparse_step), the
+    dense MLP elsewhere, plus the final norm."""
+    first = get_transformer_layer_offset(config)
+    routed = config.moe_layer_freq
+    specs = [
+        layer_spec(provider, provider.moe_mlp() if routed[first + i] else provider.dense_mlp())
+        for i in range(get_num_layers_to_build(config))
+    ]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=provider.final_norm())

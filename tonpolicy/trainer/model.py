@@ -44,7 +44,7 @@ def transformer_config(
 def spec_provider(spec: str, kernels: Any, rope_theta: float, cp_type: str) -> Any:
     """'kernels': every op on the kernel set (RoPE applied by the kernel core attention from the
     microbatch's absolute positions); 'stock': megatron's local modules (the off-policy control)."""
-    from tonpolicy.trainer.layer_spec import KernelSpecProvider, StockSpecProvider
+    from tonpolicy.trainer.spec_providers import KernelSpecProvider, StockSpecProvider
 
     if spec == "kernels":
         return KernelSpecProvider(kernels, rope_theta, cp_type)

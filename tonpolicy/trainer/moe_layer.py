@@ -1,5 +1,5 @@
 """Qwen3-MoE layers for megatron-core: its `MoELayer` / `TopKRouter` / `SequentialMLP` skeleton, filled
-from a spec provider (tonpolicy.trainer.layer_spec), as the dense layers are.
+from a spec provider (tonpolicy.trainer.spec_providers), as the dense layers are.
 
 The contract (`KernelMoELayer`) computes what the rollout model's `Qwen3Moe._mlp` computes, the same
 kernel calls (tonpolicy/kernels/moe.py): router logits in fp32 by `kernels.router_logits`, routes by
@@ -14,7 +14,7 @@ The control (`StockMoELayer`) is megatron's own router, all-gather dispatcher an
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core.transformer import ModuleSpec, TransformerConfig
@@ -24,21 +24,20 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from tonpolicy.kernels.moe import Routing
 from tonpolicy.kernels.row_parallel import combine_row_parallel
 from tonpolicy.trainer import ep_exchange
 from tonpolicy.trainer.kernel_autograd import KernelLinear
-from tonpolicy.trainer.layer_spec import (
+from tonpolicy.trainer.kernel_modules import (
     KernelColumnParallelLinear,
     KernelMLP,
     KernelRowParallelLinear,
-    StockSpecProvider,
     _TakesKernels,
-    layer_spec,
 )
+
+if TYPE_CHECKING:
+    from tonpolicy.trainer.spec_providers import StockSpecProvider
 
 
 def _own_group(module: Any) -> Any:
@@ -232,16 +231,3 @@ def kernel_moe_spec(kernels: Any) -> ModuleSpec:
             experts=ModuleSpec(module=KernelExperts, params=params, submodules=experts), router=router
         ),
     )
-
-
-def moe_block_spec(config: TransformerConfig, provider: StockSpecProvider) -> TransformerBlockSubmodules:
-    """This pipeline stage's Qwen3-MoE layers (tonpolicy.families' `layer_spec` for qwen3_moe): the MoE
-    MLP where `config.moe_layer_freq` routes (megatron_args: mlp_only_layers, decoder_sparse_step), the
-    dense MLP elsewhere, plus the final norm."""
-    first = get_transformer_layer_offset(config)
-    routed = config.moe_layer_freq
-    specs = [
-        layer_spec(provider, provider.moe_mlp() if routed[first + i] else provider.dense_mlp())
-        for i in range(get_num_layers_to_build(config))
-    ]
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=provider.final_norm())

@@ -22,7 +22,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from tonpolicy.trainer import cp_layout
-from tonpolicy.trainer.layer_spec import lm_head_rows
+from tonpolicy.trainer.kernel_modules import lm_head_rows
 from tonpolicy.trainer.logprobs import token_logprobs
 from tonpolicy.trainer.process_groups import device
 
