@@ -109,6 +109,8 @@ def test_wandb_offline_run_holds_parity_and_grad_norm_per_step(
     equal to the step records."""
     from support.wandb_records import history
 
+    from tonpolicy.launch.wandb_keys import wandb_key
+
     _, run_dir = tp1_wandb_job
     (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     rows = history(run_file)
@@ -116,5 +118,7 @@ def test_wandb_offline_run_holds_parity_and_grad_norm_per_step(
     assert len(rows) == len(recs) == 3
     for row, rec in zip(rows, recs, strict=True):
         for key in ("mismatched_tokens", "max_abs_logprob_diff", "train_rollout_logprob_abs_diff", "grad_norm"):
-            assert row[key] == rec[key], key
-        assert row["mismatched_tokens"] == 0
+            assert row[wandb_key(key)] == rec[key], key  # namespaced in W&B (parity/, train/), flat in the records
+        assert row["parity/mismatched_tokens"] == 0 and row["step"] == rec["step"]
+        assert "parity/exact" not in row and "time" not in row  # not charted
+        assert row["perf/peak_rss_mib"] > 0 and row["perf/rollout_tokens_per_s"] > 0
