@@ -206,6 +206,26 @@ def test_doc_command_works_as_written(command: DocCommand) -> None:
     check(command)
 
 
+def shown_refusals() -> list[tuple[str, list[str], list[str]]]:
+    """(file, overrides, shown problem lines) of each plain block that shows `$ python -m tonpolicy ...`
+    and the refusal it prints."""
+    found = []
+    for f in doc_files():
+        for block in re.findall(r"^```\n(\$ python -m tonpolicy [^\n]*)\n(.*?)^```", f.read_text(), re.M | re.S):
+            command, output = block
+            shown = [line.strip()[2:] for line in output.splitlines() if line.strip().startswith("- ")]
+            found.append((str(f.relative_to(ROOT)), shlex.split(command)[4:], shown))
+    return found
+
+
+def test_a_shown_refusal_is_the_one_printed() -> None:
+    """The docs' example of a refused command shows the problems validation reports, word for word."""
+    shown = shown_refusals()
+    assert shown, "README shows no refused command"
+    for where, overrides, lines in shown:
+        assert [str(i) for i in problems(tuple(overrides))] == lines, where
+
+
 def test_the_docs_show_commands() -> None:
     """The extraction finds the README's two setup lines and the guides' tonpolicy commands."""
     readme = [c for c in COMMANDS if c.where.startswith("README.md")]
