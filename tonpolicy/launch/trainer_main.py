@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from tonpolicy.config.compose import load_config
+from tonpolicy.launch.rank_prefix import prefix_rank_output
 from tonpolicy.loop.exit_codes import EXIT_SERVER_UNHEALTHY
 from tonpolicy.process_exit import exit_now
 
@@ -68,4 +69,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # The verdict, records and W&B run are written and the process groups destroyed when main returns.
+    prefix_rank_output()  # the ranks share one log: each line says whose it is
     exit_now(main())
