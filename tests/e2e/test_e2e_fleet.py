@@ -1,5 +1,6 @@
 """A fleet of rollout servers behind sglang-router (rollout.replicas=2): exact zero whichever replica
-served a sample, per-token weight versions in the records, and a dead replica ends the run (exit 4)."""
+served a sample, per-token weight versions in the records, a replica and the router killed mid-run are
+replaced and the run still holds exact zero, and a death past rollout.max_restarts ends the run (exit 4)."""
 
 from __future__ import annotations
 
@@ -59,10 +60,38 @@ def test_two_replicas_off_policy_show_the_mismatch(tmp_path: Path) -> None:
     assert records(run_dir)[0]["mismatched_tokens"] > 0
 
 
-def test_a_replica_that_dies_ends_the_run(tmp_path: Path) -> None:
-    """kill -9 of one replica mid-run: exit 4 within seconds, naming it; completed steps on disk; no
-    process of the job left (every child's process group is empty)."""
-    proc, run_dir = start_job(tmp_path, "rollout.replicas=2", "experiment.steps=50")
+def test_a_killed_replica_and_router_are_replaced_and_the_run_stays_exact(tmp_path: Path) -> None:
+    """kill -9 of replica 1 once step 0 is recorded, then of the router once step 1 is: each is started
+    again (the replica at the weights and version the others serve), the step's failed requests are
+    re-sent with their rids and seeds, and every step still holds exact zero, every token at the
+    version of its step."""
+    proc, run_dir = start_job(tmp_path, "rollout.replicas=2", "experiment.steps=3")
+    for step, member in ((1, "rollout-1"), (2, "rollout-router")):
+        wait_for(lambda step=step: len(records(run_dir)) >= step, 300, f"step {step - 1}")
+        os.kill(json.loads((run_dir / "pids.json").read_text())[member], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    assert "rollout 1 died (exit -9); starting it again at weight version" in err
+    assert "rollout router died (exit -9); starting it again" in err
+    recs = records(run_dir)
+    assert [r["mismatched_tokens"] for r in recs] == [0, 0, 0] and all(r["tokens_scored"] > 0 for r in recs)
+    # the router's replacement lands in step 2's record; the replica's in whichever step saw it logged
+    assert recs[2]["rollout_restarts"] >= 1 and sum(r["rollout_restarts"] for r in recs) in (1, 2)
+    assert recs[2]["requests_resent"] + recs[2]["rollout_retries"] > 0
+    assert [r["weight_versions"] for r in recs] == [
+        {"default": recs[0]["tokens_scored"]},
+        {"step_1": recs[1]["tokens_scored"]},
+        {"step_2": recs[2]["tokens_scored"]},
+    ]
+    restarts = [json.loads(line) for line in (run_dir / "rollout_restarts.jsonl").read_text().splitlines()]
+    assert [r["member"] for r in restarts] == ["rollout-1", "rollout-router"]
+
+
+def test_a_replica_that_dies_past_the_bound_ends_the_run(tmp_path: Path) -> None:
+    """kill -9 of one replica mid-run with rollout.max_restarts=0 (the bound already reached): exit 4
+    within seconds, naming it and the key; completed steps on disk; no process of the job left (every
+    child's process group is empty). The bound counted over several deaths: test_fleet_recovery.py."""
+    proc, run_dir = start_job(tmp_path, "rollout.replicas=2", "rollout.max_restarts=0", "experiment.steps=50")
     wait_for(lambda: len(records(run_dir)) >= 1, 300, "the first step")
     pids = json.loads((run_dir / "pids.json").read_text())
     assert set(pids) == {"rollout-0", "rollout-1", "rollout-router", "trainer"}
@@ -70,7 +99,7 @@ def test_a_replica_that_dies_ends_the_run(tmp_path: Path) -> None:
     t0 = time.monotonic()
     out, err = proc.communicate(timeout=60)
     assert time.monotonic() - t0 < 30
-    assert proc.returncode == 4 and "rollout 1 died" in err, err[-3000:]
+    assert proc.returncode == 4 and "rollout 1 died" in err and "rollout.max_restarts=0" in err, err[-3000:]
     assert summary(run_dir)["steps_completed"] >= 1 and len(records(run_dir)) >= 1
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_group_alive(p) for p in pids.values()):

@@ -110,12 +110,24 @@ def _restarts(run_dir: Path, n: int) -> list[dict]:
     raise AssertionError(f"fewer than {n} restarts logged")
 
 
+def _replaced(run_dir: Path, name: str, old_pid: int) -> None:
+    """Wait until the launcher has swapped the member in (pids.json names the new process)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pids = run_dir / "pids.json"
+        if pids.exists() and json.loads(pids.read_text()).get(name, old_pid) != old_pid:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{name} was not replaced")
+
+
 def test_a_dead_replica_and_a_dead_router_are_started_again(tmp_path: Path, fleet) -> None:
     rollout, procs = fleet
     old = rollout.servers[1].proc.pid
     job = _supervise([], tmp_path, rollout, procs)
     os.kill(old, signal.SIGKILL)
     (replica,) = _restarts(tmp_path, 1)
+    _replaced(tmp_path, "rollout-1", old)
     assert replica["member"] == "rollout-1" and replica["weight_version"] == "step_1"
     fresh = rollout.servers[1]
     assert fresh.proc.pid != old and fresh.alive()
@@ -124,8 +136,10 @@ def test_a_dead_replica_and_a_dead_router_are_started_again(tmp_path: Path, flee
     assert argv[argv.index("--port") + 1] == rollout.server_urls[1].rsplit(":", 1)[1]
     assert argv[argv.index("--model-path") + 1] == str(tmp_path / "checkpoints" / "step_1")
     assert argv[argv.index("--weight-version") + 1] == "step_1"
-    os.kill(rollout.router.proc.pid, signal.SIGKILL)
+    old_router = rollout.router.proc.pid
+    os.kill(old_router, signal.SIGKILL)
     assert _restarts(tmp_path, 2)[1]["member"] == "rollout-router"
+    _replaced(tmp_path, "rollout-router", old_router)
     assert json.loads((tmp_path / "pids.json").read_text())["rollout-1"] == fresh.proc.pid
     client = FleetClient(rollout.url, rollout.server_urls, timeout_s=5, run_dir=tmp_path)
     assert client.whole() and client.take_events() == {"rollout_restarts": 2, "requests_resent": 0}
@@ -138,8 +152,10 @@ def test_a_dead_replica_and_a_dead_router_are_started_again(tmp_path: Path, flee
 def test_a_member_that_keeps_dying_ends_the_job_past_the_bound(tmp_path: Path, fleet) -> None:
     rollout, procs = fleet
     job = _supervise(["rollout.max_restarts=1"], tmp_path, rollout, procs)
-    os.kill(rollout.servers[0].proc.pid, signal.SIGKILL)
+    old = rollout.servers[0].proc.pid
+    os.kill(old, signal.SIGKILL)
     _restarts(tmp_path, 1)
+    _replaced(tmp_path, "rollout-0", old)
     os.kill(rollout.servers[0].proc.pid, signal.SIGKILL)
     job["thread"].join(30)
     assert "rollout 0 died" in str(job["failed"]) and "after 1 replacement(s)" in str(job["failed"])

@@ -302,17 +302,18 @@ def replace_member(cfg: Config, run_dir: Path, rollout: Fleet, dead: Child, proc
     print(f"tonpolicy: {died}; starting it again" + (f" at weight version {version}" if version else ""),
           file=sys.stderr, flush=True)  # fmt: skip
     fresh = procs.start(dead.name, argv, dead.log_path, env=dead.env)
+    rollout.restarts += 1
+    from tonpolicy.rollout.fleet import RESTARTS_FILE
+
+    # Logged as it starts: a step held up by the loss records it (the trainer reads this file).
+    event = {"member": dead.name, "exit": dead.proc.returncode, "weight_version": version, "time": time.time()}
+    with open(run_dir / RESTARTS_FILE, "a") as f:
+        f.write(json.dumps(event) + "\n")
     _await_healthy(cfg, fresh, None, port)
     if dead is rollout.router:
         rollout.router = fresh
     else:
         rollout.servers[rollout.servers.index(dead)] = fresh
-    rollout.restarts += 1
-    from tonpolicy.rollout.fleet import RESTARTS_FILE
-
-    event = {"member": dead.name, "exit": dead.proc.returncode, "weight_version": version, "time": time.time()}
-    with open(run_dir / RESTARTS_FILE, "a") as f:
-        f.write(json.dumps(event) + "\n")
     write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children if c.alive()})
     return fresh
 
