@@ -28,7 +28,8 @@ from op_timer import timed_ops
 from perf_targets import CONTEXT_RATIO, ENGINE_RATIO, MEMORY_RATIO, Check, report, with_launch_environment
 
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.kernels import exact_gemm, exact_gemv, get_kernels
+from tonpolicy.kernels import get_kernels
+from tonpolicy.kernels.invariant import exact_gemm, exact_gemv
 from tonpolicy.model import Qwen3, init_state_dict
 from tonpolicy.model.kv_cache import KVPool
 from tonpolicy.rollout.engine import Engine, GenRequest
@@ -169,7 +170,7 @@ def one_request(models: dict[str, Qwen3], cfg: ModelConfig, prompt: int, gen: in
 
 def row_tile_cost(cfg: ModelConfig, dtype: torch.dtype, calls: int = 100) -> dict:
     """One decode row through one MLP-sized weight [intermediate, hidden], in us: the plain 1-row linear,
-    the contract's compiled GEMV (tonpolicy.kernels.exact_gemv: the weight read in its own dtype), and
+    the contract's compiled GEMV (tonpolicy.kernels.invariant.exact_gemv: the weight read in its own dtype), and
     exact_gemm's torch path (the cached fp64 integer weight; what runs without a C++ compiler)."""
     w = torch.randn(cfg.intermediate_size, cfg.hidden_size).to(dtype)
     x = torch.randn(1, cfg.hidden_size).to(dtype)

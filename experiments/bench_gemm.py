@@ -1,4 +1,4 @@
-"""What the contract GEMM costs (tonpolicy.kernels.exact_gemm), measured side by side in one run: the
+"""What the contract GEMM costs (tonpolicy.kernels.invariant.exact_gemm), measured side by side in one run: the
 contract's linear (exact fixed-point, fp64) against plain `F.linear` and against the strategy it replaced
 (library GEMMs in fixed row tiles: 512-row tiles and a tail padded to 4 rows, whose bits rest on how MKL
 and oneDNN happen to block on the measured CPU), at decode and prefill row counts, bf16 and fp32, the tiny

@@ -21,7 +21,8 @@ import torch
 from bench_engine import MODELS, _requests, _time
 from perf_targets import ENGINE_RATIO
 
-from tonpolicy.kernels import exact_gemv, get_kernels
+from tonpolicy.kernels import get_kernels
+from tonpolicy.kernels.invariant import exact_gemv
 from tonpolicy.model import Qwen3, init_state_dict
 
 GEN = {"tiny": 32, "large": 16}

@@ -1,4 +1,4 @@
-"""The ordered GEMM (contract v2, tonpolicy.kernels.ordered_gemm) against torch's own products.
+"""The ordered GEMM (contract v2, tonpolicy.kernels.invariant.ordered_gemm) against torch's own products.
 
 Prints, per dtype, shape (K x N of the weight) and row count, the time of `ordered_gemm.linear` over the
 time of `F.linear` (oneDNN / MKL) on the same operands: the median over alternated rounds (each round
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tonpolicy.kernels import ordered_gemm
+from tonpolicy.kernels.invariant import ordered_gemm
 
 SHAPES = [(1024, 3072), (3072, 1024), (1024, 1024), (64, 192)]  # K x N
 ROWS = [1, 4, 64, 512]

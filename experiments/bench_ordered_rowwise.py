@@ -1,4 +1,4 @@
-"""Ordered row-wise ops (tonpolicy.kernels.ordered_rowwise, contract v2) against the torch ops they replace
+"""Ordered row-wise ops (tonpolicy.kernels.invariant.ordered_rowwise, contract v2) against the torch ops they replace
 (tonpolicy.kernels.pointwise, torch.exp): median time of alternated runs, on the chosen path, at
 torch.get_num_threads() threads (default 2).
 
@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tonpolicy.cpu_numerics import cpu_info  # noqa: E402
-from tonpolicy.kernels import ordered_rowwise as rw  # noqa: E402
 from tonpolicy.kernels import pointwise  # noqa: E402
+from tonpolicy.kernels.invariant import ordered_rowwise as rw  # noqa: E402
 
 
 def _time(fn: Callable[[], object], inner: int) -> float:

@@ -33,7 +33,7 @@ from gpu_op_timing import bench, graph_bench, op_ratios  # noqa: E402
 
 from tonpolicy.align import harness  # noqa: E402
 from tonpolicy.kernels import get_kernels  # noqa: E402
-from tonpolicy.kernels import triton_linear as tlin  # noqa: E402
+from tonpolicy.kernels.triton import linear as tlin  # noqa: E402
 
 REPORT: dict[str, Any] = {}
 OUT = Path("gpu_triton.json")
@@ -276,7 +276,7 @@ class _Patched:
 @stage
 def tune() -> dict:
     """Other fixed configurations: time, and whether their bits equal the contract's configuration."""
-    from tonpolicy.kernels import triton_attention as ta
+    from tonpolicy.kernels.triton import attention as ta
 
     g = torch.Generator(device=DEV).manual_seed(3)
     out: dict[str, Any] = {}

@@ -19,10 +19,10 @@ flock .editable-install.lock .venv/bin/python -m pip install -q -e ".[test,slurm
 # dependencies pin a CUDA torch; these light ones are all `sglang.srt.server_args` needs.
 .venv/bin/python -m pip install -q --no-deps --no-warn-conflicts "sglang==0.5.23"
 .venv/bin/python -m pip install -q --no-warn-conflicts orjson psutil pybase64 pillow starlette msgspec pyzmq IPython aiohttp
-# Contract v2's compiled kernels (tonpolicy/kernels/ordered_gemm.cpp, ordered_rowwise.cpp), built once per instruction-set
+# Contract v2's compiled kernels (tonpolicy/kernels/invariant/ordered_gemm.cpp, ordered_rowwise.cpp), built once per instruction-set
 # path into ~/.cache/tonpolicy/kernels (TONPOLICY_KERNEL_CACHE); a job also builds them on first use. On a
 # machine without a C++ compiler v2 cannot run: say so, and that contract v1 still runs.
-if ! { .venv/bin/python -m tonpolicy.kernels.ordered_gemm --build && .venv/bin/python -m tonpolicy.kernels.ordered_rowwise --build; }; then
+if ! { .venv/bin/python -m tonpolicy.kernels.invariant.ordered_gemm --build && .venv/bin/python -m tonpolicy.kernels.invariant.ordered_rowwise --build; }; then
   echo "WARNING: contract v2's kernels could not be built (see above); install g++ (or set CXX), or run" \
     "contract v1: python -m tonpolicy contract=qwen3_dense_v1" >&2
 fi

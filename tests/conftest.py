@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def host_check() -> None:
-    """Once per test session: the contract's invariances on this host (tonpolicy.kernels.host_check) at
+    """Once per test session: the contract's invariances on this host (tonpolicy.kernels.invariant.host_check) at
     the default job's shapes and fp32; a host that fails them cannot pass the parity tests, so say why
     first."""
     from tonpolicy.config.compose import compose_config

@@ -34,7 +34,7 @@ def test_wheel_ships_every_config_and_composes(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     yamls = {f"tonpolicy/conf/{p.relative_to(CONF_DIR)}" for p in CONF_DIR.rglob("*.yaml")}
     assert yamls and yamls <= names, yamls - names
-    assert "tonpolicy/kernels/exact_gemv.cpp" in names  # the compiled few-row products build from it
+    assert "tonpolicy/kernels/invariant/exact_gemv.cpp" in names  # the compiled few-row products build from it
 
     target = tmp_path / "site"
     subprocess.run(

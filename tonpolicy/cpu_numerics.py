@@ -1,11 +1,11 @@
 """What this host's numerics are: the CPU (model, the flags that pick library code paths) and the
 variables that cap those paths. Nothing here changes a library's behaviour.
 
-The contract's GEMMs no longer depend on the CPU's BLAS (tonpolicy.kernels.exact_gemm computes them
+The contract's GEMMs no longer depend on the CPU's BLAS (tonpolicy.kernels.invariant.exact_gemm computes them
 exactly); the remaining ops (exp, sums of a fixed length) run through torch's vectorised kernels, whose
 paths follow the CPU's instruction set and these variables. So the runtime fingerprint carries this
 description (two hosts of different classes are refused at the handshake), and the host check
-(tonpolicy.kernels.host_check) probes the invariances on the host itself before a job starts.
+(tonpolicy.kernels.invariant.host_check) probes the invariances on the host itself before a job starts.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from tonpolicy.config.compose import compose_config
 from tonpolicy.contract.host import host_problems
 from tonpolicy.contract.identity import build_info
 from tonpolicy.kernels import get_kernels
-from tonpolicy.kernels.host_check import FORCE_FAIL_ENV, Shapes, probe
+from tonpolicy.kernels.invariant.host_check import FORCE_FAIL_ENV, Shapes, probe
 
 
 def test_cpu_info_reads_the_flags(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The contract GEMM (tonpolicy.kernels.exact_gemm): exact by construction, so a row's bits depend on
+"""The contract GEMM (tonpolicy.kernels.invariant.exact_gemm): exact by construction, so a row's bits depend on
 that row and the weight alone. Checked against int64 arithmetic of the same integers (the definition),
 for any row count, position, thread count, column shard and operand layout; its accuracy; and p @ v's
 masked keys. Negative control: the library's own GEMM on the same operands depends on the row count."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from support.kernel_utils import DTYPES, num_threads, randn
 
-from tonpolicy.kernels import exact_gemm as eg
+from tonpolicy.kernels.invariant import exact_gemm as eg
 
 SHAPES = [(128, 256), (384, 128), (1024, 1024), (3072, 1024), (32, 64)]
 

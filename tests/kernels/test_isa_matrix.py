@@ -17,7 +17,7 @@ import pytest
 from support.e2e_common import records
 
 from tonpolicy.cpu_numerics import ISA_VARIABLES, cpu_info
-from tonpolicy.kernels import ordered_gemm
+from tonpolicy.kernels.invariant import ordered_gemm
 
 pytestmark = pytest.mark.slow  # a fresh interpreter per instruction-set cell
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from support.kernel_utils import DTYPES, num_threads, randn
 
-from tonpolicy.kernels import get_kernels, invariant_attention
+from tonpolicy.kernels import get_kernels
+from tonpolicy.kernels.invariant import attention as invariant_attention
 
 HEADS = [(8, 4, 32), (4, 4, 64), (16, 2, 128)]  # (Hq, Hkv, D): tiny profile, MHA, wide GQA
 

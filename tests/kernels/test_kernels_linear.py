@@ -10,7 +10,7 @@ import torch
 from support.kernel_utils import CONTRACT_SETS, DTYPES, num_threads, randn
 
 from tonpolicy.kernels import get_kernels, padded_vocab_size
-from tonpolicy.kernels.invariant_linear import SUM_BLOCK, _tree, tree_sum
+from tonpolicy.kernels.invariant.linear import SUM_BLOCK, _tree, tree_sum
 
 # (K, N) pairs: the tiny profile, the hidden-1024 bench profile, and larger/odd widths.
 SHAPES = [(128, 256), (128, 2048), (384, 128), (1024, 1024), (1024, 3072), (3072, 1024), (256, 96), (512, 4096)]

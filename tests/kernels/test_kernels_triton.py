@@ -13,9 +13,9 @@ import torch
 
 from tonpolicy.kernels import get_kernels
 from tonpolicy.kernels import pointwise as ref
-from tonpolicy.kernels import triton_attention as ta
-from tonpolicy.kernels import triton_linear as tlin
-from tonpolicy.kernels.invariant_linear import tree_sum
+from tonpolicy.kernels.invariant.linear import tree_sum
+from tonpolicy.kernels.triton import attention as ta
+from tonpolicy.kernels.triton import linear as tlin
 
 # Triton 3.6's interpreter converts 1-element arrays to Python ints the way NumPy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")

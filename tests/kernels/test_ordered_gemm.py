@@ -1,4 +1,4 @@
-"""The ordered GEMM (contract v2, tonpolicy.kernels.ordered_gemm): every instruction-set path this CPU runs,
+"""The ordered GEMM (contract v2, tonpolicy.kernels.invariant.ordered_gemm): every instruction-set path this CPU runs,
 and the portable builds of the AVX-512 paths' 16-lane code, give the scalar reference's bits (int32 views,
 NaNs made one pattern: a NaN's payload is not defined) on many shapes, dtypes and magnitudes (1e-30..1e30,
 subnormals, zeros of both signs, inf, NaN, results at the edge of the normal range); a row's bits do not
@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tonpolicy.kernels import exact_gemm, ordered_gemm, weights_updated
+from tonpolicy.kernels import weights_updated
+from tonpolicy.kernels.invariant import exact_gemm, ordered_gemm
 
 try:
     ordered_gemm.require()

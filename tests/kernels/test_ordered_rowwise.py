@@ -1,4 +1,4 @@
-"""The ordered row-wise ops (contract v2, tonpolicy.kernels.ordered_rowwise): every instruction-set path this
+"""The ordered row-wise ops (contract v2, tonpolicy.kernels.invariant.ordered_rowwise): every instruction-set path this
 CPU runs, and the portable build, give the scalar reference's bits (int32/int16 views, NaN included: every
 NaN returned is 0x7FC00000) on random bit patterns and edge inputs (zeros of both signs, subnormals, infs,
 NaNs, huge and tiny values, the exp/log/sin range edges) at row lengths 1..300; the reference follows the
@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from tonpolicy.kernels import ordered_gemm, ordered_rowwise, pointwise
+from tonpolicy.kernels import pointwise
+from tonpolicy.kernels.invariant import ordered_gemm, ordered_rowwise
 
 try:
     ordered_rowwise.require()
@@ -425,7 +426,8 @@ def test_gradients_are_the_plain_formulas() -> None:
 # ---------------------------------------------------------------------------------------------------
 _CELL = r"""
 import hashlib, json, numpy as np, torch
-from tonpolicy.kernels import ordered_rowwise as rw, pointwise
+from tonpolicy.kernels import pointwise
+from tonpolicy.kernels.invariant import ordered_rowwise as rw
 def h(*ts):
     m = hashlib.sha256()
     for t in ts:

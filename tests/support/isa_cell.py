@@ -13,7 +13,8 @@ import torch
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.contract.host import host_problems
-from tonpolicy.kernels import exact_gemm, get_kernels, ordered_gemm
+from tonpolicy.kernels import get_kernels
+from tonpolicy.kernels.invariant import exact_gemm, ordered_gemm
 
 
 def old_strategy_mismatches() -> int:

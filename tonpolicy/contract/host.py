@@ -1,5 +1,5 @@
 """The host check for a job: the contract kernel set's invariances probed on this host at the job's
-shapes (tonpolicy.kernels.host_check), by the launcher before anything starts and by every server and
+shapes (tonpolicy.kernels.invariant.host_check), by the launcher before anything starts and by every server and
 trainer process before it computes (a node of a multi-node job may be another kind of CPU)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from tonpolicy.config.model import ModelConfig
 from tonpolicy.config.schema import ContractConfig
 from tonpolicy.contract.identity import build_info, kernel_params
 from tonpolicy.cpu_numerics import describe_host
-from tonpolicy.kernels.host_check import Failure, Shapes, probe_cached
-from tonpolicy.kernels.ordered_gemm import OrderedKernelsUnavailable
+from tonpolicy.kernels.invariant.host_check import Failure, Shapes, probe_cached
+from tonpolicy.kernels.invariant.ordered_gemm import OrderedKernelsUnavailable
 from tonpolicy.kernels.sets import kernel_set
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tonpolicy.kernels.invariant import value_key
+from tonpolicy.kernels.invariant.kernel_set import value_key
 
 
 def _linear_grads(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:

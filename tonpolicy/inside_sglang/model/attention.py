@@ -5,7 +5,7 @@ SGLang owns the cache: `token_to_kv_pool` stores keys/values per token slot, `re
 their slots (`set_kv_buffer` at `out_cache_loc`), gathers every request's keys [0, seq_len) in
 position order, and runs the kernel set's split-KV attention with explicit positions. A key is
 visible to a query iff its position is <= the query's; padding keys sit at a position above any
-query and padding queries below any key, so they change no bits (see kernels/invariant_attention.py).
+query and padding queries below any key, so they change no bits (see kernels/invariant/attention.py).
 Whether a prefix came from the radix cache, a previous chunk or this very batch, a query reduces
 over the same key tiles in the same order: the bits match a fresh full forward.
 """
@@ -18,7 +18,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
-from tonpolicy.kernels.invariant_attention import KEY_PAD_POS, QUERY_PAD_POS
+from tonpolicy.kernels.invariant.attention import KEY_PAD_POS, QUERY_PAD_POS
 from tonpolicy.kernels.sets import kernel_set
 
 
@@ -87,7 +87,7 @@ class TritonPoolAttention:
     request's length are never read, and a query's tiles are the same 64-key tiles from position 0."""
 
     def __init__(self, forward_batch, scale: float) -> None:  # noqa: ANN001 - SGLang's ForwardBatch
-        from tonpolicy.kernels import triton_attention
+        from tonpolicy.kernels.triton import attention as triton_attention
 
         self.attention_indexed, self.scale = triton_attention.attention_indexed, scale
         self.pool = get_token_to_kv_pool()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tonpolicy.kernels import moe
 from tonpolicy.kernels.base import AttnPartial
-from tonpolicy.kernels.invariant_attention import KEY_PAD_POS, finalize, merge
+from tonpolicy.kernels.invariant.attention import KEY_PAD_POS, finalize, merge
 
 
 class PlainKernels:

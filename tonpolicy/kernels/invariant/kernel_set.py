@@ -3,7 +3,7 @@ composition, token count, prefill/decode/chunked prefill, row position, TP and t
 invariance: a column-parallel linear (QKV, gate/up, LM head) never splits K, so it runs whole; a
 row-parallel one (o_proj, down) is defined over canonical K-shards that any TP dividing their count
 reproduces. dtype steps: weights/activations in the model dtype (bf16 or fp32); every GEMM (linears,
-attention scores, p @ v) is the exact fixed-point product of tonpolicy.kernels.exact_gemm, rounded once to
+attention scores, p @ v) is the exact fixed-point product of tonpolicy.kernels.invariant.exact_gemm, rounded once to
 fp32 (its bits depend on no library, CPU or thread count); row-parallel partials summed in fp32; norms'
 statistics, softmax and logprobs in fp32; logits fp32.
 """
@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from tonpolicy.kernels import invariant_attention, moe, pointwise
+from tonpolicy.kernels import moe, pointwise
 from tonpolicy.kernels.base import AttnPartial
-from tonpolicy.kernels.invariant_linear import tiled_partials, tree_sum
+from tonpolicy.kernels.invariant import attention as invariant_attention
+from tonpolicy.kernels.invariant.linear import tiled_partials, tree_sum
 
 
 class InvariantKernels:

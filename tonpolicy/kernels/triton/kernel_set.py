@@ -23,10 +23,10 @@ import triton
 
 from tonpolicy.kernels import moe
 from tonpolicy.kernels import pointwise as ref
-from tonpolicy.kernels import triton_attention as ta
-from tonpolicy.kernels import triton_linear as tlin
-from tonpolicy.kernels import triton_rowwise as trow
 from tonpolicy.kernels.base import AttnPartial
+from tonpolicy.kernels.triton import attention as ta
+from tonpolicy.kernels.triton import linear as tlin
+from tonpolicy.kernels.triton import rowwise as trow
 
 
 class _KernelForward(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""Linears of the `invariant` kernel set: the contract GEMM (tonpolicy.kernels.exact_gemm) per canonical
+"""Linears of the `invariant` kernel set: the contract GEMM (tonpolicy.kernels.invariant.exact_gemm) per canonical
 K-shard, and the fixed pairwise tree that sums the shards.
 
 - Every GEMM is the exact fixed-point product of exact_gemm: a row's bits depend on that row and the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from tonpolicy.kernels import exact_gemm, exact_gemv
+from tonpolicy.kernels.invariant import exact_gemm, exact_gemv
 
 
 def tiled_partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 // logprobs and RoPE tables, each defined by the arithmetic written here (fp32, every FMA explicit, fixed
 // constants, a fixed 16-lane summation order), so their bits depend on IEEE 754 alone: not on the vector
 // width, the CPU, the thread count, the row's position or the other rows. The definition is stated in
-// tonpolicy/kernels/ordered_rowwise.py (and its describe()); this file implements it, with no torch headers.
+// tonpolicy/kernels/invariant/ordered_rowwise.py (and its describe()); this file implements it, with no torch headers.
 //
 // One source, one shared library per instruction-set path, selected by a macro:
 //   ROWWISE_ISA_AVX512    AVX-512F/BW/VL/DQ: a 16-lane block is one zmm register

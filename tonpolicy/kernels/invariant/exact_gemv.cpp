@@ -1,4 +1,4 @@
-// The compiled exact products of tonpolicy.kernels.exact_gemv (see its docstring): exact_gemm's bits for
+// The compiled exact products of tonpolicy.kernels.invariant.exact_gemv (see its docstring): exact_gemm's bits for
 // few rows, by construction. Built by exact_gemv.library_path() with g++; no torch headers (a ~1-8 s build).
 #include <cmath>
 #include <cstdint>

@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from tonpolicy.kernels import exact_gemm
 from tonpolicy.kernels.base import AttnPartial
+from tonpolicy.kernels.invariant import exact_gemm
 
 # Position given to padded keys: larger than any query, so the causal mask removes them.
 KEY_PAD_POS = 2**62

@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tonpolicy.kernels import exact_gemv, weight_cache
-from tonpolicy.kernels.exact_bits import contraction_bits, pow2
+from tonpolicy.kernels import weight_cache
+from tonpolicy.kernels.invariant import exact_gemv
+from tonpolicy.kernels.invariant.exact_bits import contraction_bits, pow2
 
 __all__ = ["contraction_bits", "pow2"]  # re-exported: the GEMM's definition reads as one module
 

@@ -23,7 +23,7 @@ never split; each path's library is built with fixed -m flags (never -march=nati
 (tonpolicy.kernels.native_build). The path is the best this CPU runs, or TONPOLICY_ORDERED_ISA. A scalar
 reference (plain loops, std::fma, flushes by hand) is in every library for the tests, and two `portable`
 builds (the AVX-512 paths' 16-lane code on plain C++ lanes) let any x86-64 run those paths' logic.
-`python -m tonpolicy.kernels.ordered_gemm --build` builds every path this CPU runs.
+`python -m tonpolicy.kernels.invariant.ordered_gemm --build` builds every path this CPU runs.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tonpolicy.kernels import native_build, weight_cache
-from tonpolicy.kernels.exact_gemm import _TextbookGrad
+from tonpolicy.kernels.invariant.exact_gemm import _TextbookGrad
 
 ISA_ENV = "TONPOLICY_ORDERED_ISA"
 PATHS = ("avx512bf16", "avx512", "avx2")  # best first
@@ -503,7 +503,7 @@ def describe() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tonpolicy.kernels.ordered_gemm")
+    ap = argparse.ArgumentParser(prog="python -m tonpolicy.kernels.invariant.ordered_gemm")
     ap.add_argument("--build", action="store_true", help="build every instruction-set path this CPU runs")
     args = ap.parse_args(argv)
     if not args.build:

@@ -1,7 +1,7 @@
 """The `ordered` kernel set (contract v2): exactness by owning the order of every sum.
 
 Every GEMM output element is one fp32 FMA chain over its contraction in an order written in the source
-(tonpolicy.kernels.ordered_gemm: ascending k, or bf16 pairs odd-then-even as the CPU's pair dot-product
+(tonpolicy.kernels.invariant.ordered_gemm: ascending k, or bf16 pairs odd-then-even as the CPU's pair dot-product
 instruction does, DAZ/FTZ on every FMA), vectorised across output columns only, threads splitting rows and
 columns but never K. A row's bits therefore depend on that row and the weight alone: not on the batch,
 the row's position, the tile, the thread count or the CPU (IEEE defines FMA exactly). The rest is the
@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from tonpolicy.kernels import moe, ordered_gemm, ordered_rowwise
-from tonpolicy.kernels.invariant import InvariantKernels
-from tonpolicy.kernels.invariant_attention import Products
+from tonpolicy.kernels import moe
+from tonpolicy.kernels.invariant import ordered_gemm, ordered_rowwise
+from tonpolicy.kernels.invariant.attention import Products
+from tonpolicy.kernels.invariant.kernel_set import InvariantKernels
 
 
 class _Exp(torch.autograd.Function):
@@ -60,7 +61,7 @@ def _row_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 # The attention's products as ordered fp32 chains (operands upcast exactly, whatever they came from), its
-# exp and sums the project's own (tonpolicy.kernels.ordered_rowwise).
+# exp and sums the project's own (tonpolicy.kernels.invariant.ordered_rowwise).
 ORDERED_PRODUCTS = Products(
     scores=lambda rows, q_dtype, k, k_dtype: ordered_gemm.bmm(rows, k),
     pv=lambda p, v, v_dtype: ordered_gemm.bmm(p, v),

@@ -1,4 +1,4 @@
-"""The contract GEMM's bit budget (tonpolicy.kernels.exact_gemm's definition): how many bits each
+"""The contract GEMM's bit budget (tonpolicy.kernels.invariant.exact_gemm's definition): how many bits each
 operand keeps for a contraction, and exact powers of two. Shared by the torch path (exact_gemm) and the
 compiled one (exact_gemv), which must agree on every bit."""
 

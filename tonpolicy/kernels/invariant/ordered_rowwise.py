@@ -66,8 +66,9 @@ from typing import Any
 
 import torch
 
-from tonpolicy.kernels import logprob_temperature, native_build, ordered_gemm
-from tonpolicy.kernels.ordered_gemm import OrderedKernelsUnavailable
+from tonpolicy.kernels import logprob_temperature, native_build
+from tonpolicy.kernels.invariant import ordered_gemm
+from tonpolicy.kernels.invariant.ordered_gemm import OrderedKernelsUnavailable
 
 __all__ = [
     "OrderedKernelsUnavailable",
@@ -619,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m tonpolicy.kernels.ordered_rowwise")
+    ap = argparse.ArgumentParser(prog="python -m tonpolicy.kernels.invariant.ordered_rowwise")
     ap.add_argument("--build", action="store_true", help="build every instruction-set path this CPU runs")
     args = ap.parse_args(argv)
     if not args.build:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from tonpolicy.kernels import TRITON_ATTENTION_TILE as TILE
-from tonpolicy.kernels.triton_interpreter import use_torch_dot
+from tonpolicy.kernels.triton.interpreter import use_torch_dot
 
 use_torch_dot()  # in Triton's interpreter (tests on a CPU): tl.dot as a fixed-order tile GEMM
 

@@ -1,8 +1,8 @@
 """The host check: before a job starts, probe on this host every invariance the contract kernels rely on,
 at the job's shapes, in well under a second.
 
-The GEMMs are exact by construction (tonpolicy.kernels.exact_gemm, v1) or own their order
-(tonpolicy.kernels.ordered_gemm, v2); what the check proves for them is the one premise of that
+The GEMMs are exact by construction (tonpolicy.kernels.invariant.exact_gemm, v1) or own their order
+(tonpolicy.kernels.invariant.ordered_gemm, v2); what the check proves for them is the one premise of that
 construction (v1: the library's fp64 GEMM is IEEE, integers below 2^53 sum exactly; v2: the compiled
 path, the pair instruction where the CPU has it, equals the chain's scalar definition), and it probes
 the rest of the kernel set, whose elementwise and fixed-length row ops run
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tonpolicy.kernels import exact_gemm
+from tonpolicy.kernels.invariant import exact_gemm
 
 FORCE_FAIL_ENV = "TONPOLICY_HOST_CHECK_FAIL"
 ROWS = 12  # rows of each probe batch; slices of 1, 3 and 5 rows at offsets 0, 4 and 7 are compared
@@ -75,7 +75,7 @@ def _fp64_exact(k: int) -> bool:
 def _ordered_definition(k: int, dtype: torch.dtype) -> bool:
     """The ordered GEMM's compiled path (the pair instruction, or its FMA emulation) equals the scalar
     definition, flushed subnormals and signed zeros included."""
-    from tonpolicy.kernels import ordered_gemm
+    from tonpolicy.kernels.invariant import ordered_gemm
 
     x = _randn((5, k), dtype, k + 7)
     w = _randn((33, k), dtype, k + 8, k**-0.5)

@@ -31,7 +31,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tonpolicy.kernels import native_build, weight_cache
-from tonpolicy.kernels.exact_bits import contraction_bits, pow2
+from tonpolicy.kernels.invariant.exact_bits import contraction_bits, pow2
 
 MAX_ROWS = 4  # rows x slices accumulators live in registers: up to 8
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}

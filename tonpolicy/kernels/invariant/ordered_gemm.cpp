@@ -1,6 +1,6 @@
 // Contract v2's GEMM ("owned order"): every output element is an fp32 FMA chain in the order written
 // here, so its bits depend on IEEE arithmetic alone (not on batch, row position, tile, threads or CPU).
-// See tonpolicy/kernels/ordered_gemm.py for the definition; this file implements it, with no torch headers.
+// See tonpolicy/kernels/invariant/ordered_gemm.py for the definition; this file implements it, with no torch headers.
 //
 // One source, one shared library per instruction-set path, selected by a macro:
 //   ORDERED_ISA_AVX512BF16  the pair chain on vdpbf16ps, the fp32 chain on vfmadd231ps (16 lanes)

@@ -1,0 +1,1 @@
+"""The `plain` kernel set: plain torch ops, the negative control (no invariance promised)."""
