@@ -112,7 +112,7 @@ register_kernel_set(
         rope_table=False,
         sglang_attention_backend=None,
         trainer_layer_spec="kernels",
-        builder="tonpolicy.kernels.ordered:OrderedKernels",
+        builder="tonpolicy.kernels.invariant.ordered:OrderedKernels",
         params=_CONTRACT_PARAMS,
     )
 )
@@ -131,7 +131,7 @@ register_kernel_set(
         rope_table=False,
         sglang_attention_backend=None,
         trainer_layer_spec="kernels",
-        builder="tonpolicy.kernels.invariant:InvariantKernels",
+        builder="tonpolicy.kernels.invariant.kernel_set:InvariantKernels",
         params=_CONTRACT_PARAMS,
     )
 )
@@ -150,7 +150,7 @@ register_kernel_set(
         rope_table=True,
         sglang_attention_backend="triton",
         trainer_layer_spec="kernels",
-        builder="tonpolicy.kernels.triton_set:TritonKernels",
+        builder="tonpolicy.kernels.triton.kernel_set:TritonKernels",
         params=("canonical_shards",),
     )
 )
@@ -169,7 +169,7 @@ register_kernel_set(
         rope_table=False,
         sglang_attention_backend=None,
         trainer_layer_spec="stock",
-        builder="tonpolicy.kernels.plain:PlainKernels",
+        builder="tonpolicy.kernels.plain.kernel_set:PlainKernels",
         params=("attention_tile", "canonical_shards"),
     )
 )
