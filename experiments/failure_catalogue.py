@@ -31,8 +31,8 @@ from support.e2e_common import pid_alive, records, start_job, wait_for  # noqa: 
 from support.server_proc import DTYPE, IDENTITY, ServerProc, save_checkpoint  # noqa: E402
 
 from tonpolicy.config.compose import compose_config  # noqa: E402
-from tonpolicy.config.validate import ConfigError, validate  # noqa: E402
 from tonpolicy.launch.watchdog import descendants  # noqa: E402
+from tonpolicy.validation.validate import ConfigError, validate  # noqa: E402
 
 
 def refused_configurations() -> str:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tonpolicy.config.compose import compose_config, group_options
-from tonpolicy.config.validate import ConfigError, validate
 from tonpolicy.families import FAMILIES, family, resolve
+from tonpolicy.validation.validate import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """`python -m tonpolicy [group=option ...]`: thin Hydra glue around tonpolicy.app.run.
 
-The command line is checked first (tonpolicy.config.command_line), so a bad one ends with exit 2
+The command line is checked first (tonpolicy.validation.command_line), so a bad one ends with exit 2
 in tonpolicy's words before Hydra writes or starts anything. `--version` is tonpolicy's, answered
 before Hydra (whose own flag prints Hydra's version) or torch is imported."""
 
@@ -23,9 +23,9 @@ def job(dcfg: DictConfig) -> None:
     from tonpolicy.config.learning_rate import given_lr_wins
     from tonpolicy.config.names import layout_label
     from tonpolicy.config.schema import Config
-    from tonpolicy.config.validate import ConfigError, unknown_keys
     from tonpolicy.files import write_json_atomic
     from tonpolicy.loop.exit_codes import EXIT_INVALID_CONFIG
+    from tonpolicy.validation.validate import ConfigError, unknown_keys
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -66,13 +66,13 @@ def main() -> None:
         sys.exit(EXIT_OK)
     import hydra
 
-    from tonpolicy.config.command_line import check_command_line
     from tonpolicy.config.compose import CONF_DIR
     from tonpolicy.config.help_groups import register_help_resolver
     from tonpolicy.config.schema import register_configs
-    from tonpolicy.config.validate import ConfigError
     from tonpolicy.loop.exit_codes import EXIT_INVALID_CONFIG
     from tonpolicy.process_exit import exit_now
+    from tonpolicy.validation.command_line import check_command_line
+    from tonpolicy.validation.validate import ConfigError
 
     register_configs()
     register_help_resolver()

@@ -13,10 +13,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from tonpolicy.config.schema import Config
-from tonpolicy.config.validate import ConfigError, ConfigIssue, validate
 from tonpolicy.files import write_atomic
 from tonpolicy.launch.plan import launch_plan, launch_script, resolve_device
 from tonpolicy.loop.exit_codes import EXIT_OK
+from tonpolicy.validation.validate import ConfigError, ConfigIssue, validate
 
 
 def write_plan(cfg: Config, run_dir: Path) -> dict:

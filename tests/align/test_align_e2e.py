@@ -89,7 +89,7 @@ def test_cp2_ring_rollout_side_perturbation_with_bounded_layers(tmp_path: Path) 
 
 
 def test_full_forward_reference_and_align_config_errors(tmp_path: Path) -> None:
-    from tonpolicy.config.validate import ConfigError
+    from tonpolicy.validation.validate import ConfigError
 
     cfg = compose_config(
         [

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tonpolicy.config.command_line import unusable_dir
 from tonpolicy.config.compose import load_config
+from tonpolicy.validation.command_line import unusable_dir
 
 HEADER = "tonpolicy: invalid configuration ("
 
@@ -165,7 +165,7 @@ def test_a_sweep_given_twice_keeps_the_last_as_hydras_sweeper_does(tmp_path: Pat
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from tonpolicy.config.command_line import command_line_findings
+    from tonpolicy.validation.command_line import command_line_findings
 
     sweep = f"hydra.sweep.dir={tmp_path / 'sweep'}"
     for first, last, jobs in (

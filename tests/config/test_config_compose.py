@@ -8,7 +8,7 @@ import pytest
 
 from tonpolicy.config.compose import compose_config, group_options
 from tonpolicy.config.schema import GROUPS, Config
-from tonpolicy.config.validate import ConfigError, validate
+from tonpolicy.validation.validate import ConfigError, validate
 
 MOE_CONTRACTS = ("qwen3_moe_v1", "qwen3_moe_v2")
 

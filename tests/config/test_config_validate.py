@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tonpolicy.config.compose import compose_config
-from tonpolicy.config.validate import ConfigError, validate
+from tonpolicy.validation.validate import ConfigError, validate
 
 CASES = [
     # (overrides, expected substring(s) of the error)

@@ -8,8 +8,8 @@ import pytest
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.device import cuda_graphs_on
-from tonpolicy.config.validate import ConfigError, validate
 from tonpolicy.rollout.server.args import args_from_config, parse_server_args
+from tonpolicy.validation.validate import ConfigError, validate
 
 TRITON_CUDA = ["mode=plan", "contract=qwen3_dense_triton_v1", "trainer.device=cuda"]
 

@@ -7,7 +7,7 @@ import pytest
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.sizes import DERIVED_MICRO_BATCH_MAX, micro_batch_size, microbatches_per_replica
-from tonpolicy.config.validate import validate
+from tonpolicy.validation.validate import validate
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.hf_qwen3_moe import config_to_hf
-from tonpolicy.config.validate import ConfigError, validate
+from tonpolicy.validation.validate import ConfigError, validate
 
 
 def _problems(overrides: list[str]) -> str:

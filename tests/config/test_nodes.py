@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tonpolicy.config.schema import Config
-from tonpolicy.config.validate import ConfigError
 from tonpolicy.launch.nodes import node_dir, place, scheduler_task
+from tonpolicy.validation.validate import ConfigError
 
 SLURM_TASK_1 = {  # task 1 of a 2-node job with one task per node, as srun starts it
     "SUBMITIT_EXECUTOR": "slurm",

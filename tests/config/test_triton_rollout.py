@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tonpolicy.config.compose import compose_config
-from tonpolicy.config.validate import ConfigError, validate
 from tonpolicy.launch.plan import TRITON_MEM_FRACTION_STATIC, sglang_argv
+from tonpolicy.validation.validate import ConfigError, validate
 
 TRITON_SGLANG = ["mode=plan", "rollout=sglang", "contract=qwen3_dense_triton_v1", "trainer.device=cuda"]
 

@@ -19,7 +19,6 @@ from support.list_logger import Logger
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.schema import Config, ExperimentConfig, TrainerConfig
-from tonpolicy.config.validate import ConfigError, validate
 from tonpolicy.loop.gate import Gate
 from tonpolicy.loop.producer import BatchProducer
 from tonpolicy.loop.records import StepRecords
@@ -33,6 +32,7 @@ from tonpolicy.loop.staleness import (
 from tonpolicy.loop.weight_sync import DiskWeightSync, PolicyVersionError, policy_version
 from tonpolicy.ports import free_port
 from tonpolicy.rl.objective import PPOConfig, importance_weights, mean_loss
+from tonpolicy.validation.validate import ConfigError, validate
 
 
 def test_the_producer_waits_for_the_version_each_batch_allows() -> None:

@@ -160,7 +160,7 @@ def test_environment_tokens_carry_no_loss(tmp_path: Path, checkpoint: Path) -> N
 
 
 def test_bad_turn_settings_are_refused_naming_the_key() -> None:
-    from tonpolicy.config.validate import ConfigError, validate
+    from tonpolicy.validation.validate import ConfigError, validate
 
     for overrides, key in [
         (["task=constant", "task.max_turns=2"], "task.max_turns"),

@@ -12,9 +12,9 @@ import pytest
 
 from tonpolicy.app import run
 from tonpolicy.config.compose import compose_config
-from tonpolicy.config.validate import ConfigError
 from tonpolicy.model.tokenizer import load_text_tokenizer, save_tokenizer
 from tonpolicy.rl.prompt_data import DataError, PromptData, Row, load_prompt_data, read_rows
+from tonpolicy.validation.validate import ConfigError
 
 
 def _jsonl(path: Path, rows: list[object]) -> str:

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from tonpolicy.config.compose import compose_config
-from tonpolicy.config.validate import ConfigError, validate
 from tonpolicy.launch.records import step_table
 from tonpolicy.loop.batch import collect_batch
 from tonpolicy.loop.gate import routing_agreement
@@ -23,6 +22,7 @@ from tonpolicy.ports import free_port
 from tonpolicy.trainer import routes
 from tonpolicy.trainer.cp_layout import ResponseSlice
 from tonpolicy.trainer.schedule import Microbatch
+from tonpolicy.validation.validate import ConfigError, validate
 
 K = 2
 

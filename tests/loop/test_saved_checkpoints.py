@@ -67,7 +67,7 @@ def test_kept_checkpoints(
 
 
 def test_bad_checkpoint_settings_are_refused() -> None:
-    from tonpolicy.config.validate import ConfigError, validate
+    from tonpolicy.validation.validate import ConfigError, validate
 
     with pytest.raises(ConfigError) as e:
         validate(compose_config(["checkpoint.save_every=-1", "checkpoint.keep_last=0"]))

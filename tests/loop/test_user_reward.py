@@ -12,8 +12,8 @@ import pytest
 
 from tonpolicy.app import run
 from tonpolicy.config.compose import compose_config
-from tonpolicy.config.validate import ConfigError
 from tonpolicy.rl.user_reward import RewardError, UserReward, load_function
+from tonpolicy.validation.validate import ConfigError
 
 USER_CODE = """
 import math, time

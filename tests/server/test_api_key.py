@@ -13,9 +13,9 @@ from support.e2e_common import records, run_job
 from support.server_proc import DTYPE, IDENTITY, ServerProc, save_checkpoint
 
 from tonpolicy.config.compose import compose_config
-from tonpolicy.config.validate import ConfigError, validate
 from tonpolicy.launch.plan import launch_plan, launch_script
 from tonpolicy.rollout.client import RolloutClient, RolloutError
+from tonpolicy.validation.validate import ConfigError, validate
 
 KEY = "s3cret-key-for-tests"
 

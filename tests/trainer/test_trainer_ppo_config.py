@@ -8,8 +8,8 @@ import pytest
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.sizes import microbatches_per_replica
-from tonpolicy.config.validate import ConfigError, validate
 from tonpolicy.loop.gate import recomputes_logprobs
+from tonpolicy.validation.validate import ConfigError, validate
 
 
 def test_the_default_job_skips_the_recompute_and_off_policy_keeps_it() -> None:

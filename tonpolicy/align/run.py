@@ -17,8 +17,8 @@ import torch
 
 from tonpolicy.align.names import ALL_OPS, Checkpoint, parse_name
 from tonpolicy.align.recorder import Selection
+from tonpolicy.config.errors import ConfigError, ConfigIssue
 from tonpolicy.config.schema import Config
-from tonpolicy.config.validate import ConfigError, ConfigIssue
 
 REFERENCES = ("trainer", "full_forward")
 # Checkpoints the engines compute with plain tensor ops (lookup, residual adds), not kernel calls.

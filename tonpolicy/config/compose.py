@@ -8,9 +8,9 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from tonpolicy.config.errors import ConfigError, unknown_keys
 from tonpolicy.config.learning_rate import given_lr_wins
 from tonpolicy.config.schema import Config, register_configs
-from tonpolicy.config.validate import ConfigError, unknown_keys
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 

@@ -20,10 +20,13 @@ def cuda_graphs_on(cfg: Config) -> bool:
     """Whether the embedded engine decodes in CUDA graphs: rollout.cuda_graphs, or where it is null,
     on exactly where graphs apply (embedded engine, a kernel set whose decode needs no host work, CUDA,
     dense model)."""
+    # Lazily: the backend registry's SGLang rules resolve the device through this module.
+    from tonpolicy.config.rollout_backends import rollout_backend
+
     if cfg.rollout.cuda_graphs is not None:
         return bool(cfg.rollout.cuda_graphs)
     return (
-        cfg.rollout.backend == "embedded"
+        rollout_backend(cfg.rollout.backend).decode_graphs
         and kernel_set(cfg.contract.kernels).cuda_graphs
         and not cfg.model.is_moe
         and resolve_device(cfg) == "cuda"

@@ -1,10 +1,11 @@
-"""Validation rules of mixture-of-experts models and expert parallelism (called by config.validate,
+"""Validation rules of mixture-of-experts models and expert parallelism (called by validation.validate,
 every violation reported with the others)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from tonpolicy.config.rollout_backends import rollout_backend, rollout_backend_names
 from tonpolicy.config.schema import Config
 from tonpolicy.families import FAMILIES
 
@@ -12,6 +13,8 @@ from tonpolicy.families import FAMILIES
 def check_moe(cfg: Config, bad: Any) -> None:
     m, p, c = cfg.model, cfg.parallel, cfg.contract
     fam = FAMILIES.get(m.family)
+    known = cfg.rollout.backend in rollout_backend_names()
+    backend = rollout_backend(cfg.rollout.backend) if known else None  # an unknown one is reported by name
     if fam is None:
         return  # the unknown family is reported by name
     if fam.routed_experts and m.num_experts < 1:
@@ -24,7 +27,7 @@ def check_moe(cfg: Config, bad: Any) -> None:
                 bad(key, f"expert parallelism needs a mixture of experts; model {m.name} is dense")
         return
     if p.rollout_ep > 1:
-        if cfg.rollout.backend != "sglang":
+        if backend is not None and not backend.sharded:
             bad("parallel.rollout_ep", "the embedded rollout engine runs unsharded: must be 1 (SGLang's --ep-size)")
         if p.rollout_tp >= 1 and p.rollout_tp % p.rollout_ep:
             bad("parallel.rollout_ep", f"SGLang places EP inside TP: must divide parallel.rollout_tp={p.rollout_tp}")
@@ -62,5 +65,5 @@ def check_moe(cfg: Config, bad: Any) -> None:
             "trainer.moe_capacity_factor",
             f"contract {c.name} is dropless: a capacity drops tokens by what else was routed, so must be null",
         )
-    if cfg.rollout.backend == "sglang" and fam.sglang_entry is None:
+    if backend is not None and not backend.family_served(fam):
         bad("rollout.backend", f"tonpolicy's SGLang model package does not serve family {m.family} yet: use embedded")

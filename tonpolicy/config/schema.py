@@ -2,7 +2,7 @@
 
 Each YAML option under tonpolicy/conf/<group>/ extends its group's `base_<group>` schema, so typos
 and wrong types are rejected by OmegaConf at composition time. Cross-group rules live in
-tonpolicy.config.validate, which reports every violation at once.
+tonpolicy.validation.validate, which reports every violation at once.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class ParallelConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "embedded"  # "embedded" | "sglang"
+    backend: str = "embedded"  # a registered rollout backend (tonpolicy.config.rollout_backends)
     host: str = "127.0.0.1"
     # Binding anything but loopback exposes unauthenticated /generate and /update_weights_from_disk:
     # it takes this explicit opt-in.
@@ -217,7 +217,7 @@ class LoggerConfig:
 class TaskConfig:
     """A built-in task (tonpolicy.rl.task.TASKS): prompts and a verifiable reward."""
 
-    name: str = "constant"  # constant | echo_digit | first_digit | first_parity | digit_copy
+    name: str = "constant"  # a registered task (tonpolicy.rl.task.TASKS)
     graded_tokens: int = 4  # the reward grades the first N response tokens
     target_digit: int = 7  # the constant task's answer
     max_digits: int | None = None  # digits per prompt (1..max_digits); None: as many as max_prompt_len allows

@@ -1,5 +1,5 @@
 """Validation rules for released SGLang (rollout=sglang): what the contract needs inside it, what its
-CPU engine accepts. Called by tonpolicy.config.validate with its `bad(key, rule)` reporter."""
+CPU engine accepts. Called by tonpolicy.validation.validate with its `bad(key, rule)` reporter."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from tonpolicy.config.device import resolve_device
 from tonpolicy.config.schema import Config
-from tonpolicy.kernels import INVARIANT_KERNEL_SETS
+from tonpolicy.kernels.sets import kernel_set, kernel_set_names
 
 PYTHON_ENV = "TONPOLICY_SGLANG_PYTHON"
 VENV = ".venv-sglang"
@@ -22,13 +22,14 @@ CONTRACT_SGLANG_PACKAGE = "tonpolicy.inside_sglang.model"
 def check_sglang(cfg: Config, bad: Any) -> None:
     """Rules for released SGLang: what the contract needs inside it, what its CPU engine accepts."""
     c, pol = cfg.contract, cfg.contract.sglang
-    if c.kernels in INVARIANT_KERNEL_SETS and pol.model_package != CONTRACT_SGLANG_PACKAGE:
+    invariant = c.kernels in kernel_set_names() and kernel_set(c.kernels).invariant
+    if invariant and pol.model_package != CONTRACT_SGLANG_PACKAGE:
         bad(
             "contract.sglang.model_package",
             f"contract {c.name} runs its kernels inside SGLang only through "
             f"{CONTRACT_SGLANG_PACKAGE!r}; SGLang's own kernels cannot reproduce its bits",
         )
-    if c.kernels not in INVARIANT_KERNEL_SETS and pol.model_package:
+    if not invariant and pol.model_package:
         bad("contract.sglang.model_package", f"kernel set {c.kernels!r} is stock SGLang's: must be null")
     if pol.model_package:
         if pol.enable_deterministic_inference:

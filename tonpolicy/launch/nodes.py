@@ -14,9 +14,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tonpolicy.config.errors import ConfigError, ConfigIssue
 from tonpolicy.config.ranges import LOOPBACK
 from tonpolicy.config.schema import Config
-from tonpolicy.config.validate import ConfigError, ConfigIssue
 
 LAUNCHER_HINT = "hydra/launcher=slurm_nodes (or local_nodes) starts trainer.nnodes tasks, one per node"
 

@@ -6,85 +6,64 @@ whole command line in one go, before any process starts.
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tonpolicy.config.async_rules import check_staleness
 from tonpolicy.config.device import resolve_device
+from tonpolicy.config.errors import ConfigError as ConfigError
+from tonpolicy.config.errors import ConfigIssue as ConfigIssue
+from tonpolicy.config.errors import unknown_keys as unknown_keys
 from tonpolicy.config.hf_check import hf_config_mismatches
 from tonpolicy.config.moe_rules import check_moe
 from tonpolicy.config.ranges import LOOPBACK, check_ranges
+from tonpolicy.config.rollout_backends import RolloutBackend, rollout_backend, rollout_backend_names
 from tonpolicy.config.schema import Config, value_at
-from tonpolicy.config.sglang_rules import check_sglang
 from tonpolicy.config.sizes import micro_batch_size, microbatches_per_replica, seq_pad_multiple, world_size
 from tonpolicy.families import ANY_FAMILY, FAMILIES
-from tonpolicy.kernels import BF16_LOGITS_KERNEL_SETS, INVARIANT_KERNEL_SETS, LOGITS_DTYPES
+from tonpolicy.kernels.sets import LOGITS_DTYPES, KernelSetSpec, kernel_set, kernel_set_names
+from tonpolicy.rl.task import TASKS
+from tonpolicy.validation.async_rules import check_staleness
+from tonpolicy.validation.task_rules import check_task
 
 # Values that were renamed, so an old config is told the new name.
 RENAMED = {("contract.kernels", "contract"): "invariant", ("contract.kernels", "default"): "plain"}
 KNOWN = {
     "mode": ("plan", "run", "align"),
-    "contract.kernels": ("ordered", "invariant", "triton", "plain"),
     "model.family": tuple(FAMILIES),
     "contract.family": (*FAMILIES, ANY_FAMILY),
     "contract.dtype": ("bfloat16", "float32"),
     "parallel.cp_type": ("none", "ulysses", "ring"),
-    "rollout.backend": ("embedded", "sglang"),
     "trainer.backend": ("megatron",),
     "trainer.device": ("auto", "cpu", "cuda"),
     "logger.backend": ("wandb", "none"),
     "logger.mode": (None, "offline", "online", "disabled"),
-    "task.name": ("echo_digit", "first_digit", "first_parity", "digit_copy", "constant", "calculator"),
     "reward.on_error": ("zero", "fail"),
 }
 # Backends that released SGLang's --enable-deterministic-inference accepts.
 SGLANG_DETERMINISTIC_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "ascend", "intel_xpu")
 
 
-@dataclass(frozen=True)
-class ConfigIssue:
-    key: str
-    value: Any
-    rule: str
-
-    def __str__(self) -> str:
-        return f"{self.key}={self.value!r}: {self.rule}"
-
-
-class ConfigError(ValueError):
-    def __init__(self, issues: list[ConfigIssue]):
-        self.issues = issues
-        lines = "\n".join(f"  - {i}" for i in issues)
-        super().__init__(f"invalid configuration ({len(issues)} problem(s)):\n{lines}")
+def known() -> dict[str, tuple[Any, ...]]:
+    """Every key with a closed set of values; the registries' names are read now, so a kernel set,
+    rollout backend or task registered after import is known."""
+    return {
+        **KNOWN,
+        "contract.kernels": kernel_set_names(),
+        "rollout.backend": rollout_backend_names(),
+        "task.name": tuple(TASKS),
+    }
 
 
-def unknown_keys(composed: Any) -> list[ConfigIssue]:
-    """Keys of a composed config (a DictConfig, e.g. after `+experiment.temprature=0.5`) that the
-    schema does not have; converting to the dataclasses would silently drop them."""
-    from omegaconf import OmegaConf
+def _backend(cfg: Config) -> RolloutBackend | None:
+    """The configured rollout backend; None when unknown (reported by name)."""
+    return rollout_backend(cfg.rollout.backend) if cfg.rollout.backend in rollout_backend_names() else None
 
-    found: list[ConfigIssue] = []
 
-    def walk(node: dict, ref: dict, prefix: str) -> None:
-        for key, value in node.items():
-            dotted = f"{prefix}{key}"
-            if key not in ref:
-                close = difflib.get_close_matches(str(key), [str(k) for k in ref], n=1)
-                hint = f"; did you mean {prefix}{close[0]}?" if close else ""
-                found.append(ConfigIssue(dotted, value, f"unknown key (not in the schema){hint}"))
-            elif isinstance(value, dict) and isinstance(ref[key], dict) and ref[key]:
-                walk(value, ref[key], dotted + ".")  # an empty mapping in the schema is the user's to fill
-
-    walk(
-        OmegaConf.to_container(composed, resolve=False),
-        OmegaConf.to_container(OmegaConf.structured(Config), resolve=False),
-        "",
-    )
-    return found
+def _kernels(cfg: Config) -> KernelSetSpec | None:
+    """The configured kernel set's spec; None when unknown (reported by name)."""
+    return kernel_set(cfg.contract.kernels) if cfg.contract.kernels in kernel_set_names() else None
 
 
 def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] | None = None) -> None:
@@ -95,7 +74,7 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
     def bad(key: str, rule: str) -> None:
         issues.append(ConfigIssue(key, value_at(cfg, key), rule))
 
-    for key, allowed in KNOWN.items():
+    for key, allowed in known().items():
         if value_at(cfg, key) not in allowed:
             renamed = RENAMED.get((key, value_at(cfg, key)))
             bad(key, f"must be one of {list(allowed)}" + (f" (renamed: use {renamed!r})" if renamed else ""))
@@ -149,8 +128,10 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
     _check_router_replay(cfg, bad)
     check_staleness(cfg, bad)
     _check_cuda_graphs(cfg, bad)
-    if cfg.rollout.backend == "sglang":
-        check_sglang(cfg, bad)
+    backend = _backend(cfg)
+    if backend is not None and backend.rules is not None:
+        backend.rules(cfg, bad)
+    check_task(cfg, bad)
     if cfg.mode in ("run", "align"):
         _check_checkpoint(cfg, issues)
     if check_hf and m.hf_config:
@@ -179,7 +160,8 @@ def _check_layout(cfg: Config, bad: Any) -> None:
         bad("parallel.rollout_tp", f"must divide model.num_attention_heads={m.num_attention_heads}")
     if m.num_kv_heads % rtp and rtp % m.num_kv_heads:
         bad("parallel.rollout_tp", f"must divide or be a multiple of model.num_kv_heads={m.num_kv_heads}")
-    if cfg.rollout.backend == "embedded" and rtp != 1:
+    backend = _backend(cfg)
+    if backend is not None and not backend.sharded and rtp != 1:
         bad("parallel.rollout_tp", "the embedded rollout engine runs unsharded: must be 1 (use rollout=sglang for TP)")
 
     # Pipeline parallelism.
@@ -290,7 +272,7 @@ def _check_layout(cfg: Config, bad: Any) -> None:
     if t.node_rank is not None and not 0 <= t.node_rank < t.nnodes:
         bad("trainer.node_rank", f"must be in [0, trainer.nnodes={t.nnodes})")
     r = cfg.rollout
-    if r.nnodes < 1 or (r.nnodes > 1 and r.backend != "sglang"):
+    if r.nnodes < 1 or (r.nnodes > 1 and backend is not None and not backend.spans_nodes):
         bad("rollout.nnodes", "must be 1, or more only with rollout=sglang (the embedded engine is one process)")
     elif r.nnodes > 1 and p.rollout_tp % r.nnodes:
         bad("rollout.nnodes", f"must divide parallel.rollout_tp={p.rollout_tp} (SGLang splits TP ranks over nodes)")
@@ -305,7 +287,8 @@ def _check_layout(cfg: Config, bad: Any) -> None:
         bad("rollout.dist_init_addr", "a server spanning nodes needs host:port on its node 0 (SGLang --dist-init-addr)")
     if c.kernels == "triton":
         _check_triton(cfg, bad)
-    if c.kernels in INVARIANT_KERNEL_SETS:
+    spec = _kernels(cfg)
+    if spec is not None and spec.invariant:
         # The fix is one more override: a shard count both TPs divide (other bits, so a new fingerprint).
         fix = math.lcm(c.canonical_shards, p.tp, rtp) if p.tp > 0 and rtp > 0 else c.canonical_shards
         hint = f" (set contract.canonical_shards={fix}: every TP dividing it gives the same bits)"
@@ -326,7 +309,8 @@ def _check_cuda_graphs(cfg: Config, bad: Any) -> None:
     r, c = cfg.rollout, cfg.contract
     if r.cuda_graphs is None:
         return
-    if r.backend != "embedded":
+    backend = _backend(cfg)
+    if backend is not None and not backend.decode_graphs:
         bad(
             "rollout.cuda_graphs",
             "applies to the embedded engine; with rollout=sglang, SGLang's decode graphs follow the contract "
@@ -388,7 +372,7 @@ def _check_contract(cfg: Config, bad: Any) -> None:
         bad("contract.sglang.rl_on_policy_target", "released SGLang accepts only 'fsdp' (or null to omit the flag)")
     if c.logits_dtype not in LOGITS_DTYPES:
         bad("contract.logits_dtype", f"must be one of {list(LOGITS_DTYPES)}")
-    elif c.logits_dtype == "bfloat16" and (c.kernels not in BF16_LOGITS_KERNEL_SETS or c.dtype != "bfloat16"):
+    elif c.logits_dtype == "bfloat16" and (not _bf16_logits(cfg) or c.dtype != "bfloat16"):
         bad("contract.logits_dtype", "bfloat16 logits are a choice of the contract kernels on a bfloat16 model")
     if c.kernels == "invariant" and c.row_tile >= 1:
         # Measured on CPU GEMMs: any multiple-of-4 row count gives the same row bits, 1-3 rows do not.
@@ -413,7 +397,8 @@ def _check_router_replay(cfg: Config, bad: Any) -> None:
         )
     if not cfg.model.is_moe:
         bad("trainer.router_replay", f"model {cfg.model.name} is dense: there are no routes to replay")
-    if c.kernels in INVARIANT_KERNEL_SETS or cfg.trainer.pack_sequences or cfg.parallel.cp > 1:
+    spec = _kernels(cfg)
+    if (spec is not None and spec.invariant) or cfg.trainer.pack_sequences or cfg.parallel.cp > 1:
         bad(
             "trainer.router_replay",
             "replays through megatron's stock router, which runs only under the stock layer spec "
@@ -434,3 +419,8 @@ def _check_checkpoint(cfg: Config, issues: list[ConfigIssue]) -> None:
         issues.append(ConfigIssue("model.checkpoint", ckpt, "holds no *.safetensors weights"))
     for key, value, rule in hf_config_mismatches(cfg.model, path / "config.json", "model.checkpoint"):
         issues.append(ConfigIssue(key, value, rule))
+
+
+def _bf16_logits(cfg: Config) -> bool:
+    spec = _kernels(cfg)
+    return spec is not None and spec.bf16_logits

@@ -1,5 +1,5 @@
 """Rules of asynchronous steps (experiment.max_staleness) and their correction (trainer.tis_cap). Called
-by tonpolicy.config.validate with its `bad(key, rule)` reporter."""
+by tonpolicy.validation.validate with its `bad(key, rule)` reporter."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import math
 from typing import Any
 
 from tonpolicy.config.schema import Config
-
-MULTI_TURN_TASKS = ("calculator",)  # tonpolicy.rl.multi_turn.ENVIRONMENTS (config sits below rl)
+from tonpolicy.rl.task import TASKS, get_task
 
 
 def check_staleness(cfg: Config, bad: Any) -> None:
@@ -25,7 +24,7 @@ def check_staleness(cfg: Config, bad: Any) -> None:
     if k == 0:
         return
     # What asynchronous steps do not support yet: each refusal says why.
-    if cfg.task.name in MULTI_TURN_TASKS:
+    if cfg.task.name in TASKS and get_task(cfg.task.name).multi_turn:
         bad(
             "experiment.max_staleness",
             f"task {cfg.task.name} is multi-turn: the check under each token's sampling version does not "

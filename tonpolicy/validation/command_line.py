@@ -29,8 +29,8 @@ from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import BooleanNode, EnumNode, FloatNode, IntegerNode, StringNode
 
 from tonpolicy.config.compose import CONF_DIR
+from tonpolicy.config.errors import ConfigError, ConfigIssue, unknown_keys
 from tonpolicy.config.schema import GROUPS, Config, register_configs
-from tonpolicy.config.validate import ConfigError, ConfigIssue, unknown_keys
 
 CONFIG_NAME = "config"
 COMMAND_LINE = "command line"  # the key of a problem that is no config key (a flag, the whole line)
