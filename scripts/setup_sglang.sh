@@ -36,7 +36,13 @@ fi
 flock .editable-install.lock "$VENV/bin/python" -m pip install -q -e ".[test]"
 # On a machine without a GPU SGLang runs its CPU engine; the few sgl_kernel CPU ops it calls come from
 # tonpolicy/inside_sglang/cpu_standin (PyPI ships sgl_kernel for CUDA only), put on PYTHONPATH by the launch plan.
+# The release the model package is tested with (tonpolicy/config/sglang_release.py; keep the pins above
+# equal to it), and tonpolicy's SGLang plugin (the contract sampler) visible to SGLang.
 "$VENV/bin/python" - <<'PYCHECK'
+from importlib.metadata import entry_points
 import sglang, torch
+from tonpolicy.config.sglang_release import require_sglang_release
+require_sglang_release()
+assert "tonpolicy_contract_sampler" in {e.name for e in entry_points(group="sglang.srt.plugins")}
 print(f"tonpolicy SGLang environment ready: sglang {sglang.__version__}, torch {torch.__version__}")
 PYCHECK

@@ -12,7 +12,10 @@ SCRUBBED = scrub_environment()
 
 import torch  # noqa: E402 - after the scrub: its OpenMP runtime reads the thread count when it loads
 
-import tonpolicy  # noqa: E402, F401
+from tonpolicy.cpu_memory import tune_malloc  # noqa: E402
+
+# The command line's heap settings (tonpolicy.cpu_memory): the suite's in-process models run as jobs do.
+tune_malloc()
 
 # Without a GPU the `triton` kernel set runs in Triton's interpreter (set before Triton is imported:
 # `triton.jit` reads it when a kernel is defined).

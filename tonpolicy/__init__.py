@@ -1,6 +1,4 @@
-"""tonpolicy: truly on-policy RL post-training (bit-identical rollout and trainer logprobs)."""
+"""tonpolicy: truly on-policy RL post-training (bit-identical rollout and trainer logprobs).
 
-from tonpolicy.cpu_memory import tune_malloc
-
-# Before the first large tensor: heap-served temporaries (see tonpolicy.cpu_memory).
-tune_malloc()
+Importing the package changes nothing in the process (the CLI tunes glibc's heap: tonpolicy.cpu_memory);
+the public API is tonpolicy.api."""

@@ -64,6 +64,9 @@ def main() -> None:
 
         print(version_line())
         sys.exit(EXIT_OK)
+    from tonpolicy.cpu_memory import tune_malloc
+
+    tune_malloc()  # before the first large tensor: heap-served temporaries (tonpolicy.cpu_memory)
     import hydra
 
     from tonpolicy.config.compose import CONF_DIR

@@ -8,10 +8,11 @@ a [2048, 1024] bf16 RMSNorm: 18 ms with the defaults, 1.8 ms with these; the tin
 faster under the contract kernels). A process keeps its peak heap instead of returning it; values are
 unchanged (allocation never touches arithmetic).
 
-Two ways in, as for the GEMM settings (tonpolicy.cpu_numerics): the launch plan puts `CPU_ALLOCATOR_ENV`
-in the environment of every process it starts (glibc reads it at start, any program), and importing
-tonpolicy applies the same values to its own process with mallopt (tests, scripts, benchmarks); a value
-the user set in the environment wins.
+Two ways in: the launch plan puts `CPU_ALLOCATOR_ENV` in the environment of every process it starts
+(glibc reads it at start, any program: servers, trainer ranks), and `tune_malloc` applies the same values
+to a running process with mallopt, called by the command line's entry (`python -m tonpolicy`) and by
+whoever wants them (the test suite, benchmarks), never by an import: a library that other programs import
+leaves their allocator alone. A value the user set in the environment wins.
 """
 
 from __future__ import annotations

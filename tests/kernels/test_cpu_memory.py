@@ -1,4 +1,4 @@
-"""tonpolicy.cpu_memory: the malloc settings every tonpolicy process gets at import (glibc), a user's own
+"""tonpolicy.cpu_memory: the malloc settings a tonpolicy process gets from tune_malloc (glibc), a user's own
 MALLOC_* variables left to win, and what they are for: a large temporary served from the heap again,
 not page-faulted in anew (its first write costs what a rewrite of warm memory costs)."""
 
@@ -35,7 +35,9 @@ def test_prefill_sized_temporaries_are_not_page_faulted_in_again() -> None:
     per call)."""
     code = (
         "import resource, statistics, torch\n"
+        "from tonpolicy.cpu_memory import tune_malloc\n"
         "from tonpolicy.kernels import pointwise\n"
+        "tune_malloc()\n"
         "def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "x, w = torch.randn(2048, 1024).bfloat16(), torch.ones(1024).bfloat16()\n"
         "pointwise.rms_norm(x, w, 1e-6)\n"

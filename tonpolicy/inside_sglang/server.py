@@ -4,10 +4,10 @@
         python -m tonpolicy.inside_sglang.server --model-path CKPT ...
 
 Takes exactly `python -m sglang.launch_server`'s flags and runs SGLang's own server; it adds:
-things:
-- the contract sampler, registered for the sampling backends at import time: SGLang starts its
-  scheduler processes with the `spawn` method, which imports this module again in each of them, so
-  the sampler is known wherever SGLang builds one;
+- the contract sampler, registered for the sampling backends at import time as well as by tonpolicy's
+  SGLang plugin (tonpolicy.inside_sglang.plugin): SGLang starts its scheduler processes with the `spawn`
+  method, which imports this module again in each of them, so the sampler is known wherever SGLang
+  builds one even where the plugin is not installed;
 - `GET /tonpolicy/contract`: the runtime identity every TP rank computed from the kernel set it
   built (tonpolicy.inside_sglang.model.report), which the trainer checks before training;
 - a 400 for token ids outside the vocabulary (tonpolicy.inside_sglang.vocab_guard), which would otherwise

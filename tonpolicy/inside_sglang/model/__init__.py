@@ -2,9 +2,14 @@
 
 Loaded by SGLang through `SGLANG_EXTERNAL_MODEL_PACKAGE=tonpolicy.inside_sglang.model` (SGLang imports
 every module here and registers each `EntryClass` under its class name, ahead of its own Qwen3), in
-a server started by `python -m tonpolicy.inside_sglang.server` (which registers the contract
-sampler). SGLang keeps its scheduler, continuous batching, chunked prefill, radix cache and HTTP
-server; every numerical op of the model is a call into the contract kernel set:
+any SGLang process: `python -m sglang.launch_server`, `sglang.Engine(...)` or tonpolicy's server entry
+`python -m tonpolicy.inside_sglang.server`. The contract sampler comes from tonpolicy's SGLang plugin
+(`tonpolicy.inside_sglang.plugin`), which SGLang runs in each of its processes before it creates its
+sampler. Importing the package refuses an SGLang release other than the tested one
+(tonpolicy.config.sglang_release): the package uses SGLang's internals.
+
+SGLang keeps its scheduler, continuous batching, chunked prefill, radix cache and HTTP server; every
+numerical op of the model is a call into the contract kernel set:
 
 - `qwen3.py`: the model, TP-sharded over SGLang's TP group (column shards; row-parallel layers as
   canonical K-shard partials combined across ranks in the fixed tree, `kernels/row_parallel.py`);
@@ -19,3 +24,8 @@ server; every numerical op of the model is a call into the contract kernel set:
 The contract to run comes from the environment variable TONPOLICY_CONTRACT (JSON written by the
 launch plan); nothing here is imported outside an SGLang process.
 """
+
+from tonpolicy.config.sglang_release import require_sglang_release
+
+# Before SGLang loads a model class of this package: its internals are those of the tested release.
+require_sglang_release()

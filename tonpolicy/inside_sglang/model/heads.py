@@ -157,9 +157,13 @@ class ContractSampler(Sampler):
 
 def register_contract_sampler() -> None:
     """Route SGLang's sampler construction to the contract sampler (before SGLang parses its
-    arguments, and in every SGLang process before it creates its sampler)."""
+    arguments, and in every SGLang process before it creates its sampler). Registering twice (the
+    plugin and the server entry in one process) changes nothing."""
+    from sglang.srt.layers import sampler
+
     for backend in SAMPLING_BACKENDS:
-        register_sampler_backend(backend, ContractSampler)
+        if sampler._CUSTOM_SAMPLER_FACTORIES.get(backend) is not ContractSampler:
+            register_sampler_backend(backend, ContractSampler)
 
 
 def contract_sampler_active() -> bool:

@@ -64,8 +64,10 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError("the tonpolicy contract model runs unquantized weights only")
         if not contract_sampler_active():
             raise RuntimeError(
-                "the contract model needs the contract sampler: start SGLang with "
-                "`python -m tonpolicy.inside_sglang.server` (it registers it)"
+                "the contract model needs the contract sampler, which tonpolicy's SGLang plugin registers: "
+                "install tonpolicy into SGLang's environment (`pip install -e .` there: the plugin is an entry "
+                "point, found only in an installed package) and, if SGLANG_PLUGINS is set, include "
+                "tonpolicy_contract_sampler in it"
             )
         self.config = config
         self.cfg = cfg = self.adapter.config_from_hf(_checkpoint_config(config))
