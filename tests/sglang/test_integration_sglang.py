@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support.sglang_proc import SGLangServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,3 +70,18 @@ def test_released_sglang_started_by_itself_gives_the_trainers_bits(
         assert reports[by]["max_abs_logprob_diff"] == 0.0
     stock = reports["stock SGLang"]
     assert stock["tokens_scored"] == 32 and stock["mismatched_tokens"] > 0, stock
+
+
+@pytest.mark.parametrize("package", [None, "someone.elses.models"])
+def test_the_plugin_leaves_other_models_alone(monkeypatch: pytest.MonkeyPatch, package: str | None) -> None:
+    """SGLang runs tonpolicy's plugin in every process of its environment: unless the process serves
+    tonpolicy's model package it registers nothing (it does not even load the sampler's module)."""
+    from tonpolicy.inside_sglang import plugin
+
+    if package is None:
+        monkeypatch.delenv(plugin.MODEL_PACKAGE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(plugin.MODEL_PACKAGE_ENV, package)
+    plugin.register()
+    assert "tonpolicy.inside_sglang.model.heads" not in sys.modules
+    assert plugin.MODEL_PACKAGE == "tonpolicy.inside_sglang.model"
