@@ -95,6 +95,10 @@ def test_samples_table_has_per_token_logprobs() -> None:
 
 def test_offline_run_charts_namespaced_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WANDB_MODE", raising=False)  # nothing set: offline is the default
+    # wandb puts its service's address into os.environ; setting it here first makes the monkeypatch
+    # restore the environment afterwards, so later tests do not see a W&B variable the suite never set
+    monkeypatch.setenv("WANDB_SERVICE", "")
+    monkeypatch.delenv("WANDB_SERVICE")
     cfg = _cfg("logger.samples_every=2")
     logger = MetricsLogger(cfg, tmp_path)
     assert logger.run is not None and logger.run.settings.mode == "offline"
