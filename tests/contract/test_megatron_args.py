@@ -12,8 +12,8 @@ import pytest
 from tonpolicy.align import harness
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.model import pipeline_stage_layers
-from tonpolicy.launch.job import with_flags
 from tonpolicy.launch.plan import launch_plan
+from tonpolicy.launch.rollout_fleet import with_flags
 from tonpolicy.trainer.process_groups import spawn
 
 CASES = [

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from tonpolicy.config.compose import compose_config
-from tonpolicy.launch.job import Fleet, JobFailed, supervise
+from tonpolicy.launch.job import supervise
 from tonpolicy.launch.plan import launch_plan, launch_script
 from tonpolicy.launch.procs import Child
+from tonpolicy.launch.rollout_fleet import Fleet, JobFailed
 from tonpolicy.loop.exit_codes import EXIT_CHILD_FAILED
 from tonpolicy.loop.weight_sync import DiskWeightSync, PolicyVersionError, policy_version
 from tonpolicy.ports import free_port

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from tonpolicy.config.compose import compose_config
-from tonpolicy.launch.job import Fleet, JobFailed, supervise
+from tonpolicy.launch.job import supervise
 from tonpolicy.launch.procs import ProcessGroup
+from tonpolicy.launch.rollout_fleet import Fleet, JobFailed
 from tonpolicy.loop.exit_codes import EXIT_OK, STATUS_FILE
 from tonpolicy.ports import free_port
 from tonpolicy.rollout.client import RolloutError

@@ -13,22 +13,27 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tonpolicy.config.names import layout_label
-from tonpolicy.config.ranges import API_KEY_ENV
-from tonpolicy.config.rollout_backends import rollout_backend
 from tonpolicy.config.schema import Config
 from tonpolicy.config.sizes import world_size
 from tonpolicy.contract.identity import identity
 from tonpolicy.files import write_json_atomic
 from tonpolicy.launch.curves import reward_curve
 from tonpolicy.launch.init_checkpoint import write_init_checkpoint
-from tonpolicy.launch.plan import API_KEY_PLACEHOLDER, router_argv
-from tonpolicy.launch.procs import Child, ProcessGroup, wait_until
+from tonpolicy.launch.procs import Child, ProcessGroup
 from tonpolicy.launch.records import read_jsonl, step_table
+from tonpolicy.launch.rollout_fleet import (
+    Fleet,
+    JobFailed,
+    await_rollout,
+    health_ok,
+    replace_member,
+    start_rollout,
+    with_flags,
+)
 from tonpolicy.launch.run_report import startup_line, where_lines
 from tonpolicy.launch.sglang_env import trainer_python
 from tonpolicy.launch.trainer_main import ROLLOUT_ADDRESS_FILE
@@ -38,17 +43,10 @@ from tonpolicy.loop.exit_codes import (
     EXIT_HANDSHAKE,
     EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_SERVER_UNHEALTHY,
     STATUS_FILE,
 )
-from tonpolicy.ports import free_port, port_is_free
+from tonpolicy.ports import free_port
 from tonpolicy.version import build_info
-
-
-class JobFailed(Exception):
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 def prepare_checkpoint(cfg: Config, run_dir: Path) -> Path:
@@ -56,15 +54,6 @@ def prepare_checkpoint(cfg: Config, run_dir: Path) -> Path:
     if cfg.model.checkpoint:
         return Path(cfg.model.checkpoint)
     return write_init_checkpoint(cfg, run_dir / "checkpoints" / "init")
-
-
-def _health_ok(url: str, timeout_s: float = 2.0) -> bool:
-    from tonpolicy.rollout.client import RolloutClient, RolloutError
-
-    try:
-        return RolloutClient(url, timeout_s=timeout_s).health(timeout_s)
-    except (RolloutError, OSError):
-        return False
 
 
 # The last exception line a rank printed; torchrun's own ChildFailedError only says that one failed.
@@ -93,7 +82,7 @@ class _Liveness:
         now = time.monotonic()
         if now - self.last_check >= self.every_s:
             self.last_check = now
-            if _health_ok(self.url, min(2.0, self.timeout_s)):
+            if health_ok(self.url, min(2.0, self.timeout_s)):
                 self.last_ok = time.monotonic()
         return time.monotonic() - self.last_ok
 
@@ -115,116 +104,6 @@ class _Tail:
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
         return [json.loads(line) for line in lines if line.strip()]
-
-
-def with_flags(command: list[str], values: dict[str, Any], python: str | None = None) -> list[str]:
-    """A rendered command with the values of existing flags replaced (and its interpreter, if given).
-    A flag the command lacks is an error: the launcher never runs something the plan does not show."""
-    argv = list(command)
-    if python is not None:
-        argv[0] = python
-    for flag, value in values.items():
-        if flag not in argv:
-            raise ValueError(f"rendered command has no {flag}: {' '.join(command)}")
-        argv[argv.index(flag) + 1] = str(value)
-    return argv
-
-
-@dataclass
-class Fleet:
-    """The rollout side of a job: its servers (one, or a fleet's replicas) and, for a fleet, the router
-    in front of them. `url` is what the trainer generates through (the router's, or the one server's)."""
-
-    servers: list[Child]
-    server_urls: list[str]
-    router: Child | None
-    url: str
-    checkpoint: Path | None = None  # the weights the servers started from ("default")
-    restarts: int = 0  # members replaced so far (rollout.max_restarts bounds them)
-
-    def watched(self) -> list[tuple[Child, str]]:
-        """Every process whose death or silence ends the job, with its health url."""
-        pairs = list(zip(self.servers, self.server_urls, strict=True))
-        return pairs + ([(self.router, self.url)] if self.router is not None else [])
-
-
-def _start_server(
-    cfg: Config, run_dir: Path, template: list[str], env: dict[str, str], ckpt: Path, procs: ProcessGroup, name: str
-) -> tuple[Child, Path]:
-    """Start one rollout server from its rendered command (`name`: its log and port file, which holds
-    the port it bound once it listens)."""
-    host = cfg.rollout.host
-    # One server: rollout.port (0: free). A fleet's replicas: free ports (rollout.port is the router's).
-    port = cfg.rollout.port if name == "rollout" else 0
-    port_file = run_dir / f"{name}.port"
-    port_file.unlink(missing_ok=True)
-    # The plan's command, with only what is decided at launch filled in (interpreter, port, weights).
-    if rollout_backend(cfg.rollout.backend).reports_port:
-        argv = with_flags(template, {"--port": port, "--model-path": ckpt}, python=sys.executable)
-        argv += ["--port-file", str(port_file)]  # the server reports the free port it bound
-    else:
-        port = port or free_port(host)
-        argv = with_flags(template, {"--port": port, "--model-path": ckpt})
-        # The key goes in at exec (launch_plan.json and launch.sh show the placeholder only).
-        argv = [os.environ[API_KEY_ENV] if a == API_KEY_PLACEHOLDER else a for a in argv]
-        port_file.write_text(str(port))
-    server = procs.start(name, argv, run_dir / "logs" / f"{name}.log", env=env)
-    return server, port_file
-
-
-def _await_healthy(cfg: Config, child: Child, port_file: Path | None, port: int = 0) -> str:
-    """The url of a started server (`port_file`: where it reports its port; None: it binds `port`)
-    once it answers /health; JobFailed if it exits or stays silent for rollout.health_timeout_s."""
-    what = "rollout server" if child.name == "rollout" else child.name.replace("-", " ")
-    if port_file is not None:
-        if not wait_until(lambda: port_file.exists() and port_file.read_text().strip() != "", 60, alive=child):
-            raise JobFailed(EXIT_SERVER_UNHEALTHY, f"{what} did not report a port\n{child.tail()}")
-        port = int(port_file.read_text().strip())
-    url = f"http://{cfg.rollout.host}:{port}"
-    if not wait_until(lambda: _health_ok(url), cfg.rollout.health_timeout_s, alive=child):
-        state = "exited" if not child.alive() else f"not healthy after {cfg.rollout.health_timeout_s:.0f}s"
-        raise JobFailed(EXIT_SERVER_UNHEALTHY, f"{what} {state} (rollout.health_timeout_s); log tail:\n{child.tail()}")
-    return url
-
-
-def start_rollout(
-    cfg: Config, run_dir: Path, plan: dict[str, Any], ckpt: Path, procs: ProcessGroup
-) -> list[tuple[Child, Path]]:
-    """Start the rollout server, or a fleet's replicas (all at once: each loads its weights at the same
-    time); `await_rollout` waits for them. Each with the file its port is in."""
-    host, port = cfg.rollout.host, cfg.rollout.port
-    if port and not port_is_free(host, port):
-        raise JobFailed(
-            EXIT_SERVER_UNHEALTHY,
-            f"rollout.port={port}: port already in use on {host}; pick another or use 0 (a free port)",
-        )
-    (run_dir / STATUS_FILE).unlink(missing_ok=True)  # a verdict from an earlier run in this folder
-    r = plan["rollout"]
-    env = {**plan["environment"], **r.get("environment", {})}
-    if "command" in r:
-        return [_start_server(cfg, run_dir, r["command"], env, ckpt, procs, "rollout")]
-    # A fleet: replicas on free ports (rollout.port, if set, is the router's: the trainer's one address).
-    return [
-        _start_server(cfg, run_dir, template, env, ckpt, procs, f"rollout-{i}")
-        for i, template in enumerate(r["replica_commands"])
-    ]
-
-
-def await_rollout(
-    cfg: Config, plan: dict[str, Any], started: list[tuple[Child, Path]], procs: ProcessGroup, run_dir: Path
-) -> Fleet:
-    """The started servers once healthy; a fleet's router started in front of them and healthy too."""
-    urls = [_await_healthy(cfg, child, port_file) for child, port_file in started]
-    if "command" in plan["rollout"]:
-        return Fleet([started[0][0]], urls, None, urls[0])
-    host, port = cfg.rollout.host, cfg.rollout.port
-    router_port = port or free_port(host)
-    argv = router_argv(cfg, urls, router_port)
-    argv = with_flags(argv, {"--prometheus-port": free_port(host)}, python=sys.executable)
-    argv = [os.environ[API_KEY_ENV] if a == API_KEY_PLACEHOLDER else a for a in argv]
-    router = procs.start("rollout-router", argv, run_dir / "logs" / "rollout-router.log", env=plan["environment"])
-    url = _await_healthy(cfg, router, None, router_port)
-    return Fleet([c for c, _ in started], urls, router, url)
 
 
 def start_trainer(
@@ -252,70 +131,6 @@ def _progress(record: dict[str, Any], steps: int) -> str:
         + f"reward={record.get('reward_mean', 0.0):.3f} grad_norm={record.get('grad_norm', float('nan')):.5g} "
         f"(rollout {record.get('rollout_s', 0.0):.1f}s, step {record.get('step_s', 0.0):.1f}s)"
     )
-
-
-def replace_member(cfg: Config, run_dir: Path, rollout: Fleet, dead: Child, procs: ProcessGroup | None) -> Child:
-    """A fleet member that died, started again at its url (the router's list of workers stands; the
-    trainer's client keeps its urls): a replica from the weights the others serve, under their version,
-    so no sample can reach it at other weights. JobFailed (exit 4) for one server, past
-    rollout.max_restarts, or where the current weights are not on disk."""
-    what = "rollout server" if dead.name == "rollout" else dead.name.replace("-", " ")
-    died = f"{what} died (exit {dead.proc.returncode})"
-    if procs is None or rollout.router is None:
-        raise JobFailed(EXIT_CHILD_FAILED, f"{died}; log tail:\n{dead.tail()}")
-    if rollout.restarts >= cfg.rollout.max_restarts:
-        raise JobFailed(
-            EXIT_CHILD_FAILED,
-            f"{died}, after {rollout.restarts} replacement(s) this run "
-            f"(rollout.max_restarts={cfg.rollout.max_restarts}); log tail:\n{dead.tail()}",
-        )
-    version: str | None = None
-    if dead is rollout.router:
-        argv = dead.argv
-        port = int(argv[argv.index("--port") + 1])
-    else:
-        if cfg.rollout.weight_sync != "disk":
-            raise JobFailed(
-                EXIT_CHILD_FAILED,
-                f"{died}; a replacement cannot join the weight-update group of rollout.weight_sync="
-                f"{cfg.rollout.weight_sync} (use rollout.weight_sync=disk for a fleet that replaces replicas); "
-                f"log tail:\n{dead.tail()}",
-            )
-        from tonpolicy.rollout.client import RolloutClient, RolloutError
-
-        i = rollout.servers.index(dead)
-        url = rollout.server_urls[i]
-        other = next(u for j, u in enumerate(rollout.server_urls) if j != i)
-        try:
-            version = str(RolloutClient(other, timeout_s=10.0).model_info()["weight_version"])
-        except (RolloutError, KeyError, ValueError) as e:
-            raise JobFailed(EXIT_CHILD_FAILED, f"{died}; the weight version to replace it at is unknown: {e}") from e
-        weights = rollout.checkpoint if version == "default" else run_dir / "checkpoints" / version
-        if weights is None or not weights.is_dir():
-            raise JobFailed(
-                EXIT_CHILD_FAILED, f"{died}; the weights of version {version!r} are not on disk ({weights})"
-            )
-        port = int(url.rsplit(":", 1)[1])
-        flags: dict[str, Any] = {"--port": port, "--model-path": weights}
-        argv = dead.argv if "--weight-version" in dead.argv else [*dead.argv, "--weight-version", version]
-        argv = with_flags(argv, {**flags, "--weight-version": version})
-    print(f"tonpolicy: {died}; starting it again" + (f" at weight version {version}" if version else ""),
-          file=sys.stderr, flush=True)  # fmt: skip
-    fresh = procs.start(dead.name, argv, dead.log_path, env=dead.env)
-    rollout.restarts += 1
-    from tonpolicy.rollout.fleet import RESTARTS_FILE
-
-    # Logged as it starts: a step held up by the loss records it (the trainer reads this file).
-    event = {"member": dead.name, "exit": dead.proc.returncode, "weight_version": version, "time": time.time()}
-    with open(run_dir / RESTARTS_FILE, "a") as f:
-        f.write(json.dumps(event) + "\n")
-    _await_healthy(cfg, fresh, None, port)
-    if dead is rollout.router:
-        rollout.router = fresh
-    else:
-        rollout.servers[rollout.servers.index(dead)] = fresh
-    write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children if c.alive()})
-    return fresh
 
 
 def supervise(cfg: Config, run_dir: Path, rollout: Fleet, trainer: Child, procs: ProcessGroup | None = None) -> int:

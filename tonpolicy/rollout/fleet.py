@@ -9,7 +9,7 @@ engine ranks at rank offset 1 + i * ranks per replica).
 
 Same methods as `RolloutClient`, so the step loop and `WeightSync` drive one server or a fleet alike.
 
-A member that dies is replaced by the launcher (tonpolicy.launch.job.replace_member: same url, the weight
+A member that dies is replaced by the launcher (tonpolicy.launch.rollout_fleet.replace_member: same url, the weight
 version the others serve, one line in RESTARTS_FILE). Meanwhile, with `recover_s` > 0, a sample whose
 request failed is re-sent once the fleet is whole again (every member healthy, every replica at one weight
 version): the same rid and seeds, so the same bits; a load from disk or a cache flush that failed on a
