@@ -211,9 +211,8 @@ def _kernel_set_name_comparisons(path: Path, names: frozenset[str]) -> list[str]
     return found
 
 
-# The kernels room itself; the validation rules and the launch plan's SGLang flags, which still name the
-# sets (the registry's `sglang_attention_backend` and `cuda_graphs` fields are there to read instead).
-NAME_COMPARISONS_ALLOWED = ("kernels/", "validation/", "launch/plan.py")
+# The kernels room itself: everywhere else reads a field of the set's spec.
+NAME_COMPARISONS_ALLOWED = ("kernels/",)
 
 
 def test_only_the_kernels_room_compares_kernel_set_names() -> None:

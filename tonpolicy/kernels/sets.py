@@ -25,6 +25,11 @@ class KernelSetSpec:
         other sets are negative controls.
     bf16_logits: `logits_dtype="bfloat16"` (a native bf16 LM head GEMM) is a choice of this set.
     fixed_attention_tile: keys per attention tile when the set fixes it (None: a config choice).
+    row_tile_multiple: `row_tile` (query rows per GEMM) must be a multiple of this, and `prefill_row_tile`
+        of `row_tile` (None: no rule; the set's row bits do not depend on the row count).
+    kernel_language: what its kernels are written in, for messages.
+    cpu_interpreter_env: on a set without "cpu" in `devices`, the environment variable that, set to "1",
+        runs its kernels on a CPU in an interpreter (for tests; None: never on a CPU).
     host_probed: its invariances are probed on the host before a job computes (CPU sets).
     cuda_graphs: the embedded engine's decode may run in CUDA graphs (no host work per step).
     sglang_package: the model package it runs in inside released SGLang (None: stock SGLang).
@@ -41,6 +46,9 @@ class KernelSetSpec:
     invariant: bool
     bf16_logits: bool
     fixed_attention_tile: int | None
+    row_tile_multiple: int | None
+    kernel_language: str
+    cpu_interpreter_env: str | None
     host_probed: bool
     cuda_graphs: bool
     sglang_package: str | None
@@ -104,6 +112,9 @@ register_kernel_set(
         invariant=True,
         bf16_logits=True,
         fixed_attention_tile=None,
+        row_tile_multiple=None,
+        kernel_language="C++",
+        cpu_interpreter_env=None,
         host_probed=True,
         cuda_graphs=False,
         sglang_package=CONTRACT_SGLANG_PACKAGE,
@@ -123,6 +134,9 @@ register_kernel_set(
         invariant=True,
         bf16_logits=True,
         fixed_attention_tile=None,
+        row_tile_multiple=4,  # GEMMs of 1-3 rows take another library path, other bits
+        kernel_language="torch",
+        cpu_interpreter_env=None,
         host_probed=True,
         cuda_graphs=False,
         sglang_package=CONTRACT_SGLANG_PACKAGE,
@@ -142,6 +156,9 @@ register_kernel_set(
         invariant=True,
         bf16_logits=False,
         fixed_attention_tile=64,
+        row_tile_multiple=None,
+        kernel_language="Triton",
+        cpu_interpreter_env="TRITON_INTERPRET",
         host_probed=False,
         cuda_graphs=True,
         sglang_package=CONTRACT_SGLANG_PACKAGE,
@@ -161,6 +178,9 @@ register_kernel_set(
         invariant=False,
         bf16_logits=False,
         fixed_attention_tile=None,
+        row_tile_multiple=None,
+        kernel_language="torch",
+        cpu_interpreter_env=None,
         host_probed=False,
         cuda_graphs=False,
         sglang_package=None,

@@ -26,6 +26,7 @@ from tonpolicy.config.sizes import (
 from tonpolicy.contract.identity import identity, kernel_params
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, layer_spec, transformer_kwargs
 from tonpolicy.cpu_memory import CPU_ALLOCATOR_ENV
+from tonpolicy.kernels.sets import kernel_set
 from tonpolicy.launch.memory import memory_per_rank
 from tonpolicy.launch.sglang_env import (
     CPU_MAX_TOTAL_TOKENS,
@@ -124,15 +125,15 @@ def _default_attention_backend(cfg: Config, device: str) -> str | None:
     keeps its per-batch metadata, and this one needs nothing beyond Triton and captures CUDA graphs."""
     if device == "cpu":
         return "torch_native"
-    if cfg.contract.kernels == "triton" and cfg.contract.sglang.model_package:
-        return "triton"
+    if cfg.contract.sglang.model_package:
+        return kernel_set(cfg.contract.kernels).sglang_attention_backend
     return None
 
 
 def _model_package_cuda_flags(cfg: Config) -> list[str]:
     c, r = cfg.contract, cfg.rollout
-    if c.kernels != "triton":
-        return ["--disable-cuda-graph"]  # the invariant set picks shapes per batch on the host
+    if not kernel_set(c.kernels).cuda_graphs:
+        return ["--disable-cuda-graph"]  # the set picks shapes per batch on the host
     # The triton set's decode does no host work (inside_sglang/model/attention.py, TritonPoolAttention),
     # so SGLang captures decode in CUDA graphs, one per batch-size bucket up to the server's running
     # requests (a token's bits do not depend on the bucket it is padded into: the kernels' rows are

@@ -22,7 +22,7 @@ from tonpolicy.config.rollout_backends import RolloutBackend, rollout_backend, r
 from tonpolicy.config.schema import Config, value_at
 from tonpolicy.config.sizes import micro_batch_size, microbatches_per_replica, seq_pad_multiple, world_size
 from tonpolicy.families import ANY_FAMILY, FAMILIES
-from tonpolicy.kernels.sets import LOGITS_DTYPES, KernelSetSpec, kernel_set, kernel_set_names
+from tonpolicy.kernels.sets import LOGITS_DTYPES, KernelSetSpec, kernel_set, kernel_set_names, kernel_sets
 from tonpolicy.rl.task import TASKS
 from tonpolicy.validation.async_rules import check_staleness
 from tonpolicy.validation.task_rules import check_task
@@ -285,9 +285,9 @@ def _check_layout(cfg: Config, bad: Any) -> None:
         bad("rollout.nnodes", "a server spanning nodes is started by the plan's launch.sh on each node: use mode=plan")
     if r.nnodes > 1 and not r.dist_init_addr:
         bad("rollout.dist_init_addr", "a server spanning nodes needs host:port on its node 0 (SGLang --dist-init-addr)")
-    if c.kernels == "triton":
-        _check_triton(cfg, bad)
     spec = _kernels(cfg)
+    if spec is not None:
+        _check_kernel_set_fixed(cfg, spec, bad)
     if spec is not None and spec.invariant:
         # The fix is one more override: a shard count both TPs divide (other bits, so a new fingerprint).
         fix = math.lcm(c.canonical_shards, p.tp, rtp) if p.tp > 0 and rtp > 0 else c.canonical_shards
@@ -324,32 +324,39 @@ def _check_cuda_graphs(cfg: Config, bad: Any) -> None:
             "rollout.cuda_graphs",
             "CUDA graphs need a CUDA device: set trainer.device=cuda or rollout.cuda_graphs=false",
         )
-    if c.kernels != "triton":
+    spec = _kernels(cfg)
+    if spec is not None and not spec.cuda_graphs:
+        graph_sets = ", ".join(s.name for s in kernel_sets() if s.cuda_graphs)
         bad(
             "rollout.cuda_graphs",
-            f"decode graphs need the triton kernel set (contract.kernels={c.kernels} sizes its work on the host): "
-            "use contract=qwen3_dense_triton_v1 or rollout.cuda_graphs=false",
+            f"decode graphs need a kernel set that runs them ({graph_sets}; contract.kernels={c.kernels} sizes "
+            "its work on the host): use contract=qwen3_dense_triton_v1 or rollout.cuda_graphs=false",
         )
     if cfg.model.is_moe:
         bad("rollout.cuda_graphs", "decode graphs are for dense models (expert routing is host-planned)")
 
 
-def _check_triton(cfg: Config, bad: Any) -> None:
-    """The triton kernel set: CUDA GPUs (the CPU runs it only in Triton's interpreter, for tests)."""
-    from tonpolicy.kernels import TRITON_ATTENTION_TILE
-
+def _check_kernel_set_fixed(cfg: Config, spec: KernelSetSpec, bad: Any) -> None:
+    """What the kernel set fixes: its attention tile, and the GPU when it has no CPU path (a set with an
+    interpreter runs on a CPU under its environment variable, for tests)."""
     c = cfg.contract
-    if c.attention_tile != TRITON_ATTENTION_TILE:
-        bad("contract.attention_tile", f"the triton kernel set uses {TRITON_ATTENTION_TILE}-key tiles")
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if spec.fixed_attention_tile is not None and c.attention_tile != spec.fixed_attention_tile:
+        bad("contract.attention_tile", f"the {spec.name} kernel set uses {spec.fixed_attention_tile}-key tiles")
+    if "cpu" in spec.devices:
+        return
+    env = spec.cpu_interpreter_env
+    interpreted = env is not None and os.environ.get(env) == "1"
+    where = f"on a CPU only under {env}=1, which is for tests" if env else "never on a CPU"
     if cfg.trainer.device == "cpu" and not interpreted:
         bad(
             "trainer.device",
-            f"contract {c.name} runs Triton kernels on CUDA GPUs: set trainer.device=cuda "
-            "(on a CPU only under TRITON_INTERPRET=1, which is for tests)",
+            f"contract {c.name} runs {spec.kernel_language} kernels on CUDA GPUs: set trainer.device=cuda ({where})",
         )
     if cfg.trainer.device == "auto" and not interpreted and resolve_device(cfg) == "cpu":
-        bad("trainer.device", f"contract {c.name} runs Triton kernels on CUDA GPUs and this machine has none")
+        bad(
+            "trainer.device",
+            f"contract {c.name} runs {spec.kernel_language} kernels on CUDA GPUs and this machine has none",
+        )
 
 
 def _check_contract(cfg: Config, bad: Any) -> None:
@@ -374,10 +381,15 @@ def _check_contract(cfg: Config, bad: Any) -> None:
         bad("contract.logits_dtype", f"must be one of {list(LOGITS_DTYPES)}")
     elif c.logits_dtype == "bfloat16" and (not _bf16_logits(cfg) or c.dtype != "bfloat16"):
         bad("contract.logits_dtype", "bfloat16 logits are a choice of the contract kernels on a bfloat16 model")
-    if c.kernels == "invariant" and c.row_tile >= 1:
-        # Measured on CPU GEMMs: any multiple-of-4 row count gives the same row bits, 1-3 rows do not.
-        if c.row_tile % 4:
-            bad("contract.row_tile", "must be a multiple of 4 (GEMMs of 1-3 rows take another path, other bits)")
+    spec = _kernels(cfg)
+    multiple = spec.row_tile_multiple if spec is not None else None
+    if multiple is not None and c.row_tile >= 1:
+        # Any row count that is a multiple gives the same row bits; fewer rows take another GEMM path.
+        if c.row_tile % multiple:
+            bad(
+                "contract.row_tile",
+                f"must be a multiple of {multiple} (GEMMs of 1-{multiple - 1} rows take another path, other bits)",
+            )
         if c.prefill_row_tile >= 1 and c.prefill_row_tile % c.row_tile:
             bad("contract.prefill_row_tile", f"must be a multiple of contract.row_tile={c.row_tile}")
 
