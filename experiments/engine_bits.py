@@ -15,7 +15,7 @@ import hashlib
 import random
 
 import torch
-from bench_models import CPU_256
+from shapes import CPU_256
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels

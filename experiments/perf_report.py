@@ -38,7 +38,7 @@ def remeasure(bench: str, quick: bool) -> float:
     path = RESULTS / f"{bench}.json"
     old = json.loads(path.read_text()) if path.exists() else None
     t0 = time.time()
-    done = subprocess.run([sys.executable, f"{bench}.py", *(["--quick"] if quick else [])], cwd=HERE)
+    done = subprocess.run([sys.executable, HERE / "bench" / f"{bench}.py", *(["--quick"] if quick else [])], cwd=HERE)
     wall = time.time() - t0
     if done.returncode:
         print(f"{bench} failed (exit {done.returncode}); its previous results stay", file=sys.stderr)
@@ -81,7 +81,9 @@ def table(results: dict[str, dict]) -> str:
             on = f"{machine(c.get('machine', body['machine']))}, {c.get('date', body['date'])}"
             on += " (not re-measured)" if c.get("carried") else ""
             rows.append(f"| {c['name']} | {c['measured']:.2f} | {sign} {c['target']:.2f} | {result} | {on} |")
-    parts = [f"`experiments/{name}.py` (torch {b['machine']['torch']}; {b['date']})" for name, b in results.items()]
+    parts = [
+        f"`experiments/bench/{name}.py` (torch {b['machine']['torch']}; {b['date']})" for name, b in results.items()
+    ]
     note = "Measured by " + ", ".join(parts) + "."
     return "\n".join(rows) + "\n\n" + note + "\n"
 

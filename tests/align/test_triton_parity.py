@@ -1,5 +1,5 @@
 """The `triton` kernel set end to end through both engines, in Triton's interpreter (fp32; on a GPU,
-experiments/gpu_triton_check.py runs the same in bf16): the embedded engine's decode logprobs equal
+experiments/gpu/triton_check.py runs the same in bf16): the embedded engine's decode logprobs equal
 a full-sequence prefill of the same model, and the Megatron trainer (real gloo process groups) at
 TP1, TP2 and CP2-ring reproduces them bit for bit. Negative control: the `off_policy` contract
 (plain kernels) mismatches at the same layouts."""

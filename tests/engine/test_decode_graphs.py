@@ -3,7 +3,7 @@
 interpreter on this CPU) every sampled token's logprob bits equal eager decode's and the full-sequence
 forward's, whichever bucket a row was padded into. Negative control: under `plain` the same path
 misses the full forward. CUDA-graph capture and replay themselves: tests/engine/test_decode_graphs_gpu.py
-and experiments/gpu_graph_check.py (on a GPU)."""
+and experiments/gpu/graph_check.py (on a GPU)."""
 
 from __future__ import annotations
 

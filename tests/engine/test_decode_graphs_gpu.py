@@ -1,7 +1,7 @@
 """CUDA-graph decode of the embedded engine on a GPU (skipped without one): under the `triton` set, every
 token's logprob bits from graph replay equal eager decode's and the full-sequence forward's, for batch
 sizes that fill a bucket and ones padded into it; plain kernels miss the full forward (control). The
-same checks with the Megatron trainer's forward and timings: experiments/gpu_graph_check.py."""
+same checks with the Megatron trainer's forward and timings: experiments/gpu/graph_check.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ the interpreter's bf16 `tl.dot` is wrong). Proven here: row/M, N-shard and TP-sh
 GEMM (fused and split routes), attention through one kernel for prefill, chunked prefill, paged decode
 and ring-CP tiles, per-row invariance of the row-local ops, closeness to the reference formulas, and
 the reference gradients under autograd. Negative controls: an M-dependent split-K GEMM and a
-misaligned key tiling fail the same checks. On a GPU, experiments/gpu_triton_check.py proves the bits
+misaligned key tiling fail the same checks. On a GPU, experiments/gpu/triton_check.py proves the bits
 of the compiled kernels (bf16 included)."""
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ class RolloutConfig:
     weight_sync_backend: str | None = None
     # Distributed sync sends the weights as flat byte buckets of at most this many MiB, one broadcast
     # each (SGLang's load_format "flattened_bucket"); 0: one broadcast per tensor. The default is the
-    # fastest size experiments/bench_weight_sync.py measured (results/bench_weight_sync.json): few
+    # fastest size experiments/bench/bench_weight_sync.py measured (results/bench_weight_sync.json): few
     # broadcasts for many small tensors, no single huge copy for a large model.
     weight_sync_bucket_mb: int = 32
     # Interpreter of the SGLang environment (scripts/setup_sglang.sh). null: $TONPOLICY_SGLANG_PYTHON,

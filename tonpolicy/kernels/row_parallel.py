@@ -7,7 +7,7 @@ its own consecutive canonical shards. Where the kernel set's tree splits at rank
 own subtree first and only the fp32 subtree sums cross ranks: at TP=2 one all-reduce, whose single IEEE
 addition per element gives both ranks the tree's top node (a + b == b + a), at TP=4 a gather of the four
 subtree sums for the tree's last levels. Otherwise every partial is gathered in rank order and combined.
-Measured (experiments/bench_trainer.py, 2-core CPU, gloo, five runs): TP2 trainer step 1.17x -> 1.04-1.14x
+Measured (experiments/bench/bench_trainer.py, 2-core CPU, gloo, five runs): TP2 trainer step 1.17x -> 1.04-1.14x
 stock in fp32, 1.15x -> 1.10-1.13x in bf16, against gathering every partial.
 """
 

@@ -22,7 +22,7 @@ def tiled_partials(x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> to
 
 
 # Elements per row block of a large untracked tree sum: the block's fp32 temporaries stay in cache, where
-# whole-tensor temporaries of a long prefill stream through memory (experiments/bench_engine.py
+# whole-tensor temporaries of a long prefill stream through memory (experiments/bench/bench_engine.py
 # measures the prefill). Elementwise adds: the same bits.
 SUM_BLOCK = 1 << 16
 

@@ -3,7 +3,7 @@ megatron's stock local spec on the same batch, in one run, at TP1 and TP2; plus 
 step spent in the logprob recipe (TP vocab gather -> fp32 log-softmax -> gather; forward part) and in
 the parity comparison.
 
-    .venv/bin/python experiments/bench_trainer.py [--samples 8] [--prompt-len 96] [--response-len 32]
+    .venv/bin/python experiments/bench/bench_trainer.py [--samples 8] [--prompt-len 96] [--response-len 32]
         [--steps 20] [--dtypes float32,bfloat16] [--tp 1 2] [--model qwen3_moe_tiny --ep 2]
 
 `--model` takes any profile (e.g. `qwen3_moe_tiny`: the MoE contract against megatron's stock MoE);
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
 
 from perf_targets import TRAINER_RATIO, Check, report, with_launch_environment  # noqa: E402
 

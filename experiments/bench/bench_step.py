@@ -9,14 +9,14 @@ control, side by side in one run:
   user needs.
 
 Two jobs: the default job (qwen3_tiny, its `experiment=learn` batch; all three variants, 6 steps) and a
-bf16 hidden-1024 model (`bench_models.CPU_1024`, 8 layers, 8 samples; contract and off_policy, 4 steps:
+bf16 hidden-1024 model (`shapes.CPU_1024`, 8 layers, 8 samples; contract and off_policy, 4 steps:
 its contract step takes minutes on a 2-core CPU). A step's time is the wall time between two
 consecutive step records (`time` in metrics.jsonl), so it includes the server reloading the weights;
 the first two steps (optimizer built, caches warmed) are left out. The variants run one after another in
 alternating order, round after round, so drift of a shared machine hits all alike; each ratio is the
 median over rounds of that round's own ratio of medians.
 
-    .venv/bin/python experiments/bench_step.py [--rounds 2] [--jobs default,h1024]
+    .venv/bin/python experiments/bench/bench_step.py [--rounds 2] [--jobs default,h1024]
 
 Targets: contract step / off_policy step <= 1.0 for each job (issue 36). results/bench_step.json gets
 the numbers.
@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
 
-from bench_models import CPU_1024  # noqa: E402
 from perf_targets import RESULTS, Check, job_steps, report, with_launch_environment  # noqa: E402
+from shapes import CPU_1024  # noqa: E402
 
 STEP_RATIO = 1.0  # end-to-end step, exact contract (no recompute) / off_policy (with the recompute)
 

@@ -9,7 +9,7 @@ prompt whose prefix is in the radix cache; then the full forward of each prompt 
 triton set (exact zero expected) and with the plain kernels (the negative control: a mismatch). The
 server log's CUDA-graph lines go into the JSON, so the report says whether decode was captured.
 
-    python experiments/gpu_sglang_check.py --out DIR/gpu_sglang.json [--device cpu]
+    python experiments/gpu/sglang_check.py --out DIR/gpu_sglang.json [--device cpu]
 
 `--device cpu` runs the same on SGLang's CPU engine in Triton's interpreter (tiny: 1 layer, fp32, 3
 tokens; graphs are a CUDA feature, so none there): how this script was tested without a GPU
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

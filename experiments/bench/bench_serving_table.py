@@ -4,7 +4,8 @@ embedded server (contract kernels). Every server is started with the command and
 tonpolicy renders (tokenizer loaded, all under the SGLang environment's Python, one torch build),
 then driven with the same random-ids workload at each concurrency, one after the other.
 
-    .venv/bin/python experiments/bench_serving_table.py [--dtype float32] [--prompts 64] [--input 64] [--output 64]
+    .venv/bin/python experiments/bench/bench_serving_table.py [--dtype float32] [--prompts 64] [--input 64]
+        [--output 64]
 
 Prints a markdown table (output tokens/s, mean TTFT, mean ITL; ratios to stock SGLang) and writes it
 with the raw bench_serving results to experiments/results/bench_serving_cpu.{md,json}.
@@ -23,14 +24,17 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_sglang import server_command
 
-from tonpolicy.config.compose import compose_config
-from tonpolicy.config.model import ModelConfig
-from tonpolicy.config.sglang_rules import sglang_python
-from tonpolicy.model.checkpoint import init_state_dict, save_hf
-from tonpolicy.ports import free_port
-from tonpolicy.rollout.client import RolloutClient
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
+
+from bench_sglang import server_command  # noqa: E402
+
+from tonpolicy.config.compose import compose_config  # noqa: E402
+from tonpolicy.config.model import ModelConfig  # noqa: E402
+from tonpolicy.config.sglang_rules import sglang_python  # noqa: E402
+from tonpolicy.model.checkpoint import init_state_dict, save_hf  # noqa: E402
+from tonpolicy.ports import free_port  # noqa: E402
+from tonpolicy.rollout.client import RolloutClient  # noqa: E402
 
 KINDS = ("sglang", "sglang+contract", "embedded")
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -19,10 +19,10 @@ CPU_1024 = replace(
     vocab_size=32000,
 )
 
-# The same width at 4 layers: the GPU checks' wider model (gpu_triton_check.py, gpu_graph_check.py).
+# The same width at 4 layers: the GPU checks' wider model (gpu/triton_check.py, gpu/graph_check.py).
 WIDE_4L = replace(CPU_1024, name="wide_1024", num_layers=4)
 
-# Hidden 256 x 2 layers, 4 query heads per KV head: a second GQA shape for bit checks (engine_bits.py).
+# Hidden 256 x 2 layers, 4 query heads per KV head: a second GQA shape for bit checks (bench/bench_engine.py --bits).
 CPU_256 = replace(
     ModelConfig(),
     name="cpu_256",

@@ -2,7 +2,7 @@
 (tonpolicy.kernels.pointwise, torch.exp): median time of alternated runs, on the chosen path, at
 torch.get_num_threads() threads (default 2).
 
-    python experiments/bench_ordered_rowwise.py [--threads 2] [--rounds 15]
+    python experiments/bench/bench_ordered_rowwise.py [--threads 2] [--rounds 15]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
 
 from tonpolicy.cpu_numerics import cpu_info  # noqa: E402
 from tonpolicy.kernels import pointwise  # noqa: E402

@@ -6,7 +6,7 @@ runs both engines back to back in alternating order (A/B, B/A), `--repeats` roll
 the ratio is the median over rounds of each round's own ratio. Weights do not change between rollouts
 (the job reloads them each step: the contract then re-quantizes its cached weights once, ~5 ms here).
 
-    .venv/bin/python experiments/bench_rollout.py [--rounds 4] [--repeats 12] [--threads 2] [--profile]
+    .venv/bin/python experiments/bench/bench_rollout.py [--rounds 4] [--repeats 12] [--threads 2] [--profile]
 
 To compare with an earlier tree: `git archive <commit> tonpolicy | tar -x -C /tmp/before`, then run this
 with PYTHONPATH=/tmp/before (it prints which tonpolicy it imported). `--profile` also times each kernel
@@ -18,17 +18,22 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from op_timer import timed_ops
 
-import tonpolicy
-from tonpolicy.config.model import ModelConfig
-from tonpolicy.kernels import get_kernels
-from tonpolicy.model import Qwen3, init_state_dict
-from tonpolicy.rl.task import make_prompts
-from tonpolicy.rollout.engine import Engine, GenRequest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
+
+from op_timer import timed_ops  # noqa: E402
+
+import tonpolicy  # noqa: E402
+from tonpolicy.config.model import ModelConfig  # noqa: E402
+from tonpolicy.kernels import get_kernels  # noqa: E402
+from tonpolicy.model import Qwen3, init_state_dict  # noqa: E402
+from tonpolicy.rl.task import make_prompts  # noqa: E402
+from tonpolicy.rollout.engine import Engine, GenRequest  # noqa: E402
 
 # the contract's kernel fields (v1 and v2 share them); experiment=learn's batch; rollout=embedded's batch limit
 KERNEL_FIELDS = dict(attention_tile=32, canonical_shards=4, row_tile=4, prefill_row_tile=512)

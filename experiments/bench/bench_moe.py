@@ -3,7 +3,7 @@ kernels on qwen3_moe_tiny, prefill and decode tokens/s, bf16 and fp32, measured 
 run (the two kernel sets alternate; the median of `--repeats` is kept). Ratios are contract time /
 plain time (>1: the contract is slower). Writes results/bench_moe.json.
 
-    .venv/bin/python experiments/bench_moe.py [--repeats 3] [--threads 1]
+    .venv/bin/python experiments/bench/bench_moe.py [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations

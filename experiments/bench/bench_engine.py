@@ -10,7 +10,7 @@ one request alone (what one stream of a server sees: its per-op times, and one r
 plain linear, the contract's compiled GEMV and its torch path), and where the contract's time goes.
 Every target of issue 13 is printed as measured / target; results/bench_engine.json gets it all.
 
-    .venv/bin/python experiments/bench_engine.py [--models tiny,large] [--dtypes bfloat16,float32]
+    .venv/bin/python experiments/bench/bench_engine.py [--models tiny,large] [--dtypes bfloat16,float32]
         [--threads 1] [--repeats 5] [--contexts 128,512,2048,4096]
 """
 
@@ -19,20 +19,25 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
-from bench_models import CPU_1024
-from op_timer import timed_ops
-from perf_targets import CONTEXT_RATIO, ENGINE_RATIO, MEMORY_RATIO, Check, report, with_launch_environment
 
-from tonpolicy.config.model import ModelConfig
-from tonpolicy.kernels import get_kernels
-from tonpolicy.kernels.invariant import exact_gemm, exact_gemv
-from tonpolicy.model import Qwen3, init_state_dict
-from tonpolicy.model.kv_cache import KVPool
-from tonpolicy.rollout.engine import Engine, GenRequest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
+
+from op_timer import timed_ops  # noqa: E402
+from perf_targets import CONTEXT_RATIO, ENGINE_RATIO, MEMORY_RATIO, Check, report, with_launch_environment  # noqa: E402
+from shapes import CPU_1024  # noqa: E402
+
+from tonpolicy.config.model import ModelConfig  # noqa: E402
+from tonpolicy.kernels import get_kernels  # noqa: E402
+from tonpolicy.kernels.invariant import exact_gemm, exact_gemv  # noqa: E402
+from tonpolicy.model import Qwen3, init_state_dict  # noqa: E402
+from tonpolicy.model.kv_cache import KVPool  # noqa: E402
+from tonpolicy.rollout.engine import Engine, GenRequest  # noqa: E402
 
 MODELS = {
     "tiny": (ModelConfig(), dict(requests=16, prompt=200, gen=32)),

@@ -4,13 +4,13 @@
 For each shape (tiny; a 1024-wide one) and dtype (bf16, fp32), with contract=qwen3_dense_triton_v1's
 kernels, it generates with batch sizes 1, 2, 3, 4, 6, 8 (buckets 1, 2, 4, 4, 8, 8: 3 and 6 rows are
 padded) and reports per batch size: tokens; graph decode vs eager decode mismatches; graph decode vs
-the Megatron trainer's full forward (the same TrainerWorker as gpu_triton_check.py's `model` stage);
+the Megatron trainer's full forward (the same TrainerWorker as gpu/triton_check.py's `model` stage);
 the plain-kernel control (plain engine vs plain full forward: expected nonzero); capture seconds per
 bucket; generate tokens/s with graphs on and off (a warm second run of each; prefill step included).
 Sampling and the sampled token's logprob run outside the graph (host generators need the logits on
 the host); `host_tail_s` measures that part. Each part is caught on its own and its traceback recorded;
 the JSON is written after every part. Usage: experiments/gpu_check.sh, or
-  python3 -m torch.distributed.run --standalone --nproc-per-node 1 experiments/gpu_graph_check.py --out X.json
+  python3 -m torch.distributed.run --standalone --nproc-per-node 1 experiments/gpu/graph_check.py --out X.json
 --smoke: CPU, Triton's interpreter, one tiny fp32 case, graphs replaced by their eager padded path.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (1, 2)]  # experiments/ (shared helpers), repo root
 
 REPORT: dict[str, Any] = {}
 OUT = Path("gpu_graph.json")
@@ -239,7 +239,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="tiny,wide")
     a = ap.parse_args()
     OUT = Path(a.out)
-    from bench_models import WIDE_4L
+    from shapes import WIDE_4L
 
     from tonpolicy.config.model import ModelConfig
 

@@ -1,6 +1,6 @@
 """Weight sync per step, disk vs distributed, measured side by side against one embedded server.
 
-    .venv/bin/python experiments/bench_weight_sync.py [--models tiny,qwen3_0_6b] [--reps 3]
+    .venv/bin/python experiments/bench/bench_weight_sync.py [--models tiny,qwen3_0_6b] [--reps 3]
 
 disk: the trainer writes an HF checkpoint (safetensors) and the server loads it
 (`/update_weights_from_disk`), what `rollout.weight_sync=disk` does each step. distributed: the trainer

@@ -21,8 +21,8 @@ everything: rollout or the wait for it, gate, update, export, the servers' reloa
 out. The `s0`/`s1` pair of one server runs the default job's 24 steps, so its reward curve says whether
 staleness 1 still learns; the fleet pair runs `--fleet-steps`.
 
-    .venv/bin/python experiments/bench_async.py [--rounds 1] [--fleet-steps 8]
-    .venv/bin/python experiments/bench_async.py --workload long --steps 6 --fleet-steps 6
+    .venv/bin/python experiments/bench/bench_async.py [--rounds 1] [--fleet-steps 8]
+    .venv/bin/python experiments/bench/bench_async.py --workload long --steps 6 --fleet-steps 6
 
 results/bench_async.json (results/bench_async_long.json) gets the numbers; the README table quotes them.
 """
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
 
 from perf_targets import Check, job_steps, report, with_launch_environment  # noqa: E402
 

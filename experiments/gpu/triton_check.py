@@ -8,7 +8,7 @@ Stages (each reported on its own; a failing stage does not stop the others), all
   model      embedded engine on CUDA: decode logprobs == a full prefill; Megatron trainer TP1 on CUDA ==
              the engine bit for bit (stock spec as the control); trainer step contract / stock;
   timing     contract kernels / plain cuBLAS and SDPA in bf16 (prefill and decode shapes of Qwen3-4B).
-Writes JSON to --out. Usage: experiments/gpu_check.sh (which runs this after gpu_check.py).
+Writes JSON to --out. Usage: experiments/gpu_check.sh (which runs this after gpu/cublas_check.py).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (1, 2)]  # experiments/ (shared helpers), repo root
 
-from bench_models import WIDE_4L  # noqa: E402
-from gpu_op_timing import bench, graph_bench, op_ratios  # noqa: E402
+from op_timing import bench, graph_bench, op_ratios  # noqa: E402
+from shapes import WIDE_4L  # noqa: E402
 
 from tonpolicy.align import harness  # noqa: E402
 from tonpolicy.kernels import get_kernels  # noqa: E402

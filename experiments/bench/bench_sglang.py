@@ -1,7 +1,7 @@
 """Released SGLang with tonpolicy's contract model package beside stock SGLang, measured in one run
 (issue 36, item 4).
 
-    .venv/bin/python experiments/bench_sglang.py [--cells tiny:float32,large:bfloat16] [--rounds 3]
+    .venv/bin/python experiments/bench/bench_sglang.py [--cells tiny:float32,large:bfloat16] [--rounds 3]
         [--kinds sglang,sglang+contract]
 
 `sglang+contract` is the default `rollout=sglang` job's server: SGLang with
@@ -40,18 +40,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_models import CPU_1024
-from perf_targets import SGLANG_RATIO, Check, report
 
-from tonpolicy.config.compose import compose_config
-from tonpolicy.config.model import ModelConfig
-from tonpolicy.config.sglang_rules import sglang_python
-from tonpolicy.contract.identity import identity
-from tonpolicy.launch.plan import environment, sglang_argv
-from tonpolicy.launch.sglang_env import server_environment
-from tonpolicy.model.checkpoint import init_state_dict, save_hf
-from tonpolicy.ports import free_port
-from tonpolicy.rollout.client import RolloutClient
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
+
+from perf_targets import SGLANG_RATIO, Check, report  # noqa: E402
+from shapes import CPU_1024  # noqa: E402
+
+from tonpolicy.config.compose import compose_config  # noqa: E402
+from tonpolicy.config.model import ModelConfig  # noqa: E402
+from tonpolicy.config.sglang_rules import sglang_python  # noqa: E402
+from tonpolicy.contract.identity import identity  # noqa: E402
+from tonpolicy.launch.plan import environment, sglang_argv  # noqa: E402
+from tonpolicy.launch.sglang_env import server_environment  # noqa: E402
+from tonpolicy.model.checkpoint import init_state_dict, save_hf  # noqa: E402
+from tonpolicy.ports import free_port  # noqa: E402
+from tonpolicy.rollout.client import RolloutClient  # noqa: E402
 
 MODELS = {
     "tiny": ModelConfig(),

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (1, 2)]  # experiments/ (shared helpers), repo root
 
 from tonpolicy.align import harness  # noqa: E402
 from tonpolicy.trainer.process_groups import Layout, reset_model_parallel  # noqa: E402

@@ -1,4 +1,4 @@
-"""Contract / plain op timings on one CUDA GPU for gpu_triton_check.py: eager launches timed by CUDA
+"""Contract / plain op timings on one CUDA GPU for gpu/triton_check.py: eager launches timed by CUDA
 events, or launches captured in a CUDA graph (what a graph-replayed decode step pays per op)."""
 
 from __future__ import annotations
