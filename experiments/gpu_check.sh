@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for a session with a GPU (one H200, well under 10 minutes):
+# One command for a session with a GPU (one GPU, one device call):
 #   device run: command="bash experiments/gpu_check.sh", carry=[".whl"], timeout_s=600
 # The GPU image lacks megatron-core and hydra-core/omegaconf (tonpolicy.config imports hydra's
 # ConfigStore). Prepare the wheels once, here, in the repo root:
@@ -38,7 +38,7 @@ exec 3>&1  # part's own lines bypass the pipes that filter a part's output
 torchrun1=(python3 -m torch.distributed.run --standalone --nproc-per-node 1)
 quiet() { grep -v "Unknown MLP\|warn"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$log"
-# The embedded engine's decode in CUDA graphs (issue 35, item 2): per batch-size bucket, graph replay ==
+# The embedded engine's decode in CUDA graphs: per batch-size bucket, graph replay ==
 # eager == the Megatron trainer's full forward (bf16, fp32), plain control, capture time, tokens/s on/off.
 part graph_check 200 "${torchrun1[@]}" experiments/gpu/graph_check.py --out "$dest/gpu_graph.json" 2>&1 | quiet \
   | tee "$dest/gpu_graph.log" | tail -40
@@ -46,21 +46,21 @@ part graph_check 200 "${torchrun1[@]}" experiments/gpu/graph_check.py --out "$de
 part triton_job_graphs 150 python3 -m tonpolicy contract=qwen3_dense_triton_v1 trainer.device=cuda \
   rollout.cuda_graphs=true logger=none experiment.steps=3 hydra.run.dir="$runs/triton_graphs" 2>&1 | tail -8 \
   | tee -a "$log"
-# The triton kernel set (issue 14): invariances of the compiled kernels, both engines bit for bit, timings.
+# The triton kernel set: invariances of the compiled kernels, both engines bit for bit, timings.
 part triton_check 150 "${torchrun1[@]}" experiments/gpu/triton_check.py --out "$dest/gpu_triton.json" 2>&1 | quiet \
   | tee "$dest/gpu_triton.log" | tail -6
-# The CPU-designed `contract` set through cuBLAS: parity, invariance and step time (issue 9).
+# The CPU-designed `invariant` set (contract v1) through cuBLAS: parity, invariance and step time.
 part cublas_check 90 "${torchrun1[@]}" experiments/gpu/cublas_check.py --out "$dest/gpu_check.json" 2>&1 | quiet | tail -6 \
   | tee -a "$log"
 if python3 -c "import pytest" >/dev/null 2>&1; then
   part graph_pytest 90 python3 -m pytest -q -p no:cacheprovider tests/engine/test_decode_graphs_gpu.py 2>&1 \
     | tail -4 | tee -a "$log"
 fi
-# The embedded engine follows trainer.device: the `contract` set through cuBLAS, measured on an H200 to miss
-# the gate (which is why `triton` exists); its exit code is reported, not required.
+# The embedded engine follows trainer.device: the default contract on CUDA (CPU-designed kernels, not
+# expected to pass the gate there: why `triton` exists); its exit code is reported, not required.
 part cublas_job 90 python3 -m tonpolicy trainer.device=cuda logger=none experiment.steps=2 \
   hydra.run.dir="$runs/embedded_cuda" 2>&1 | tail -5 | tee -a "$log"
-# Real SGLang with tonpolicy's model package on CUDA (issues 9, 35), only where SGLang is installed: the lent
+# Real SGLang with tonpolicy's model package on CUDA, only where SGLang is installed: the lent
 # GPU image has none and its wheels exceed the carry limit. gpu/sglang_check.py (the triton set inside SGLang,
 # decode graphs in buckets 1, 4, 8, every logprob == the full forward, plain control) writes its JSON either
 # way ("skipped" and why when SGLang is not importable).

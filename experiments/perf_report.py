@@ -2,7 +2,7 @@
 results/perf_targets.png and the table in docs/PERFORMANCE.md (between its `perf-table` markers).
 
     .venv/bin/python experiments/perf_report.py                  # each bench with --quick, then the table
-    .venv/bin/python experiments/perf_report.py --full           # each bench with its own defaults (~1 h)
+    .venv/bin/python experiments/perf_report.py --full           # each bench with its own defaults (slow)
     .venv/bin/python experiments/perf_report.py --collect-only   # only the table, from results/*.json
     .venv/bin/python experiments/perf_report.py --benches bench_engine,bench_trainer
 
@@ -134,7 +134,7 @@ def main() -> None:
     if not results:
         raise SystemExit(f"no benchmark results in {RESULTS}: run the bench_*.py scripts first")
     md = table(results)
-    (RESULTS / "perf_targets.md").write_text("# Performance targets (issue 13)\n\n" + md)
+    (RESULTS / "perf_targets.md").write_text("# Performance targets\n\n" + md)
     plot(results, RESULTS / "perf_targets.png")
     update_readme(md)
     print(md)

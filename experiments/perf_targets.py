@@ -1,4 +1,4 @@
-"""The performance targets the benchmarks check (issue 13), and where their results go.
+"""The performance targets the benchmarks check, and where their results go.
 
 Each benchmark measures both sides in one run, prints every target as `measured / target pass|MISS` and
 writes `results/<bench>.json`; `perf_report.py` turns those files into `results/perf_targets.md`,

@@ -1,4 +1,4 @@
-"""Model shapes the benchmarks share (run them from this folder's scripts, which import it)."""
+"""Model shapes the benchmarks (bench/) and the GPU checks (gpu/) share."""
 
 from __future__ import annotations
 

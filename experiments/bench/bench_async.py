@@ -1,4 +1,4 @@
-"""Benchmark: asynchronous steps and a fleet (issue 37, item 5), side by side in one run.
+"""Benchmark: asynchronous steps and a fleet, side by side in one run.
 
 Whole default jobs (`python -m tonpolicy`: qwen3_tiny, experiment=learn, 16 prompts x 4 samples) in
 four variants, run one after another in alternating order:
@@ -24,7 +24,7 @@ staleness 1 still learns; the fleet pair runs `--fleet-steps`.
     .venv/bin/python experiments/bench/bench_async.py [--rounds 1] [--fleet-steps 8]
     .venv/bin/python experiments/bench/bench_async.py --workload long --steps 6 --fleet-steps 6
 
-results/bench_async.json (results/bench_async_long.json) gets the numbers; the README table quotes them.
+results/bench_async.json (results/bench_async_long.json) gets the numbers; docs/PERFORMANCE.md quotes them.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
 
+from alternate import alternate, median_of, median_ratio  # noqa: E402
 from perf_targets import Check, job_steps, report, with_launch_environment  # noqa: E402
 
 VARIANTS = {
@@ -134,6 +135,10 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+def _step_s(run: dict[str, Any]) -> float:
+    return run["median_step_s"]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=1)
@@ -144,32 +149,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="bench_async_"))
     variants = a.variants.split(",")
-    rounds: list[dict[str, Any]] = []
-    for k in range(a.rounds):
-        order = variants if k % 2 == 0 else variants[::-1]
-        r: dict[str, Any] = {}
-        for v in order:
-            r[v] = run_job(v, a.steps if v.startswith("r1") else a.fleet_steps, root, a.workload)
-            x = r[v]
+
+    def measure(v: str, _round: int) -> dict[str, Any]:
+        return run_job(v, a.steps if v.startswith("r1") else a.fleet_steps, root, a.workload)
+
+    def progress(k: int, r: dict[str, Any]) -> None:
+        for v, x in r.items():
             print(
                 f"round {k} {v}: {x['median_step_s']:.3f} s/step ({x['steps_per_s']:.2f} steps/s, rollout/wait "
                 f"{x['rollout_s']:.3f} s), reward {x['reward'][0]:.3f} -> {_mean(x['reward'][-4:]):.3f} (last 4), "
                 f"mismatched {sum(x['mismatched_tokens'])}, job {x['job_wall_s']:.0f} s",
                 flush=True,
             )
-        rounds.append(r)
-    med = {v: statistics.median(r[v]["median_step_s"] for r in rounds) for v in variants}
+
+    rounds = alternate(variants, a.rounds, measure, progress)
+    med = {v: median_of(rounds, v, _step_s) for v in variants}
     ratios: dict[str, float] = {}
     for rep in ("r1", "r2"):  # throughput s1 / s0: > 1 means the overlap pays
         if f"{rep}_s0" in variants and f"{rep}_s1" in variants:
-            ratios[f"{rep}_throughput_s1_over_s0"] = statistics.median(
-                r[f"{rep}_s0"]["median_step_s"] / r[f"{rep}_s1"]["median_step_s"] for r in rounds
-            )
+            ratios[f"{rep}_throughput_s1_over_s0"] = median_ratio(rounds, f"{rep}_s0", f"{rep}_s1", _step_s)
     for s in ("s0", "s1"):  # throughput 2 replicas / 1
         if f"r1_{s}" in variants and f"r2_{s}" in variants:
-            ratios[f"{s}_throughput_r2_over_r1"] = statistics.median(
-                r[f"r1_{s}"]["median_step_s"] / r[f"r2_{s}"]["median_step_s"] for r in rounds
-            )
+            ratios[f"{s}_throughput_r2_over_r1"] = median_ratio(rounds, f"r1_{s}", f"r2_{s}", _step_s)
     learning = {
         v: {
             "reward_first_4": statistics.median(_mean(r[v]["reward"][:4]) for r in rounds),

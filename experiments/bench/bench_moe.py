@@ -1,7 +1,7 @@
 """What the MoE contract costs in the embedded engine: `ordered` (qwen3_moe_v2's ops) vs `plain`
 kernels on qwen3_moe_tiny, prefill and decode tokens/s, bf16 and fp32, measured side by side in one
-run (the two kernel sets alternate; the median of `--repeats` is kept). Ratios are contract time /
-plain time (>1: the contract is slower). Writes results/bench_moe.json.
+run (the two kernel sets alternate over `--repeats` rounds, experiments/alternate.py). Ratios are
+contract time / plain time (>1: the contract is slower). Writes results/bench_moe.json.
 
     .venv/bin/python experiments/bench/bench_moe.py [--repeats 3] [--threads 1]
 """
@@ -12,17 +12,22 @@ import argparse
 import json
 import platform
 import random
-import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from tonpolicy.config.compose import compose_config
-from tonpolicy.kernels import get_kernels
-from tonpolicy.model.checkpoint import init_state_dict
-from tonpolicy.model.qwen3_moe import Qwen3Moe
-from tonpolicy.rollout.engine import Engine, GenRequest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
+
+from alternate import alternate, median_of, median_ratio  # noqa: E402
+from perf_targets import RESULTS  # noqa: E402
+
+from tonpolicy.config.compose import compose_config  # noqa: E402
+from tonpolicy.kernels import get_kernels  # noqa: E402
+from tonpolicy.model.checkpoint import init_state_dict  # noqa: E402
+from tonpolicy.model.qwen3_moe import Qwen3Moe  # noqa: E402
+from tonpolicy.rollout.engine import Engine, GenRequest  # noqa: E402
 
 WORKLOAD = dict(requests=8, prompt=128, gen=16)
 
@@ -51,24 +56,24 @@ def main() -> None:
         sd = init_state_dict(cfg, dtype, 0)
         models = {k: Qwen3Moe(cfg, get_kernels(k), dtype, sd) for k in ("ordered", "plain")}
         prefill, full = _requests(cfg.vocab_size, 1), _requests(cfg.vocab_size, 1 + WORKLOAD["gen"])
-        times: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "decode": []} for k in models}
         for m in models.values():  # warm-up
             _seconds(m, prefill)
-        for _ in range(args.repeats):
-            for k, m in models.items():
-                p = _seconds(m, prefill)
-                times[k]["prefill"].append(p)
-                times[k]["decode"].append(max(_seconds(m, full) - p, 1e-9))
+
+        def measure(k: str, _round: int, prefill: list = prefill, full: list = full, models: dict = models) -> dict:
+            p = _seconds(models[k], prefill)
+            return {"prefill": p, "decode": max(_seconds(models[k], full) - p, 1e-9)}
+
+        rounds = alternate(list(models), args.repeats, measure)
         n = WORKLOAD["requests"]
         for phase, tokens in (("prefill", n * WORKLOAD["prompt"]), ("decode", n * WORKLOAD["gen"])):
-            med = {k: statistics.median(times[k][phase]) for k in models}
+            med = {k: median_of(rounds, k, lambda x, phase=phase: x[phase]) for k in models}
             rows.append(
                 {
                     "dtype": str(dtype).removeprefix("torch."),
                     "phase": phase,
                     "contract_tok_s": tokens / med["ordered"],
                     "plain_tok_s": tokens / med["plain"],
-                    "ratio": med["ordered"] / med["plain"],
+                    "ratio": median_ratio(rounds, "ordered", "plain", lambda x, phase=phase: x[phase]),
                 }
             )
     print(f"qwen3_moe_tiny, {WORKLOAD}, {args.threads} thread(s), {platform.processor() or platform.machine()}")
@@ -77,7 +82,7 @@ def main() -> None:
     for r in rows:
         tok = f"{r['contract_tok_s']:.0f} | {r['plain_tok_s']:.0f}"
         print(f"| {r['dtype']} | {r['phase']} | {tok} | {r['ratio']:.2f}x |")
-    out = Path(__file__).parent / "results" / "bench_moe.json"
+    out = RESULTS / "bench_moe.json"
     out.write_text(json.dumps({"workload": WORKLOAD, "threads": args.threads, "rows": rows}, indent=2) + "\n")
 
 

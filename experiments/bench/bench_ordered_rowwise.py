@@ -1,16 +1,14 @@
 """Ordered row-wise ops (tonpolicy.kernels.invariant.ordered_rowwise, contract v2) against the torch ops they replace
-(tonpolicy.kernels.pointwise, torch.exp): median time of alternated runs, on the chosen path, at
-torch.get_num_threads() threads (default 2).
+(tonpolicy.kernels.pointwise, torch.exp): median time per call over alternated rounds (experiments/alternate.py)
+and the median of the rounds' own ratios, on the chosen path, at `--threads` threads.
 
-    python experiments/bench/bench_ordered_rowwise.py [--threads 2] [--rounds 15]
+    .venv/bin/python experiments/bench/bench_ordered_rowwise.py [--threads 2] [--rounds 15] [--min-ms 20]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,28 +16,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
 
+from alternate import compare_calls, median_of, median_ratio  # noqa: E402
+
 from tonpolicy.cpu_numerics import cpu_info  # noqa: E402
 from tonpolicy.kernels import pointwise  # noqa: E402
 from tonpolicy.kernels.invariant import ordered_rowwise as rw  # noqa: E402
-
-
-def _time(fn: Callable[[], object], inner: int) -> float:
-    t = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    return (time.perf_counter() - t) / inner
-
-
-def bench(ours: Callable[[], object], theirs: Callable[[], object], rounds: int) -> tuple[float, float]:
-    """Median seconds per call of each, in alternated rounds (each round ~20 ms)."""
-    ours(), theirs()  # warm up
-    once = max(_time(ours, 1), _time(theirs, 1), 1e-6)
-    inner = max(1, int(0.02 / once))
-    a, b = [], []
-    for _ in range(rounds):
-        a.append(_time(ours, inner))
-        b.append(_time(theirs, inner))
-    return statistics.median(a), statistics.median(b)
 
 
 def cases() -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
@@ -91,6 +72,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--min-ms", type=float, default=20.0, help="time per op per round (at least one call)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rw.require()
@@ -100,8 +82,9 @@ def main() -> int:
           f"threads {torch.get_num_threads()}")  # fmt: skip
     print(f"{'op':40s} {'ours ms':>10s} {'torch ms':>10s} {'ours/torch':>11s}")
     for name, ours, theirs in cases():
-        a, b = bench(ours, theirs, args.rounds)
-        print(f"{name:40s} {a * 1e3:10.4f} {b * 1e3:10.4f} {a / b:10.2f}x")
+        times = compare_calls({"ours": ours, "torch": theirs}, args.rounds, args.min_ms / 1e3)
+        a, b = median_of(times, "ours"), median_of(times, "torch")
+        print(f"{name:40s} {a * 1e3:10.4f} {b * 1e3:10.4f} {median_ratio(times, 'ours', 'torch'):10.2f}x")
     return 0
 
 

@@ -1,10 +1,10 @@
-"""The default job's rollout in one process (issue 36): what the embedded server's engine does for one
+"""The default job's rollout in one process: what the embedded server's engine does for one
 step of `python -m tonpolicy` (experiment=learn: 16 first_parity prompts x 4 samples, one new token from
 the 16 likeliest, rollout.max_running_requests=8, bf16 qwen3_tiny), the plain kernels against the
 contract's, without HTTP, so the kernels' share of bench_step.py's rollout time shows alone. Each round
 runs both engines back to back in alternating order (A/B, B/A), `--repeats` rollouts each (median);
 the ratio is the median over rounds of each round's own ratio. Weights do not change between rollouts
-(the job reloads them each step: the contract then re-quantizes its cached weights once, ~5 ms here).
+(the job reloads them each step: the contract then re-quantizes its cached weights once).
 
     .venv/bin/python experiments/bench/bench_rollout.py [--rounds 4] [--repeats 12] [--threads 2] [--profile]
 
@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
 
+from alternate import alternate, median_of, round_ratios  # noqa: E402
 from op_timer import timed_ops  # noqa: E402
 
 import tonpolicy  # noqa: E402
@@ -96,15 +97,14 @@ def main() -> None:
     for e in engines.values():
         for i in range(3):
             rollout_s(e, i)  # warm-up: plans, caches, the compiled products' build
-    ms: dict[str, list[float]] = {k: [] for k in engines}
-    for r in range(a.rounds):
-        for k in list(engines) if r % 2 == 0 else list(engines)[::-1]:
-            ms[k].append(
-                statistics.median(rollout_s(engines[k], 10 + r * a.repeats + i) for i in range(a.repeats)) * 1e3
-            )
-    ratios = [c / p for c, p in zip(ms["contract"], ms["plain"], strict=True)]
+
+    def measure(k: str, r: int) -> float:
+        return statistics.median(rollout_s(engines[k], 10 + r * a.repeats + i) for i in range(a.repeats)) * 1e3
+
+    rounds = alternate(list(engines), a.rounds, measure)
+    ratios = round_ratios(rounds, "contract", "plain")
     print(
-        f"rollout ms: plain {statistics.median(ms['plain']):.1f}, contract {statistics.median(ms['contract']):.1f} | "
+        f"rollout ms: plain {median_of(rounds, 'plain'):.1f}, contract {median_of(rounds, 'contract'):.1f} | "
         f"contract/plain {statistics.median(ratios):.2f}x (rounds {', '.join(f'{x:.2f}' for x in ratios)}); "
         f"load average {os.getloadavg()[0]:.1f}"
     )

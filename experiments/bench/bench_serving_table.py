@@ -37,7 +37,7 @@ from tonpolicy.ports import free_port  # noqa: E402
 from tonpolicy.rollout.client import RolloutClient  # noqa: E402
 
 KINDS = ("sglang", "sglang+contract", "embedded")
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def bench(py: str, url: str, ckpt: Path, concurrency: int, args: argparse.Namespace, out: Path) -> dict:

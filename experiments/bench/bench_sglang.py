@@ -1,5 +1,4 @@
-"""Released SGLang with tonpolicy's contract model package beside stock SGLang, measured in one run
-(issue 36, item 4).
+"""Released SGLang with tonpolicy's contract model package beside stock SGLang, measured in one run.
 
     .venv/bin/python experiments/bench/bench_sglang.py [--cells tiny:float32,large:bfloat16] [--rounds 3]
         [--kinds sglang,sglang+contract]
@@ -18,8 +17,8 @@ Prints, per cell and concurrency, the median tokens/s of each server and the rat
 min over rounds), checks the targets (>= 1.0x at 8 and 32 concurrent, >= 0.9x at 1), and writes
 results/bench_sglang.json. `--kinds` can add `embedded` (tonpolicy's own server, contract kernels) or
 `sglang (fp32 LM head)` to the same alternation. Without the SGLang environment (scripts/setup_sglang.sh) it
-says so and compares nothing. One run with the defaults took 19 min on a 2-core EPYC at load average 7-11
-(servers' startup ~3 min per cell there); `--rounds 1` or `--cells tiny:float32` for a shorter look.
+says so and compares nothing. The defaults take long on a small CPU (the servers start once per cell):
+`--rounds 1` or `--cells tiny:float32` for a shorter look.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
 
+from alternate import alternate, round_ratios  # noqa: E402
 from perf_targets import SGLANG_RATIO, Check, report  # noqa: E402
 from shapes import CPU_1024  # noqa: E402
 
@@ -64,7 +64,7 @@ MODELS = {
 GEN = {"tiny": 64, "large": 24}
 CONCURRENCY = (1, 8, 32)
 REQUESTS_PER_STREAM = {1: 2, 8: 1, 32: 1}  # one stream sends two requests in turn: a longer measurement
-SGLANG_RATIO_ONE_STREAM = 0.9  # contract / stock tokens/s at one stream (issue 36); SGLANG_RATIO at 8 and 32
+SGLANG_RATIO_ONE_STREAM = 0.9  # contract / stock tokens/s at one stream; SGLANG_RATIO at 8 and 32
 STOCK = "sglang"  # contract=off_policy: SGLang's own Qwen3 and kernels
 CONTRACT = "sglang+contract"  # the default rollout=sglang job: tonpolicy's model package inside SGLang
 # The embedded server under the contract with contract.logits_dtype=bfloat16 (optional kind).
@@ -184,8 +184,8 @@ class Server:
 
 def bench_cell(
     kinds: list[str], ckpt: Path, cfg: ModelConfig, dtype: str, gen: int, rounds: int, tmp: Path
-) -> dict[str, dict[int, list[float]]]:
-    """tokens/s per kind and concurrency, one value per round; the kinds alternate within each round."""
+) -> list[dict[str, float]]:
+    """tokens/s of each `kind@concurrency`, one dict per round (every kind and concurrency alternated)."""
     servers = [Server(k, ckpt, dtype, tmp / f"{cfg.name}_{dtype}_{k.replace(' ', '_')}.log") for k in kinds]
     try:
         for s in servers:  # started together (startup overlaps), warmed up one by one
@@ -193,12 +193,13 @@ def bench_cell(
         for s in servers:
             for c in CONCURRENCY:  # every batch shape once: first-call costs stay out of the rounds
                 throughput(s.url, cfg.vocab_size, c, 4, 1)
-        runs: dict[str, dict[int, list[float]]] = {k: {c: [] for c in CONCURRENCY} for k in kinds}
-        for r in range(rounds):
-            for c in CONCURRENCY:
-                for s in servers if r % 2 == 0 else servers[::-1]:
-                    runs[s.kind][c].append(throughput(s.url, cfg.vocab_size, c, gen, REQUESTS_PER_STREAM[c]))
-        return runs
+        by_kind = {s.kind: s for s in servers}
+
+        def measure(cell: str, _round: int) -> float:
+            kind, c = cell.rsplit("@", 1)
+            return throughput(by_kind[kind].url, cfg.vocab_size, int(c), gen, REQUESTS_PER_STREAM[int(c)])
+
+        return alternate([f"{k}@{c}" for c in CONCURRENCY for k in kinds], rounds, measure)
     finally:
         for s in servers:
             s.stop()
@@ -231,11 +232,9 @@ def main() -> None:
             short = "bf16" if dtype == "bfloat16" else "fp32"
             ckpt = Path(tmp) / f"{name}_{dtype}"
             save_hf(init_state_dict(cfg, getattr(torch, dtype), 0), cfg, ckpt)
-            runs = bench_cell(kinds, ckpt, cfg, dtype, gen, args.rounds, Path(tmp))
-            ratios = {
-                k: {c: [a / b for a, b in zip(runs[k][c], runs[base][c], strict=True)] for c in CONCURRENCY}
-                for k in kinds
-            }
+            per_round = bench_cell(kinds, ckpt, cfg, dtype, gen, args.rounds, Path(tmp))
+            runs = {k: {c: [r[f"{k}@{c}"] for r in per_round] for c in CONCURRENCY} for k in kinds}
+            ratios = {k: {c: round_ratios(per_round, f"{k}@{c}", f"{base}@{c}") for c in CONCURRENCY} for k in kinds}
             cells[f"{name}/{short}"] = {
                 "hidden": cfg.hidden_size,
                 "layers": cfg.num_layers,

@@ -10,7 +10,7 @@ control, side by side in one run:
 
 Two jobs: the default job (qwen3_tiny, its `experiment=learn` batch; all three variants, 6 steps) and a
 bf16 hidden-1024 model (`shapes.CPU_1024`, 8 layers, 8 samples; contract and off_policy, 4 steps:
-its contract step takes minutes on a 2-core CPU). A step's time is the wall time between two
+its contract step is slow on a small CPU). A step's time is the wall time between two
 consecutive step records (`time` in metrics.jsonl), so it includes the server reloading the weights;
 the first two steps (optimizer built, caches warmed) are left out. The variants run one after another in
 alternating order, round after round, so drift of a shared machine hits all alike; each ratio is the
@@ -18,7 +18,7 @@ median over rounds of that round's own ratio of medians.
 
     .venv/bin/python experiments/bench/bench_step.py [--rounds 2] [--jobs default,h1024]
 
-Targets: contract step / off_policy step <= 1.0 for each job (issue 36). results/bench_step.json gets
+Targets: contract step / off_policy step <= 1.0 for each job. results/bench_step.json gets
 the numbers.
 """
 
@@ -37,6 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
 
+from alternate import alternate, median_of, median_ratio  # noqa: E402
 from perf_targets import RESULTS, Check, job_steps, report, with_launch_environment  # noqa: E402
 from shapes import CPU_1024  # noqa: E402
 
@@ -104,6 +105,14 @@ def run_job(job: str, variant: str, root: Path) -> dict[str, Any]:
     }
 
 
+def _step_s(run: dict[str, Any]) -> float:
+    return run["median_step_s"]
+
+
+def _train_s(run: dict[str, Any]) -> float:
+    return run["train_s"]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
@@ -116,51 +125,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     a = ap.parse_args(argv)
     if a.quick:
-        a.rounds, a.jobs, a.merge = 3, "default", True  # one round swings 0.74-1.15x on a quiet host
+        a.rounds, a.jobs, a.merge = 3, "default", True  # one round alone swings widely, even on a quiet host
     root = Path(tempfile.mkdtemp(prefix="bench_step_"))
     results: dict[str, Any] = {}
     checks = []
     for job in a.jobs.split(","):
         variants = list(JOBS[job].variants)
-        rounds: list[dict[str, Any]] = []
-        for k in range(a.rounds):
-            order = variants if k % 2 == 0 else variants[::-1]  # alternate A/B/C, C/B/A
-            rounds.append({v: run_job(job, v, root) for v in order})
-            r = rounds[-1]
-            print(
-                f"{job} round {k}: "
-                + "  ".join(
-                    f"{v} {r[v]['median_step_s']:.2f} s/step (rollout {r[v]['rollout_s']:.2f}, "
-                    f"trainer {r[v]['train_s']:.2f})"
-                    for v in variants
-                )
-                + (
-                    f"  contract/off_policy {r['contract']['median_step_s'] / r['off_policy']['median_step_s']:.2f}x"
-                    if {"contract", "off_policy"} <= set(variants)
-                    else ""
-                ),
-                flush=True,
-            )
-        med = {v: statistics.median(r[v]["median_step_s"] for r in rounds) for v in variants}
-        ratios = {
-            f"{v}_over_off_policy": statistics.median(
-                r[v]["median_step_s"] / r["off_policy"]["median_step_s"] for r in rounds
-            )
-            for v in variants
-            if v != "off_policy" and "off_policy" in variants
-        }
-        # the trainer's part of the step alone (the record's step_s less rollout_s): what the recompute costs
-        ratios |= {
-            f"{v}_over_off_policy_trainer_part": statistics.median(
-                r[v]["train_s"] / r["off_policy"]["train_s"] for r in rounds
-            )
-            for v in variants
-            if v != "off_policy" and "off_policy" in variants
-        }
+
+        def progress(k: int, r: dict[str, Any], job: str = job, variants: list[str] = variants) -> None:
+            parts = [
+                f"{v} {_step_s(r[v]):.2f} s/step (rollout {r[v]['rollout_s']:.2f}, trainer {_train_s(r[v]):.2f})"
+                for v in variants
+            ]
+            if {"contract", "off_policy"} <= set(variants):
+                parts.append(f"contract/off_policy {_step_s(r['contract']) / _step_s(r['off_policy']):.2f}x")
+            print(f"{job} round {k}: " + "  ".join(parts), flush=True)
+
+        rounds = alternate(variants, a.rounds, lambda v, _r, job=job: run_job(job, v, root), progress)
+        med = {v: median_of(rounds, v, _step_s) for v in variants}
+        ratios: dict[str, float] = {}
+        if "off_policy" in variants:
+            for v in variants:
+                if v != "off_policy":
+                    ratios[f"{v}_over_off_policy"] = median_ratio(rounds, v, "off_policy", _step_s)
+            for v in variants:  # the trainer's part of the step alone (step_s less rollout_s): what the recompute costs
+                if v != "off_policy":
+                    ratios[f"{v}_over_off_policy_trainer_part"] = median_ratio(rounds, v, "off_policy", _train_s)
         if "contract" in variants and "contract_recompute" in variants:
-            ratios["contract_over_contract_recompute"] = statistics.median(
-                r["contract"]["median_step_s"] / r["contract_recompute"]["median_step_s"] for r in rounds
-            )
+            ratios["contract_over_contract_recompute"] = median_ratio(rounds, "contract", "contract_recompute", _step_s)
         results[job] = {
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "overrides": JOBS[job].overrides,

@@ -27,10 +27,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: the helpers the scripts share
 
+from alternate import alternate, median_of, median_ratio  # noqa: E402
 from perf_targets import TRAINER_RATIO, Check, report, with_launch_environment  # noqa: E402
 
 from tonpolicy.align import harness  # noqa: E402
 from tonpolicy.trainer.process_groups import Layout, spawn  # noqa: E402
+
+
+def _step_s(measured: tuple[float, float]) -> float:
+    return measured[0]
+
+
+def _share(measured: tuple[float, float]) -> float:
+    return measured[1]
 
 
 def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int) -> dict[str, Any]:
@@ -50,40 +59,38 @@ def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int)
     schedule.token_logprobs = timed
     out: dict[str, Any] = {"layout": str(layout), "dtype": dtype}
     p, r = batch["prompts"], batch["responses"]
-    # Both specs live side by side (same process groups) and their steps alternate, so drift of a
-    # shared machine hits both alike; the ratio is the median of each round's own pair.
+    # Both specs live side by side (same process groups) and their steps alternate.
     workers, olds = {}, {}
     for spec in ("kernels", "stock"):
         cfg = harness.make_config(layout, dtype, "exact", 1.0, checkpoint)
         workers[spec] = TrainerWorker(cfg, checkpoint, spec=spec)
         olds[spec] = workers[spec].logprobs(p, r)
-    times: dict[str, list[float]] = {s: [] for s in workers}
-    shares: dict[str, list[float]] = {s: [] for s in workers}
     cmp_s: list[float] = []
-    for i in range(steps + 1):  # the first step builds DDP/optimizer: warm-up
-        for spec, w in workers.items():
-            old = olds[spec]
-            recipe["s"] = 0.0
-            t0 = time.perf_counter()
-            w.ppo_step(p, r, old, old, batch["advantages"])
-            dt = time.perf_counter() - t0
-            if spec == "kernels":
-                t1 = time.perf_counter()
-                harness.compare(old, [x.clone() for x in old])
-                cmp_s.append(time.perf_counter() - t1)
-            if i:
-                times[spec].append(dt)
-                shares[spec].append(recipe["s"] / dt)
+
+    def measure(spec: str, _round: int) -> tuple[float, float]:
+        """(seconds of one step, the share of it in the logprob recipe)."""
+        old = olds[spec]
+        recipe["s"] = 0.0
+        t0 = time.perf_counter()
+        workers[spec].ppo_step(p, r, old, old, batch["advantages"])
+        dt = time.perf_counter() - t0
+        if spec == "kernels":
+            t1 = time.perf_counter()
+            harness.compare(old, [x.clone() for x in old])
+            cmp_s.append(time.perf_counter() - t1)
+        return dt, recipe["s"] / dt
+
+    rounds = alternate(list(workers), steps + 1, measure)[1:]  # the first step builds DDP/optimizer: warm-up
     for spec, w in workers.items():
+        step_s = median_of(rounds, spec, _step_s)
         out[spec] = {
-            "step_s": statistics.median(times[spec]),
-            "recipe_share": statistics.median(shares[spec]),
-            "parity_compare_share": statistics.median(cmp_s) / statistics.median(times[spec]),
+            "step_s": step_s,
+            "recipe_share": median_of(rounds, spec, _share),
+            "parity_compare_share": statistics.median(cmp_s[1:]) / step_s,
         }
         w.close()
     reset_model_parallel()
-    pairs = [c / s for c, s in zip(times["kernels"], times["stock"], strict=True)]
-    out["contract_over_stock"] = statistics.median(pairs)
+    out["contract_over_stock"] = median_ratio(rounds, "kernels", "stock", _step_s)
     return out
 
 
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=96)
     ap.add_argument("--response-len", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=20)  # 8 left a 2-core VM's spread at +-0.04
+    ap.add_argument("--steps", type=int, default=20)  # fewer left a 2-core VM's spread too wide
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--model", default="qwen3_tiny")

@@ -1,4 +1,4 @@
-"""GPU check of the embedded engine's decode in CUDA graphs (issue 35, item 2), one process on one GPU
+"""GPU check of the embedded engine's decode in CUDA graphs, one process on one GPU
 (run under torchrun: the trainer's full forward needs a process group).
 
 For each shape (tiny; a 1024-wide one) and dtype (bf16, fp32), with contract=qwen3_dense_triton_v1's

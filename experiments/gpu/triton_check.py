@@ -1,4 +1,4 @@
-"""GPU proof of the `triton` kernel set (issue 14), one process on one GPU (run under torchrun, NCCL).
+"""GPU proof of the `triton` kernel set, one process on one GPU (run under torchrun, NCCL).
 
 Stages (each reported on its own; a failing stage does not stop the others), all bf16 unless named:
   linear     row invariance across M = 1..4096 (split and fused routes, row offsets), N-shard and
