@@ -7,7 +7,8 @@ build goes to a temporary folder in the cache and is published with an atomic re
 other processes each publish a whole file.
 
 Cache: TONPOLICY_KERNEL_CACHE, default ~/.cache/tonpolicy/kernels. Compiler: CXX, else g++ on PATH.
-`PathLibraries` loads one library per instruction-set path on first use (the ordered kernels' loaders).
+`PathLibraries` builds and loads one library per instruction-set path on first use (the ordered kernels'
+loaders); `cpu_flags` is what a path needs from the CPU, and part of a `-march=native` build's key.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -33,6 +34,23 @@ class NativeBuildError(RuntimeError):
 
 class NoCompilerError(NativeBuildError):
     """No C++ compiler: CXX unset and no g++ on PATH, or the one named cannot be run."""
+
+
+@functools.cache  # the CPU does not change under a process
+def cpu_flags_line() -> str:
+    """The first flags line of /proc/cpuinfo ("flags" on x86, "Features" on Arm); '' where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's flags, by Linux's names (empty where they cannot be read)."""
+    return frozenset(cpu_flags_line().partition(":")[2].split())
 
 
 def compiler() -> str | None:
@@ -87,21 +105,36 @@ def build(name: str, source: Path, flags: Sequence[str], extra_key: Sequence[str
 
 
 class PathLibraries(Generic[L, E]):
-    """One loaded library per instruction-set path, built on first use. `build(path)` returns the shared
-    library or raises `error`; `load(path, so)` wraps it. `known` names the paths `library` accepts
-    (ValueError otherwise), `runnable(path)` says whether this CPU runs one (`error` otherwise). A failure
-    is remembered, so a missing compiler or a failed build is not retried on every call."""
+    """One loaded library per instruction-set path of one C++ source, built on first use as `name`_path
+    with `flags[path]` (its keys are the paths `library` accepts: ValueError otherwise); `load(path, so)`
+    wraps it, `runnable(path)` says whether this CPU runs one (`error` otherwise). No compiler or a failed
+    build raises `error` naming `what` (and `note`: what still runs without it). A failure is remembered,
+    so a missing compiler or a failed build is not retried on every call."""
 
     def __init__(
         self,
-        build: Callable[[str], Path],
+        name: str,
+        source: Path,
+        flags: Mapping[str, Sequence[str]],
         load: Callable[[str, Path], L],
-        known: Collection[str],
         runnable: Callable[[str], bool],
         error: type[E],
+        what: str,
+        note: str = "",
     ) -> None:
-        self.build, self.load, self.known, self.runnable, self.error = build, load, known, runnable, error
+        self.name, self.source, self.flags, self.load, self.runnable = name, source, flags, load, runnable
+        self.error, self.what, self.note = error, what, note
+        self.known = tuple(flags)
         self.lock = threading.Lock()
+
+    def build(self, path: str) -> Path:
+        """The library of one path (from the cache, or built now); `error` on failure."""
+        try:
+            return build(f"{self.name}_{path}", self.source, self.flags[path])
+        except NoCompilerError as e:
+            raise self.error(f"{self.what}: a C++ compiler is needed, set CXX or install g++{self.note} ({e})") from e
+        except NativeBuildError as e:
+            raise self.error(f"{self.what}: the {path} build failed{self.note}: {e}") from e
 
     def library(self, path: str, libs: dict[str, L | E]) -> L:
         """The library of `path`, from `libs` (the caller's memo: tests replace it to forget) or loaded now."""

@@ -45,20 +45,11 @@ _lib: list = []  # [ctypes function or None], filled once
 _lock = threading.Lock()
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def library_path() -> Path | None:
     """The compiled kernel for this source, compiler and CPU (built on first use), or None."""
+    cpu = native_build.cpu_flags_line() or platform.processor()  # -march=native: the CPU is part of the key
     try:
-        return native_build.build("exact_gemv", SOURCE_FILE, FLAGS, extra_key=[_cpu_flags(), platform.machine()])
+        return native_build.build("exact_gemv", SOURCE_FILE, FLAGS, extra_key=[cpu, platform.machine()])
     except native_build.NoCompilerError:
         return None
     except native_build.NativeBuildError as e:

@@ -20,9 +20,9 @@ needs K/C even when C > 1). `bmm` is the fp32 chain for attention's products.
 ordered_gemm.cpp implements it once per instruction-set path (avx512bf16: vdpbf16ps; avx512 and avx2: the
 pair chain as two FMAs, odd first, flushed by MXCSR FTZ|DAZ), vectorised across output columns only, K
 never split; each path's library is built with fixed -m flags (never -march=native) into the kernel cache
-(tonpolicy.kernels.native_build). The path is the best this CPU runs, or TONPOLICY_ORDERED_ISA. A scalar
-reference (plain loops, std::fma, flushes by hand) is in every library for the tests, and two `portable`
-builds (the AVX-512 paths' 16-lane code on plain C++ lanes) let any x86-64 run those paths' logic.
+(tonpolicy.kernels.native_build). The path (ordered_isa) is the best this CPU runs, or TONPOLICY_ORDERED_ISA.
+A scalar reference (plain loops, std::fma, flushes by hand) is in every library for the tests, and two
+`portable` builds (the AVX-512 paths' 16-lane code on plain C++ lanes) let any x86-64 run those paths' logic.
 `python -m tonpolicy.kernels.invariant.ordered_gemm --build` builds every path this CPU runs.
 """
 
@@ -30,98 +30,36 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import functools
 import math
-import os
-import platform
 import sys
 import threading
-import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from tonpolicy.kernels import native_build, weight_cache
+from tonpolicy.kernels import native_build
 from tonpolicy.kernels.invariant.exact_gemm import _TextbookGrad
 
-ISA_ENV = "TONPOLICY_ORDERED_ISA"
-PATHS = ("avx512bf16", "avx512", "avx2")  # best first
-# Tests only, on any x86-64: the AVX-512 paths' 16-lane code on plain C++ lanes (each FMA the reference's),
-# the pair chain as the avx512 path emulates it, or (portable_dp) as the avx512bf16 path runs it.
-PORTABLE = "portable"
-PORTABLE_DP = "portable_dp"
-_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-PATH_FLAGS = {
-    "avx512bf16": [*_AVX512, "-mavx512bf16", "-DORDERED_ISA_AVX512BF16"],
-    "avx512": [*_AVX512, "-DORDERED_ISA_AVX512"],
-    "avx2": ["-mavx2", "-mfma", "-DORDERED_ISA_AVX2"],
-    PORTABLE: ["-O1", "-DORDERED_ISA_PORTABLE"],  # a ~4 s build (its speed does not matter)
-    PORTABLE_DP: ["-O1", "-DORDERED_ISA_PORTABLE", "-DORDERED_PORTABLE_DP"],
-}
-CPU_NEEDS = {
-    "avx512bf16": ("avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    "avx2": ("avx2", "fma"),
-}
-# No -march=native: the code (and so nothing about the bits) must not depend on the build host.
-# -ffp-contract=off: every FMA is one written in the source.
-BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp", "-fPIC", "-shared"]
+# The ISA choice and the packed weights, imported from here by their callers too.
+from tonpolicy.kernels.invariant.ordered_isa import BASE_FLAGS as BASE_FLAGS
+from tonpolicy.kernels.invariant.ordered_isa import ISA_ENV as ISA_ENV
+from tonpolicy.kernels.invariant.ordered_isa import PATH_FLAGS as PATH_FLAGS
+from tonpolicy.kernels.invariant.ordered_isa import PATHS as PATHS
+from tonpolicy.kernels.invariant.ordered_isa import PORTABLE as PORTABLE
+from tonpolicy.kernels.invariant.ordered_isa import PORTABLE_DP as PORTABLE_DP
+from tonpolicy.kernels.invariant.ordered_isa import V1_STILL_RUNS, chosen_path, isa_paths
+from tonpolicy.kernels.invariant.ordered_isa import OrderedKernelsUnavailable as OrderedKernelsUnavailable
+from tonpolicy.kernels.invariant.ordered_pack import packed_weight
+from tonpolicy.kernels.native_build import cpu_flags as cpu_flags
+
 SOURCE_FILE = Path(__file__).with_suffix(".cpp")
-PANEL = 16  # lanes of a packed weight panel (every path)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_V1 = "contract v1 (contract=qwen3_dense_v1) still runs"
-
-
-class OrderedKernelsUnavailable(RuntimeError):
-    """The ordered GEMM cannot run here (no compiler, a CPU without AVX2+FMA, a failed build)."""
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def isa_paths() -> list[str]:
-    """The instruction-set paths this CPU can run, best first."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return []
-    have = cpu_flags()
-    return [p for p in PATHS if all(f in have for f in CPU_NEEDS[p])]
-
-
-def chosen_path() -> str:
-    """TONPOLICY_ORDERED_ISA if set (it must be a path this CPU runs), else the best path."""
-    can = isa_paths()
-    want = os.environ.get(ISA_ENV, "").strip()
-    if want:
-        if want not in PATHS:
-            raise OrderedKernelsUnavailable(f"{ISA_ENV}={want!r}: not one of {'|'.join(PATHS)}")
-        if want not in can:
-            need = " ".join(CPU_NEEDS[want])
-            raise OrderedKernelsUnavailable(
-                f"{ISA_ENV}={want}: this CPU cannot run it (needs {need}; the CPU's flags: "
-                f"{' '.join(sorted(cpu_flags())) or 'none read'})"
-            )
-        return want
-    if not can:
-        raise OrderedKernelsUnavailable(
-            f"the ordered GEMM needs an x86-64 CPU with AVX2 and FMA (this one: {platform.machine()}, flags: "
-            f"{' '.join(sorted(cpu_flags())) or 'none read'}); {_V1}"
-        )
-    return can[0]
 
 
 class _Lib:
-    """One path's compiled functions (ctypes). The products take their arguments in one int64 array (a
-    ctypes call of 11 converted arguments costs ~4 us, of one ~0.5 us): one array per calling thread."""
+    """One path's compiled functions (ctypes). The products take their arguments in one int64 array (ctypes
+    converts each argument of a call: one is far cheaper than eleven): one array per calling thread."""
 
     def __init__(self, path: str, so: Path) -> None:
         lib = ctypes.CDLL(str(so))
@@ -148,24 +86,16 @@ def _arg_array() -> ctypes.Array:
 
 
 _libs: dict[str, _Lib | OrderedKernelsUnavailable] = {}  # a path's library or its remembered failure
-
-
-def build_path(path: str) -> Path:
-    """Build (or find in the cache) the library of one path; OrderedKernelsUnavailable on failure."""
-    flags = [*BASE_FLAGS, *PATH_FLAGS[path]]
-    try:
-        return native_build.build(f"ordered_gemm_{path}", SOURCE_FILE, flags)
-    except native_build.NoCompilerError as e:
-        raise OrderedKernelsUnavailable(
-            f"the ordered GEMM (contract v2) needs a C++ compiler: set CXX or install g++; {_V1} ({e})"
-        ) from e
-    except native_build.NativeBuildError as e:
-        raise OrderedKernelsUnavailable(f"the ordered GEMM's {path} build failed ({_V1}): {e}") from e
-
-
 # The portable builds run on any x86-64; the real paths only where the CPU has their flags.
 _LIBRARIES = native_build.PathLibraries(
-    build_path, _Lib, PATH_FLAGS, lambda p: p not in PATHS or p in isa_paths(), OrderedKernelsUnavailable
+    "ordered_gemm",
+    SOURCE_FILE,
+    {path: [*BASE_FLAGS, *flags] for path, flags in PATH_FLAGS.items()},
+    _Lib,
+    lambda p: p not in PATHS or p in isa_paths(),
+    OrderedKernelsUnavailable,
+    "the ordered GEMM (contract v2)",
+    f"; {V1_STILL_RUNS}",
 )
 
 
@@ -191,78 +121,6 @@ def build_all() -> list[str]:
     for p in paths:
         library(p)
     return paths
-
-
-# ---------------------------------------------------------------------------------------------------
-# Packed weights: fp32 [N/16][K][16]; bf16 [N/16][C][Ks2][16][2] pairs (each shard padded to even, so with
-# K/C even the layout is [N/16][K/2][16][2] for any C). Cached per weight in a WeakIdKeyDictionary while the
-# weight's storage, version, shape, stride and dtype and the weights generation
-# (tonpolicy.kernels.weight_cache) are unchanged. `_front` finds the same entries by id(w) faster than the
-# dictionary's lookup (a decode step's tiny GEMMs feel it); an entry found there is used only if its weak
-# reference is still w, and it leaves with w.
-_packed = WeakIdKeyDictionary()
-_front: dict[int, _Entry] = {}
-
-
-class _Entry:
-    __slots__ = ("ref", "key", "packs", "__weakref__")
-
-    def __init__(self) -> None:
-        self.ref, self.key, self.packs = None, None, {}
-
-
-def _entry(w: torch.Tensor) -> _Entry:
-    e = _front.get(id(w))
-    if e is not None and e.ref() is w:
-        return e
-    e = _packed.get(w)
-    if e is None:
-        e = _Entry()
-        try:
-            _packed[w] = e
-        except TypeError:  # not weak-referenceable: no caching
-            return e
-        ident = id(w)
-        e.ref = weakref.ref(w, lambda _r: _front.pop(ident, None))
-    _front[id(w)] = e
-    return e
-
-
-def _layout(w: torch.Tensor, num_shards: int) -> int:
-    """Which packing w needs: bf16 with odd shards pads each shard (the shard count matters), else 1."""
-    return num_shards if w.dtype == torch.bfloat16 and (w.shape[1] // num_shards) % 2 else 1
-
-
-def pack_weight(w: torch.Tensor, num_shards: int = 1) -> torch.Tensor:
-    """w [N, K] in the kernels' panel layout (a new tensor in w's dtype)."""
-    n, k = w.shape
-    np_ = -(-n // PANEL)
-    w = w.detach()
-    if w.dtype == torch.float32:
-        wp = w.new_zeros(np_ * PANEL, k)
-        wp[:n] = w
-        return wp.view(np_, PANEL, k).transpose(1, 2).contiguous()
-    c = _layout(w, num_shards)
-    ks = k // c
-    ks2 = -(-ks // 2)
-    wp = w.new_zeros(np_ * PANEL, c, 2 * ks2)
-    wp[:n, :, :ks] = w.reshape(n, c, ks)
-    return wp.view(np_, PANEL, c, ks2, 2).permute(0, 2, 3, 1, 4).contiguous()
-
-
-def packed_weight(w: torch.Tensor, num_shards: int) -> torch.Tensor:
-    """w packed for `num_shards` K-shards, from the cache while w is unchanged."""
-    layout = 1 if num_shards == 1 else _layout(w, num_shards)
-    e = _front.get(id(w))
-    if e is None or e.ref() is not w:
-        e = _entry(w)
-    key = (w._version, w.data_ptr(), weight_cache.generation(), w.shape, w.stride(), w.dtype)
-    if e.key != key:
-        e.key, e.packs = key, {}
-    got = e.packs.get(layout)
-    if got is None:
-        e.packs[layout] = got = pack_weight(w, layout)
-    return got
 
 
 # ---------------------------------------------------------------------------------------------------
