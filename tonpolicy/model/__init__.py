@@ -1,4 +1,4 @@
-"""Qwen3 dense model for the rollout engine, HF checkpoint I/O and the KV cache pool."""
+"""The rollout engine's models (Qwen3 dense and Qwen3-MoE), HF checkpoint I/O, the tokenizer and the KV cache pool."""
 
 from tonpolicy.model.checkpoint import init_state_dict, load_hf, save_hf
 from tonpolicy.model.kv_cache import KVPool

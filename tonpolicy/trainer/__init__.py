@@ -1,10 +1,12 @@
 """Megatron-core trainer that reproduces the numerics contract.
 
 Entry point: `worker.TrainerWorker(cfg, checkpoint_dir)` inside an initialized process group
-(torchrun, or `dist.spawn` in tests): `.logprobs(prompts, responses)`, `.ppo_step(...)`, `.save_hf(dir)`.
+(torchrun, or `process_groups.spawn` in tests): `.logprobs(prompts, responses)`, `.ppo_step(...)`,
+`.save_hf(dir)`.
 
-Modules: `model` (GPTModel for a ModelConfig), `layer_spec` and `moe_layer` (the kernel layer specs:
-Megatron modules that call the kernel set), `cp_layout`, `cp_attention` and `ring_attention` (Ulysses /
+Modules: `model` (GPTModel for a ModelConfig), `layer_spec` (the block specs), `spec_providers` (the
+kernel and stock spec providers they are filled from), `kernel_modules` and `moe_layer` (the Megatron
+modules that call the kernel set), `cp_layout`, `cp_attention` and `ring_attention` (Ulysses /
 zigzag-ring context parallelism, the one response slicer), `ep_exchange` (expert parallelism's token
 exchange), `comm` (autograd collectives), `kernel_autograd` (kernel forward, plain backward), `logprobs`
 (the recipe with `comm.replicated_all_gather`), `schedule` (megatron's schedules over samples),
