@@ -12,6 +12,7 @@ Also runs on CPU (gloo), which is how it was tested. Writes JSON to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -68,7 +69,9 @@ def _worker(dtype: str, spec: str, ck: str) -> Any:
     from tonpolicy.trainer.worker import TrainerWorker
 
     cfg = harness.make_config(Layout(), dtype, "exact", 0.8, ck)
-    return TrainerWorker(cfg, ck, spec=spec)
+    # The set under test is contract v1's (`invariant`: it runs on any torch device), as the engine's side.
+    v1 = dataclasses.replace(cfg.contract, name="qwen3_dense_v1", version=1, kernels="invariant")
+    return TrainerWorker(dataclasses.replace(cfg, contract=v1), ck, spec=spec)
 
 
 @stage("parity")
