@@ -12,6 +12,7 @@ from support.kernel_utils import DTYPES, num_threads, randn
 
 from tonpolicy.kernels import get_kernels
 from tonpolicy.kernels.invariant import attention as invariant_attention
+from tonpolicy.kernels.invariant import attention_keys
 
 HEADS = [(8, 4, 32), (4, 4, 64), (16, 2, 128)]  # (Hq, Hkv, D): tiny profile, MHA, wide GQA
 
@@ -103,10 +104,10 @@ def test_pooled_path_equals_batched_path(dtype, span_elements, stage_keys, monke
     fewer tiles (one; about 3 for 32-dim heads) than it sees, as for long contexts, and when every span's
     keys are staged as bf16 before the upcast (`STAGE_KEYS`, long contexts)."""
     if span_elements is not None:
-        monkeypatch.setattr(invariant_attention, "SPAN_ELEMENTS", span_elements)
-        monkeypatch.setattr(invariant_attention, "SPAN_MIN_TILES", 1)
+        monkeypatch.setattr(attention_keys, "SPAN_ELEMENTS", span_elements)
+        monkeypatch.setattr(attention_keys, "SPAN_MIN_TILES", 1)
     if stage_keys is not None:
-        monkeypatch.setattr(invariant_attention, "STAGE_KEYS", stage_keys)
+        monkeypatch.setattr(attention_keys, "STAGE_KEYS", stage_keys)
     rng = random.Random(11)
     for trial in range(24):
         hq, hkv, d = rng.choice(HEADS)

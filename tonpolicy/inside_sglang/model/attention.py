@@ -18,7 +18,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
-from tonpolicy.kernels.invariant.attention import KEY_PAD_POS, QUERY_PAD_POS
+from tonpolicy.kernels.attention_merge import KEY_PAD_POS, QUERY_PAD_POS
 from tonpolicy.kernels.sets import kernel_set
 
 

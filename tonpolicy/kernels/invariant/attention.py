@@ -20,7 +20,6 @@ inputs); `sigmoid`/`silu` are avoided (they do not).
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,13 +27,17 @@ from typing import NamedTuple
 
 import torch
 
+from tonpolicy.kernels import attention_merge
+
+# The shared partials and the key tiles, imported from here by their callers too.
+from tonpolicy.kernels.attention_merge import KEY_PAD_POS as KEY_PAD_POS
+from tonpolicy.kernels.attention_merge import QUERY_PAD_POS, safe_max
+from tonpolicy.kernels.attention_merge import finalize as finalize
 from tonpolicy.kernels.base import AttnPartial
 from tonpolicy.kernels.invariant import exact_gemm
+from tonpolicy.kernels.invariant.attention_keys import Keys, KeyTiles, PooledKeyTiles
+from tonpolicy.kernels.invariant.attention_keys import key_tiles as key_tiles
 
-# Position given to padded keys: larger than any query, so the causal mask removes them.
-KEY_PAD_POS = 2**62
-# Position given to padded queries: smaller than any key, so they see nothing (their rows are dropped).
-QUERY_PAD_POS = -1
 NEG_INF = float("-inf")
 # Operand dtypes whose products are exact in fp32 (8- and 11-bit significands).
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -43,42 +46,13 @@ SCORE_BUDGET = 1 << 23
 # Largest per-tile accumulator (elements) whose fold carries l beside acc (fewer, larger ops: faster
 # when ops are small; measured slower for prefill-sized blocks, where the concatenation costs more).
 FOLD_TOGETHER = 1 << 14
-# fp32 key elements (per operand) one span of pooled keys is upcast into at a time, and the fewest tiles
-# a span holds (the per-span ops' fixed cost): bench_engine's context sweep picks them.
-SPAN_ELEMENTS = 1 << 19
-SPAN_MIN_TILES = 8
-# Keys per span from which a pooled K span is first copied as bf16, then upcast: spans this long come
-# from contexts whose cache is out of cache (DRAM), where the plain copy of the d-major rows and then an
-# upcast in cache beats one upcasting copy; in cache the one copy is faster. Same values either way
-# (the upcast is exact).
-STAGE_KEYS = 1024
 # Work per query block (sequences x query heads x head dim) at which one key tile of queries is best.
 BLOCK_WORK = 4096
 
 
-def _safe(m: torch.Tensor) -> torch.Tensor:
-    # A fully masked row has m = -inf; subtract 0 instead so exp(-inf - 0) = 0, never NaN. (One op: the
-    # values of where(m == -inf, 0, m), NaN, +inf and -0.0 kept.)
-    return torch.nan_to_num(m, nan=math.nan, posinf=math.inf, neginf=0.0)
-
-
 def merge(a: AttnPartial, b: AttnPartial, products: Products | None = None) -> AttnPartial:
-    """The one merge formula; `a` covers keys before `b`."""
-    exp = (products or EXACT).exp
-    m = torch.maximum(a.m, b.m)
-    ms = _safe(m)
-    ca = exp(a.m - ms)
-    cb = exp(b.m - ms)
-    l = a.l * ca + b.l * cb  # noqa: E741
-    acc = a.acc * ca.unsqueeze(-1) + b.acc * cb.unsqueeze(-1)
-    return AttnPartial(m, l, acc)
-
-
-def finalize(p: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
-    # A query that sees no key (only padding rows) has l = 0, acc = 0: return 0, not 0/0 = NaN (which
-    # would poison a backward pass). Real rows have l >= 1, so their bits are untouched.
-    l = torch.where(p.l == 0, 1.0, p.l)  # noqa: E741
-    return (p.acc / l.unsqueeze(-1)).to(dtype)
+    """The one merge formula (kernels.attention_merge) with the products' exp; `a` covers keys before `b`."""
+    return attention_merge.merge(a, b, (products or EXACT).exp)
 
 
 def merge_tiles(p: AttnPartial, inplace: bool = False, products: Products | None = None) -> AttnPartial:
@@ -94,7 +68,7 @@ def merge_tiles(p: AttnPartial, inplace: bool = False, products: Products | None
     exp = (products or EXACT).exp
     run_m = torch.cummax(p.m, dim=0).values
     prev_m = torch.cat([p.m[:1], run_m[:-1]], dim=0)
-    ms = _safe(run_m)
+    ms = safe_max(run_m)
     ca = exp(prev_m - ms)
     cb = exp(p.m - ms)
     if inplace and p.acc[0].numel() <= FOLD_TOGETHER:
@@ -120,85 +94,6 @@ def merge_tiles(p: AttnPartial, inplace: bool = False, products: Products | None
             l_run = l_run * ca_l[t] + lb[t]
             a_run = a_run * ca_acc[t] + ab[t]
     return AttnPartial(run_m[-1], l_run, a_run)
-
-
-class KeyTiles:
-    """Key tiles in the GEMM layouts, fp32: k [B*Hkv, D, Kt*T], v [Kt, B*Hkv, T, D]; positions [B, Kt, T]."""
-
-    # Tiles per span a block's partials are computed over (all: the keys are already in memory).
-    chunk = 1 << 62
-
-    def __init__(
-        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, heads: int, source_dtype: torch.dtype
-    ) -> None:
-        self.k, self.v, self.pos, self.heads = k, v, pos, heads
-        self.source_dtype = source_dtype  # what the keys were before the upcast
-        self.tiles, self.tile = pos.shape[1], pos.shape[2]
-        self.requires_grad = k.requires_grad or v.requires_grad
-
-    def span(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tiles [a, b) (contiguous: a GEMM reading a strided operand may take another path)."""
-        if (a, b) == (0, self.tiles):
-            return self.k, self.v
-        t = self.tile
-        k = self.k.view(*self.k.shape[:2], self.tiles, t)[..., a:b, :].reshape(*self.k.shape[:2], (b - a) * t)
-        return k, self.v[a:b]
-
-
-class PooledKeyTiles:
-    """Key tiles [0, tiles) of pool slots `slots` in a head-layout KV pool (k [S, Hkv, D, cap],
-    v [S, Hkv, cap, D]; key j at position j), upcast to the GEMM layouts of `KeyTiles` a span at a time:
-    one upcasting copy with contiguous rows on both sides (no transpose; a gather only when the slots
-    are not a run). A single query block
-    (decode) reads spans of about SPAN_ELEMENTS, so each fp32 copy is used while in cache (the whole
-    copy at once is slower: it streams through memory)."""
-
-    requires_grad = False
-
-    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, tiles: int, tile: int):
-        self.k_pool, self.v_pool, self.slots, self.slot_index = k_pool, v_pool, slots.tolist(), slots
-        self.heads, self.tiles, self.tile = k_pool.shape[1], tiles, tile
-        self.source_dtype = k_pool.dtype
-        b, d = len(self.slots), k_pool.shape[2]
-        self.pos = torch.arange(tiles * tile, device=k_pool.device).view(1, tiles, tile).expand(b, tiles, tile)
-        self.chunk = max(SPAN_MIN_TILES, SPAN_ELEMENTS // (b * self.heads * d * tile))
-        first = self.slots[0]
-        self.run = self.slots == list(range(first, first + len(self.slots)))
-
-    def with_slots(self, slots: torch.Tensor) -> PooledKeyTiles:
-        """The same geometry over other pool slots (as many): positions and span sizes unchanged."""
-        other = copy.copy(self)
-        other.slots, other.slot_index = slots.tolist(), slots
-        first = other.slots[0]
-        other.run = other.slots == list(range(first, first + len(other.slots)))
-        return other
-
-    def over(self, k_pool: torch.Tensor | None, v_pool: torch.Tensor | None) -> PooledKeyTiles:
-        """The same slots and tiles of another layer's pools (shapes equal): no geometry recomputed."""
-        other = copy.copy(self)
-        other.k_pool, other.v_pool = k_pool, v_pool
-        return other
-
-    def span(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hkv, d, t, n = self.heads, self.k_pool.shape[2], self.tile, b - a
-        ks = torch.empty(len(self.slots), hkv, d, n * t, device=self.k_pool.device)
-        vs = torch.empty(n, len(self.slots), hkv, t, d, device=self.v_pool.device)
-        k, v = self.k_pool[..., a * t : b * t], self.v_pool[:, :, a * t : b * t]
-        if self.run:  # a run of slots: a view, no gather
-            first = self.slots[0]
-            k, v = k[first : first + len(self.slots)], v[first : first + len(self.slots)]
-        else:
-            k, v = k.index_select(0, self.slot_index), v.index_select(0, self.slot_index)
-        ks.copy_(k.contiguous() if n * t >= STAGE_KEYS else k)
-        vs.copy_(v.view(-1, hkv, n, t, d).permute(2, 0, 1, 3, 4))
-        return ks.view(-1, d, n * t), vs.view(n, -1, t, d)
-
-    def whole(self) -> KeyTiles:
-        """All tiles, upcast at once (for several query blocks, which would each read them)."""
-        return KeyTiles(*self.span(0, self.tiles), self.pos, self.heads, self.source_dtype)
-
-
-Keys = KeyTiles | PooledKeyTiles
 
 
 @dataclass
@@ -357,17 +252,17 @@ def _span_partials(
         if sp.mask is not None:
             s = s.masked_fill(sp.mask, NEG_INF)
         m = s.amax(dim=-1)  # [B, Hkv, R, n]
-        p = products.exp(s - _safe(m).unsqueeze(-1))
+        p = products.exp(s - safe_max(m).unsqueeze(-1))
     elif sp.bias is None:
         m = s.mul_(scale).amax(dim=-1)
-        p = products.exp_(s.sub_(_safe(m).unsqueeze(-1)))
+        p = products.exp_(s.sub_(safe_max(m).unsqueeze(-1)))
     else:
         # The same values as masking with -inf and exp (exp(-inf) = 0), and faster: adding a 0/-inf bias
         # is cheaper than a broadcast masked_fill, and exp is slow on -inf, so hidden scores are exp'd as
         # exp(0) and multiplied by 0 (NaN and +inf still propagate).
         s.mul_(scale)[:, :, :, j:].add_(sp.bias)
         m = s.amax(dim=-1)
-        p = s.sub_(_safe(m).unsqueeze(-1))
+        p = s.sub_(safe_max(m).unsqueeze(-1))
         p[:, :, :, j:].nan_to_num_(nan=math.nan, posinf=math.inf, neginf=0.0)
         products.exp_(p)[:, :, :, j:].mul_(sp.keep)
     l = products.row_sum(p)  # noqa: E741
@@ -405,24 +300,6 @@ def trim_rows(q_dtype: torch.dtype, key_dtype: torch.dtype, inplace: bool) -> bo
 def in_place(q: torch.Tensor, keys: Keys) -> bool:
     """Whether the scores may be overwritten in place (nothing is differentiated: same ops, same bits)."""
     return not (torch.is_grad_enabled() and (q.requires_grad or keys.requires_grad))
-
-
-def key_tiles(k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor, tile: int) -> KeyTiles:
-    """Token-major keys [B, Nk, Hkv, D] (positions [B, Nk]) as fp32 tiles, padded with zero k/v at
-    KEY_PAD_POS."""
-    b, nk, hkv, d = k.shape
-    kt = max(1, -(-nk // tile))
-    extra = kt * tile - nk
-    if extra:
-        k = torch.cat([k, k.new_zeros(b, extra, hkv, d)], dim=1)
-        v = torch.cat([v, v.new_zeros(b, extra, hkv, d)], dim=1)
-        k_pos = torch.cat([k_pos, k_pos.new_full((b, extra), KEY_PAD_POS)], dim=1)
-    # One transposing upcast each (the upcast is exact).
-    ks = torch.empty(b, hkv, d, kt * tile, device=k.device).copy_(k.permute(0, 2, 3, 1))
-    vs = torch.empty(kt, b, hkv, tile, d, device=v.device).copy_(v.view(b, kt, tile, hkv, d).permute(1, 0, 3, 2, 4))
-    return KeyTiles(
-        ks.view(b * hkv, d, kt * tile), vs.view(kt, b * hkv, tile, d), k_pos.reshape(b, kt, tile), hkv, k.dtype
-    )
 
 
 def attention(

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from tonpolicy.kernels import moe
+from tonpolicy.kernels.attention_merge import KEY_PAD_POS, finalize, merge
 from tonpolicy.kernels.base import AttnPartial
-from tonpolicy.kernels.invariant.attention import KEY_PAD_POS, finalize, merge
 
 
 class PlainKernels:
