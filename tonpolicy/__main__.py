@@ -6,12 +6,15 @@ before Hydra (whose own flag prints Hydra's version) or torch is imported."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from tonpolicy.version import build_info, version_line
+
+log = logging.getLogger("tonpolicy")  # __name__ is __main__ under python -m
 
 
 def job(dcfg: DictConfig) -> None:
@@ -32,12 +35,12 @@ def job(dcfg: DictConfig) -> None:
     unknown = unknown_keys(dcfg)  # before to_object, which would drop them silently
     said = given_lr_wins(dcfg, list(hc.overrides.task))
     if said:
-        print(f"tonpolicy: {said}", file=sys.stderr)
+        log.log(logging.WARNING if said.startswith("warning") else logging.INFO, f"tonpolicy: {said}")
     cfg: Config = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
     try:
         code = run(cfg, run_dir, unknown)
     except ConfigError as exc:
-        print(f"tonpolicy: {exc}", file=sys.stderr)
+        log.error(f"tonpolicy: {exc}")
         code = EXIT_INVALID_CONFIG
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(
@@ -52,7 +55,7 @@ def job(dcfg: DictConfig) -> None:
         )
     if code and hc.mode == RunMode.MULTIRUN:
         # One failed job must not stop the sweep; the sweep summary reports it and sets the exit code.
-        print(f"tonpolicy: job {hc.job.num} ({hc.job.override_dirname}) exited {code}", file=sys.stderr)
+        log.error(f"tonpolicy: job {hc.job.num} ({hc.job.override_dirname}) exited {code}")
         return
     if code:
         sys.exit(code)
@@ -62,7 +65,7 @@ def main() -> None:
     if "--version" in sys.argv[1:]:
         from tonpolicy.loop.exit_codes import EXIT_OK  # no imports of its own: --version stays instant
 
-        print(version_line())
+        print(version_line())  # the command's result
         sys.exit(EXIT_OK)
     from tonpolicy.cpu_memory import tune_malloc
 
@@ -81,9 +84,9 @@ def main() -> None:
     register_help_resolver()
     try:
         for warning in check_command_line(sys.argv[1:]):
-            print(f"tonpolicy: warning: {warning}", file=sys.stderr)
+            log.warning(f"tonpolicy: warning: {warning}")  # before Hydra configures logging: stderr as is
     except ConfigError as exc:
-        print(f"tonpolicy: {exc}", file=sys.stderr)
+        log.error(f"tonpolicy: {exc}")
         sys.exit(EXIT_INVALID_CONFIG)
     # An absolute path: the console script (module tonpolicy.__main__) would otherwise look for a
     # `tonpolicy.conf` Python package, which the config folder is not.

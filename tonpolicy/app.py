@@ -7,7 +7,7 @@ launch plan into the run directory, then dispatch on `cfg.mode`.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -17,6 +17,8 @@ from tonpolicy.files import write_atomic
 from tonpolicy.launch.plan import launch_plan, launch_script, resolve_device
 from tonpolicy.loop.exit_codes import EXIT_OK
 from tonpolicy.validation.validate import ConfigError, ConfigIssue, validate
+
+log = logging.getLogger(__name__)
 
 
 def write_plan(cfg: Config, run_dir: Path) -> dict:
@@ -47,10 +49,9 @@ def _check_data(cfg: Config) -> None:
             except DataError as exc:
                 raise ConfigError([ConfigIssue(key, files, str(exc))]) from exc
             if data.dropped:
-                print(
+                log.warning(
                     f"tonpolicy: {key}: {data.dropped} of {data.dropped + len(data.rows)} prompts are longer than "
-                    f"experiment.max_prompt_len={cfg.experiment.max_prompt_len} tokens: left out",
-                    file=sys.stderr,
+                    f"experiment.max_prompt_len={cfg.experiment.max_prompt_len} tokens: left out"
                 )
 
 
@@ -81,11 +82,11 @@ def _resumed(cfg: Config, run_dir: Path) -> Config:
     if reason:
         raise ConfigError([ConfigIssue("checkpoint.resume", cfg.checkpoint.resume, reason)])
     if path is None:
-        print(f"tonpolicy: no saved step to resume in {run_dir / 'checkpoints'}: starting afresh", file=sys.stderr)
+        log.info(f"tonpolicy: no saved step to resume in {run_dir / 'checkpoints'}: starting afresh")
         return cfg
     completed = int(path.name.removeprefix("step_"))
     drop_records_from(run_dir, completed)
-    print(f"tonpolicy: resuming after step {completed - 1} from {path}", file=sys.stderr)
+    log.info(f"tonpolicy: resuming after step {completed - 1} from {path}")
     return replace(cfg, model=replace(cfg.model, checkpoint=str(path)))
 
 
@@ -122,8 +123,8 @@ def run(cfg: Config, run_dir: Path, unknown: list[ConfigIssue] | None = None) ->
         run_dir = node_dir(cfg, run_dir)
     plan = write_plan(cfg, run_dir)
     if cfg.mode == "plan":
-        print(json.dumps(plan, indent=2))
-        print(f"\nlaunch plan written to {run_dir / 'launch_plan.json'} and {run_dir / 'launch.sh'}", file=sys.stderr)
+        print(json.dumps(plan, indent=2))  # the command's result, asked for with mode=plan: stdout
+        log.info(f"launch plan written to {run_dir / 'launch_plan.json'} and {run_dir / 'launch.sh'}")
         return EXIT_OK
     if cfg.mode == "run":
         from tonpolicy.launch.job import run_job

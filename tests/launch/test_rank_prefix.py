@@ -29,6 +29,9 @@ def test_two_ranks_in_one_log_and_the_root_cause(tmp_path: Path) -> None:
     log = tmp_path / "trainer.log"
     code = (
         "from tonpolicy.launch.rank_prefix import prefix_rank_output; prefix_rank_output(); "
+        "from tonpolicy.log_setup import configure_process; configure_process(); "  # as trainer_main does
+        "import logging; logging.getLogger('tonpolicy.loop.run').info('logged'); "
+        "logging.getLogger('tonpolicy.loop.run').debug('hidden'); "
         "print('hello'); raise ValueError('bad shard')"
     )
     with log.open("w") as f:
@@ -37,5 +40,7 @@ def test_two_ranks_in_one_log_and_the_root_cause(tmp_path: Path) -> None:
             subprocess.run([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT, env=env, check=False)
     lines = log.read_text().splitlines()
     assert "[rank0]: hello" in lines and "[rank1]: hello" in lines
+    assert "[rank0]: logged" in lines and "[rank1]: logged" in lines  # INFO by default, prefixed
+    assert not any("hidden" in ln for ln in lines)
     assert all(ln.startswith(("[rank0]: ", "[rank1]: ")) for ln in lines)
     assert root_cause(log) == "ValueError: bad shard"

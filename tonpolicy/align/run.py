@@ -9,7 +9,7 @@ align/rollout/ and align/<reference>/ (dumps), align_report.json and align_repor
 
 from __future__ import annotations
 
-import sys
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,8 @@ from tonpolicy.align.names import ALL_OPS, Checkpoint, parse_name
 from tonpolicy.align.recorder import Selection
 from tonpolicy.config.errors import ConfigError, ConfigIssue
 from tonpolicy.config.schema import Config
+
+log = logging.getLogger(__name__)
 
 REFERENCES = ("trainer", "full_forward")
 # Checkpoints the engines compute with plain tensor ops (lookup, residual adds), not kernel calls.
@@ -134,10 +136,9 @@ def run_align(cfg: Config, run_dir: Path) -> int:
     )
     save_dump(rollout, out / "rollout")
     tokens, prompt_len = rollout.tokens, len(req.prompt_ids)
-    print(
+    log.info(
         f"align: sample {a.sample}: prompt {prompt_len} tokens, response {len(response)} tokens; "
-        f"rollout dump ({len(rollout.tensors)} checkpoints) in {out / 'rollout'}",
-        flush=True,
+        f"rollout dump ({len(rollout.tensors)} checkpoints) in {out / 'rollout'}"
     )
     # The reference holds the sample's real tokens only (no padding rows).
     # The reference keeps the sample's real tokens only (the trainer never feeds the last one: it
@@ -151,10 +152,10 @@ def run_align(cfg: Config, run_dir: Path) -> int:
         ref = full_forward_dump(model, tokens, prompt_len, req.temperature, ref_sel, perturb=ref_perturb)
     ref_dir = save_dump(ref, out / a.reference)
     report = compare_dumps(rollout, ref, str(out / "rollout"), str(ref_dir))
-    print(format_report(report))
+    print(format_report(report))  # the command's result
     _check_engine_logprobs(rollout, engine_lps)
     js, png = write_report(report, run_dir)
-    print(f"report written to {js} and {png}", file=sys.stderr)
+    log.info(f"report written to {js} and {png}")
     return 0 if report.match else 1
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import sys
+import logging
 from typing import Any
 
 from tonpolicy.config.rollout_backends import rollout_backend
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.identity import identity, runtime_differences
+
+log = logging.getLogger(__name__)
 
 
 def handshake(cfg: Config, client: Any, ours_runtime: dict[str, Any]) -> str | None:
@@ -58,8 +60,7 @@ def handshake_one(cfg: Config, client: Any, ours_runtime: dict[str, Any]) -> str
     wrong = {k: info.get(k) for k, v in expected.items() if info.get(k) != v}
     if wrong:
         return f"SGLang server args {wrong} differ from contract {cfg.contract.name}'s {expected}"
-    print(
-        f"tonpolicy: stock SGLang's server args match contract {cfg.contract.name}; parity is measured by the gate",
-        file=sys.stderr,
+    log.info(
+        f"tonpolicy: stock SGLang's server args match contract {cfg.contract.name}; parity is measured by the gate"
     )
     return None

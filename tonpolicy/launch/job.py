@@ -8,6 +8,7 @@ already on disk, prints the per-step table and where the logs are, and returns t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -47,6 +48,8 @@ from tonpolicy.loop.exit_codes import (
 )
 from tonpolicy.ports import free_port
 from tonpolicy.version import build_info
+
+log = logging.getLogger(__name__)
 
 
 def prepare_checkpoint(cfg: Config, run_dir: Path) -> Path:
@@ -141,7 +144,7 @@ def supervise(cfg: Config, run_dir: Path, rollout: Fleet, trainer: Child, procs:
     watched = [(child, _Liveness(url, cfg.rollout.liveness_timeout_s)) for child, url in rollout.watched()]
     while True:
         for record in tail.new_records():
-            print(_progress(record, cfg.experiment.steps), file=sys.stderr, flush=True)
+            log.info(_progress(record, cfg.experiment.steps))
         if not trainer.alive():
             break
         for k, (server, liveness) in enumerate(watched):
@@ -234,7 +237,7 @@ def summarize(
             run_dir / "reward_curve.png",
             f"{cfg.task.name}, {cfg.contract.name} {layout_label(cfg.parallel)}: reward and parity",
         )
-        print(step_table(records))
+        print(step_table(records))  # the job's result, on stdout whatever the log level
     return summary
 
 
@@ -263,17 +266,16 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
             address = run_dir / ROLLOUT_ADDRESS_FILE
             address.unlink(missing_ok=True)
             trainer = start_trainer(cfg, run_dir, plan, f"@{address}", ckpt, procs)
-            print(startup_line(cfg, run_dir, len(started), world_size(cfg)), file=sys.stderr, flush=True)
+            log.info(startup_line(cfg, run_dir, len(started), world_size(cfg)))
             rollout = await_rollout(cfg, plan, started, procs, run_dir)
             rollout.checkpoint = ckpt
             write_json_atomic(address, {"url": rollout.url, "replica_urls": rollout.server_urls})
             if rollout.router is None:
-                print(f"rollout server ({cfg.rollout.backend}) healthy at {rollout.url}", file=sys.stderr)
+                log.info(f"rollout server ({cfg.rollout.backend}) healthy at {rollout.url}")
             else:
-                print(
+                log.info(
                     f"{len(rollout.servers)} rollout servers ({cfg.rollout.backend}) healthy at "
-                    f"{', '.join(rollout.server_urls)}, behind sglang-router at {rollout.url}",
-                    file=sys.stderr,
+                    f"{', '.join(rollout.server_urls)}, behind sglang-router at {rollout.url}"
                 )
             write_json_atomic(run_dir / "pids.json", {c.name: c.proc.pid for c in procs.children})
             code = supervise(cfg, run_dir, rollout, trainer, procs)
@@ -282,15 +284,16 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
     except JobFailed as exc:
         code = exc.code
         status = {EXIT_GATE_FAILED: "gate_failed", EXIT_HANDSHAKE: "handshake_refused"}.get(code, "failed")
-        print(f"tonpolicy: {exc}", file=sys.stderr)
+        log.error(f"tonpolicy: {exc}")
     except KeyboardInterrupt:
         status, code = "interrupted", EXIT_INTERRUPTED
-        print("tonpolicy: interrupted; stopping every child process", file=sys.stderr)
+        log.warning("tonpolicy: interrupted; stopping every child process")
     finally:
         procs.stop_all()
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
     summary = summarize(cfg, run_dir, status, time.monotonic() - t0, served)
+    # The verdict and where the results are: the job's result, shown whatever the log level.
     print(
         json.dumps({k: summary[k] for k in ("status", "steps_completed", "mismatched_tokens", "wall_s")}),
         file=sys.stderr,
@@ -298,5 +301,5 @@ def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
     for line in where_lines(run_dir):  # on success too: where the results are
         print(line, file=sys.stderr)
     if code:
-        print(f"tonpolicy: job {status} (exit {code}); logs in {run_dir / 'logs'}", file=sys.stderr)
+        log.error(f"tonpolicy: job {status} (exit {code}); logs in {run_dir / 'logs'}")
     return code

@@ -5,6 +5,7 @@ from the launch plan's commands, awaited until healthy, and a member that died s
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -20,6 +21,8 @@ from tonpolicy.launch.plan import API_KEY_PLACEHOLDER, router_argv
 from tonpolicy.launch.procs import Child, ProcessGroup, wait_until
 from tonpolicy.loop.exit_codes import EXIT_CHILD_FAILED, EXIT_SERVER_UNHEALTHY, STATUS_FILE
 from tonpolicy.ports import free_port, port_is_free
+
+log = logging.getLogger(__name__)
 
 
 class JobFailed(Exception):
@@ -192,8 +195,7 @@ def replace_member(cfg: Config, run_dir: Path, rollout: Fleet, dead: Child, proc
         flags: dict[str, Any] = {"--port": port, "--model-path": weights}
         argv = dead.argv if "--weight-version" in dead.argv else [*dead.argv, "--weight-version", version]
         argv = with_flags(argv, {**flags, "--weight-version": version})
-    print(f"tonpolicy: {died}; starting it again" + (f" at weight version {version}" if version else ""),
-          file=sys.stderr, flush=True)  # fmt: skip
+    log.warning(f"tonpolicy: {died}; starting it again" + (f" at weight version {version}" if version else ""))
     fresh = procs.start(dead.name, argv, dead.log_path, env=dead.env)
     rollout.restarts += 1
     from tonpolicy.rollout.fleet import RESTARTS_FILE

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import logging
 import time
 from pathlib import Path
 
 from tonpolicy.config.compose import load_config
 from tonpolicy.launch.rank_prefix import prefix_rank_output
+from tonpolicy.log_setup import configure_process
 from tonpolicy.loop.exit_codes import EXIT_SERVER_UNHEALTHY
 from tonpolicy.process_exit import exit_now
+
+log = logging.getLogger(__name__)
 
 # Where the launcher writes the rollout's address ({url, replica_urls}) once it is healthy, in the run dir.
 ROLLOUT_ADDRESS_FILE = "rollout_address.json"
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if url.startswith("@"):
         address = wait_for_address(Path(url[1:]), 2 * cfg.rollout.health_timeout_s + 60)
         if address is None:
-            print(f"tonpolicy trainer: no rollout address in {url[1:]} (was the rollout started?)", file=sys.stderr)
+            log.error(f"tonpolicy trainer: no rollout address in {url[1:]} (was the rollout started?)")
             return EXIT_SERVER_UNHEALTHY
         url, replica_urls = address
     return run_trainer(
@@ -70,4 +73,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # The verdict, records and W&B run are written and the process groups destroyed when main returns.
     prefix_rank_output()  # the ranks share one log: each line says whose it is
+    configure_process()  # after the prefix: log records go through it
     exit_now(main())

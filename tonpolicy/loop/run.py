@@ -28,7 +28,7 @@ logprobs as PPO's old ones and the rollout's as the behaviour policy (importance
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +56,8 @@ from tonpolicy.rl.objective import train_rollout_metrics
 from tonpolicy.rl.prompt_data import PromptData
 from tonpolicy.rollout.fleet import fleet_events
 from tonpolicy.trainer.optimizer_state import TRAINER_STATE
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tonpolicy.trainer.worker import TrainerWorker
@@ -228,11 +230,10 @@ def take_step(loop: Loop, step: int) -> Verdict:
         # the trainer's logprobs the gate compared: the recompute's, else the first training forward's
         trained = old if recompute else by_sample(len(batch.prompts), checked, seen)
         loop.records.write(record, batch, trained)
-        print(
+        log.info(
             f"step {step}: tokens={parity.tokens_scored} mismatched={parity.mismatched_tokens} "
             f"max|Δ|={parity.max_abs_logprob_diff:.3e} grad_norm={metrics.get('grad_norm')}"
-            + (f" routing_agreement={routing['routing_agreement']}" if routing else ""),
-            flush=True,
+            + (f" routing_agreement={routing['routing_agreement']}" if routing else "")
         )
         # 7. the server loads the new weights (asynchronous: and the producer may start the batches it allows)
         if verdict.passed:
@@ -278,7 +279,7 @@ def run_trainer(
 
         problems = host_problems(cfg.model, cfg.contract)
         if problems:
-            print("tonpolicy trainer: " + "\n".join(problems), file=sys.stderr, flush=True)
+            log.error("tonpolicy trainer: " + "\n".join(problems))
             return EXIT_INVALID_CONFIG
     worker = TrainerWorker(cfg, checkpoint)
     # checkpoint.resume: the launcher made the saved step's directory this run's checkpoint
@@ -299,7 +300,7 @@ def run_trainer(
     refusal = broadcast(refusal)
     if refusal:
         if rank0:
-            print(f"tonpolicy: refusing to train: {refusal}", file=sys.stderr)
+            log.error(f"tonpolicy: refusing to train: {refusal}")
             write_status(run_dir, EXIT_HANDSHAKE, refusal)
         worker.close()
         return EXIT_HANDSHAKE

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from tonpolicy.rl.rewards import BUILTIN
+
+log = logging.getLogger(__name__)
 
 NAMES = ("prompt", "response", "prompt_ids", "response_ids", "label", "extra")
 PLURAL = {"prompt": "prompts", "response": "responses", "prompt_ids": "prompt_ids", "response_ids": "response_ids"}
@@ -113,7 +116,7 @@ class UserReward:
     def _failed(self, what: str, exc: BaseException) -> None:
         if self.on_error == "fail":
             raise RewardError(f"reward.function={self.spec!r} failed on {what}: {exc!r}") from exc
-        print(f"tonpolicy: reward.function {self.spec} failed on {what}: {exc!r} (scored 0.0)", file=sys.stderr)
+        log.warning(f"tonpolicy: reward.function {self.spec} failed on {what}: {exc!r} (scored 0.0)")
 
     def __call__(
         self,

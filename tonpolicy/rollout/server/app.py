@@ -28,6 +28,7 @@ from __future__ import annotations
 import _thread
 import errno
 import json
+import logging
 import secrets
 import signal
 import sys
@@ -48,6 +49,8 @@ from tonpolicy.rollout.server.native_routes import NATIVE_ROUTES
 from tonpolicy.rollout.server.openai_routes import OPENAI_ROUTES
 from tonpolicy.rollout.server.state import ServerState, Stream
 from tonpolicy.rollout.wire.request import ProtocolError
+
+log = logging.getLogger(__name__)
 
 EXIT_LOAD_FAILED = 1
 EXIT_BIND_FAILED = 3
@@ -182,11 +185,9 @@ def bind(state: ServerState) -> RolloutHTTPServer | None:
         return RolloutHTTPServer((a.host, a.port), state)
     except OSError as e:
         why = "the port is already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-        print(
+        log.error(
             f"tonpolicy rollout server: cannot listen on {a.host}:{a.port}: {why}. "
-            "Stop the other process, pick another --port, or use --port 0 for a free one.",
-            file=sys.stderr,
-            flush=True,
+            "Stop the other process, pick another --port, or use --port 0 for a free one."
         )
         return None
 
@@ -216,7 +217,7 @@ def serve(args: ServerArgs) -> int:
     threading.Thread(target=httpd.serve_forever, name="tonpolicy-http", daemon=True).start()
     if args.port_file:
         write_port_file(args.port_file, state.port)
-    print(f"tonpolicy rollout server listening on http://{args.host}:{state.port}", flush=True)
+    log.info(f"tonpolicy rollout server listening on http://{args.host}:{state.port}")
     try:
         try:
             engine, state.model_config = build_engine(args)
@@ -227,11 +228,7 @@ def serve(args: ServerArgs) -> int:
             weight = engine.model.model.embed_tokens.weight
             state.runtime = runtime_identity(engine.model.kernels, args.dtype, weight.device.type)
         except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
-            print(
-                f"tonpolicy rollout server: cannot load the model: {type(e).__name__}: {e}",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.error(f"tonpolicy rollout server: cannot load the model: {type(e).__name__}: {e}")
             return EXIT_LOAD_FAILED
         loop = EngineLoop(engine)
         loop.tag = args.weight_version
@@ -239,13 +236,12 @@ def serve(args: ServerArgs) -> int:
         threading.Thread(target=_stop_on, args=(stop, loop), name="tonpolicy-stop", daemon=True).start()
         try:
             loop.run(  # the engine steps on the main thread: see tonpolicy.rollout.engine.loop
-                on_start=lambda: print(
-                    f"tonpolicy rollout server ready (contract {args.contract_name} {args.contract_fingerprint[:16]})",
-                    flush=True,
+                on_start=lambda: log.info(
+                    f"tonpolicy rollout server ready (contract {args.contract_name} {args.contract_fingerprint[:16]})"
                 )
             )
         except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit
-            print(f"tonpolicy rollout server: the engine loop died: {e!r}", file=sys.stderr, flush=True)
+            log.error(f"tonpolicy rollout server: the engine loop died: {e!r}")
             return EXIT_LOAD_FAILED
         return 0
     except KeyboardInterrupt:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tonpolicy.config.model import ModelConfig, check_same_architecture
@@ -13,6 +15,8 @@ from tonpolicy.rollout.engine.graphs import DecodeGraphs
 from tonpolicy.rollout.engine.requests import GenRequest
 from tonpolicy.rollout.server.args import ServerArgs
 from tonpolicy.rollout.wire.request import GenerateItem
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
@@ -33,7 +37,7 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
     model = resolve(family(cfg.family).engine_model)(cfg, kernels, dtype, state_dict).to(args.device)
     graphs = DecodeGraphs(model, args.max_running_requests, capture=True) if args.cuda_graphs else None
     if graphs is not None:
-        print(f"tonpolicy rollout server: decode in CUDA graphs, batch-size buckets {graphs.buckets}", flush=True)
+        log.info(f"tonpolicy rollout server: decode in CUDA graphs, batch-size buckets {graphs.buckets}")
     engine = Engine(
         model,
         max_running_requests=args.max_running_requests,

@@ -3,7 +3,7 @@ and tonpolicy.rollout.wire.response): generate (plain, batched, n samples, strea
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
@@ -22,6 +22,8 @@ from tonpolicy.rollout.server.state import (
 from tonpolicy.rollout.weight_group import DEFAULT_GROUP, FLATTENED_BUCKET, destroy, init_update_group, receive
 from tonpolicy.rollout.wire.request import GenerateRequest, ProtocolError, parse_generate_request
 from tonpolicy.rollout.wire.response import STREAM_END, build_generate_output, stream_chunk
+
+log = logging.getLogger(__name__)
 
 SERVER_VERSION = "tonpolicy-embedded-0.2"
 
@@ -98,7 +100,7 @@ def _update_failure(path: str, e: Exception) -> str:
     file system details (resolved files, OS errors) go to the server log only."""
     if type(e) is ValueError:  # tonpolicy's own checks (architecture, shapes, index): written for users
         return f"Failed to update weights: {e}"
-    print(f"update_weights_from_disk {path!r} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    log.error(f"update_weights_from_disk {path!r} failed: {type(e).__name__}: {e}")
     return f"Failed to update weights: cannot load a checkpoint from {path!r} ({type(e).__name__}; see the server log)"
 
 
