@@ -38,7 +38,7 @@ SUBSET = [
     FINGERPRINT,
     "tests/kernels/test_cpu_numerics.py::test_hosts_of_another_cpu_class_differ_in_the_runtime_fingerprint",
     "tests/kernels/test_ordered_rowwise.py::test_every_path_is_its_own_build",
-    "tests/kernels/test_ordered_rowwise.py::test_rows_independent_of_batch_position_and_threads",
+    "tests/kernels/test_ordered_rowwise_invariance.py::test_rows_independent_of_batch_position_and_threads",
     "tests/loop/test_step_loop.py::test_a_passing_step_trains_and_syncs",
     "tests/config/test_nodes.py::test_without_a_scheduler_the_environment_names_the_node",
     "tests/config/test_cli.py::test_invalid_config_exits_before_anything_starts",
