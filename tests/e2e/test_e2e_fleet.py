@@ -1,6 +1,7 @@
 """A fleet of rollout servers behind sglang-router (rollout.replicas=2): exact zero whichever replica
-served a sample, per-token weight versions in the records, a replica and the router killed mid-run are
-replaced and the run still holds exact zero, and a death past rollout.max_restarts ends the run (exit 4)."""
+served a sample, per-token weight versions in the records; a replica that hangs and a router killed
+mid-run are replaced (under distributed weight sync: a new weight-update group) and the run holds exact
+zero with the samples of the same run undisturbed; a death past rollout.max_restarts ends the run (exit 4)."""
 
 from __future__ import annotations
 
@@ -10,31 +11,48 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from support.e2e_common import pid_alive, records, run_job, start_job, summary, wait_for
+
+from tonpolicy.launch.trainer_main import ROLLOUT_ADDRESS_FILE
+from tonpolicy.rollout.client import RolloutClient, RolloutError
+
+KEY = "fleet-test-key-0123456789"
+# The undisturbed run and the disturbed one share these: the same seeds, weight sync and key.
+DISTRIBUTED = ["rollout.replicas=2", "rollout.weight_sync=distributed", "rollout.require_api_key=true"]
 
 
 def _samples(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
 
 
-def test_two_replicas_hold_exact_zero_with_versions_per_token(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """Two steps of a fleet under distributed weight sync, nothing disturbed: its stderr and run folder
+    (the disturbed run below must reproduce its samples)."""
+    proc, run_dir = run_job(
+        tmp_path_factory.mktemp("undisturbed"),
+        *DISTRIBUTED,
+        "experiment.steps=2",
+        timeout=300,
+        env={"TONPOLICY_API_KEY": KEY},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr, run_dir
+
+
+def _no_file_holds_the_key(run_dir: Path) -> None:
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
+
+
+def test_two_replicas_hold_exact_zero_with_versions_per_token(undisturbed: tuple[str, Path]) -> None:
     """Distributed weight sync into both replicas (one group); the router spreads each step's samples
     over them; every token carries the version that sampled it (step 0: the initial weights, step 1:
     the update after step 0). With an API key: the router checks it and forwards it to the replicas,
     and no file of the run holds it."""
-    key = "fleet-test-key-0123456789"
-    proc, run_dir = run_job(
-        tmp_path,
-        "rollout.replicas=2",
-        "rollout.weight_sync=distributed",
-        "rollout.require_api_key=true",
-        "experiment.steps=2",
-        timeout=300,
-        env={"TONPOLICY_API_KEY": key},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert not [p for p in run_dir.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
-    assert "2 rollout servers (embedded) healthy" in proc.stderr and "behind sglang-router" in proc.stderr
+    stderr, run_dir = undisturbed
+    _no_file_holds_the_key(run_dir)
+    assert "2 rollout servers (embedded) healthy" in stderr and "behind sglang-router" in stderr
     recs = records(run_dir)
     assert [r["mismatched_tokens"] for r in recs] == [0, 0] and all(r["tokens_scored"] > 0 for r in recs)
     assert [r["policy_version"] for r in recs] == [0, 1]
@@ -60,23 +78,42 @@ def test_two_replicas_off_policy_show_the_mismatch(tmp_path: Path) -> None:
     assert records(run_dir)[0]["mismatched_tokens"] > 0
 
 
-def test_a_killed_replica_and_router_are_replaced_and_the_run_stays_exact(tmp_path: Path) -> None:
-    """kill -9 of replica 1 once step 0 is recorded, then of the router once step 1 is: each is started
-    again (the replica at the weights and version the others serve), the step's failed requests are
-    re-sent with their rids and seeds, and every step still holds exact zero, every token at the
-    version of its step."""
-    proc, run_dir = start_job(tmp_path, "rollout.replicas=2", "experiment.steps=3")
-    for step, member in ((1, "rollout-1"), (2, "rollout-router")):
-        wait_for(lambda step=step: len(records(run_dir)) >= step, 300, f"step {step - 1}")
-        os.kill(json.loads((run_dir / "pids.json").read_text())[member], signal.SIGKILL)
+def _serving(urls: list[str], version: str) -> bool:
+    try:
+        return all(RolloutClient(u, timeout_s=5, api_key=KEY).model_info()["weight_version"] == version for u in urls)
+    except RolloutError:
+        return False
+
+
+def test_a_hung_replica_and_a_killed_router_are_replaced_and_the_run_stays_exact(
+    tmp_path: Path, undisturbed: tuple[str, Path]
+) -> None:
+    """The undisturbed run's configuration, disturbed: replica 1 stops answering (SIGSTOP) once both
+    replicas serve step 1's weights, and the router is killed (-9) once step 1 is recorded. The hung
+    replica is ended and started again from the initial weights (nothing else is on disk), unsynced;
+    the trainer forms a new weight-update group with both replicas and sends it the current weights; the
+    samples it answered before are re-sent, as are the ones lost with the router, with their rids and
+    seeds. Every step holds exact zero, every token at the version of its step, and steps 0 and 1 are
+    the undisturbed run's, bit for bit: tokens, logprobs, rewards, losses."""
+    proc, run_dir = start_job(
+        tmp_path, *DISTRIBUTED, "rollout.liveness_timeout_s=5", "experiment.steps=3", env={"TONPOLICY_API_KEY": KEY}
+    )
+    wait_for(lambda: len(records(run_dir)) >= 1, 300, "step 0")
+    replicas = json.loads((run_dir / ROLLOUT_ADDRESS_FILE).read_text())["replica_urls"]
+    wait_for(lambda: _serving(replicas, "step_1"), 60, "step 1's weights on both replicas")
+    os.kill(json.loads((run_dir / "pids.json").read_text())["rollout-1"], signal.SIGSTOP)
+    wait_for(lambda: len(records(run_dir)) >= 2, 300, "step 1")
+    os.kill(json.loads((run_dir / "pids.json").read_text())["rollout-router"], signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-4000:]
-    assert "rollout 1 died (exit -9); starting it again at weight version" in err
+    assert "rollout 1 stopped answering /health for" in err and "rollout.liveness_timeout_s=5), ended" in err
+    assert "starting it again from the initial weights; the trainer sends it weight version step_1" in err
     assert "rollout router died (exit -9); starting it again" in err
+    _no_file_holds_the_key(run_dir)
     recs = records(run_dir)
     assert [r["mismatched_tokens"] for r in recs] == [0, 0, 0] and all(r["tokens_scored"] > 0 for r in recs)
     # the router's replacement lands in step 2's record; the replica's in whichever step saw it logged
-    assert recs[2]["rollout_restarts"] >= 1 and sum(r["rollout_restarts"] for r in recs) in (1, 2)
+    assert recs[2]["rollout_restarts"] >= 1 and sum(r["rollout_restarts"] for r in recs) == 2
     assert recs[2]["requests_resent"] + recs[2]["rollout_retries"] > 0
     assert [r["weight_versions"] for r in recs] == [
         {"default": recs[0]["tokens_scored"]},
@@ -85,6 +122,12 @@ def test_a_killed_replica_and_router_are_replaced_and_the_run_stays_exact(tmp_pa
     ]
     restarts = [json.loads(line) for line in (run_dir / "rollout_restarts.jsonl").read_text().splitlines()]
     assert [r["member"] for r in restarts] == ["rollout-1", "rollout-router"]
+    assert restarts[0]["weight_version"] == "unsynced" and restarts[0]["exit"] == -signal.SIGKILL
+    # The same samples as the undisturbed run: seeds are the sample's, not the replica's or the attempt's.
+    _, calm = undisturbed
+    assert _samples(run_dir)[:2] == _samples(calm)
+    same = ("tokens_scored", "reward_mean", "grad_norm", "max_abs_logprob_diff", "weight_versions", "policy_version")
+    assert [{k: r.get(k) for k in same} for r in recs[:2]] == [{k: r.get(k) for k in same} for r in records(calm)]
 
 
 def test_a_replica_that_dies_past_the_bound_ends_the_run(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.e2e_common import pid_alive
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.launch.job import supervise
@@ -24,10 +25,11 @@ from tonpolicy.launch.rollout_fleet import Fleet, JobFailed
 from tonpolicy.loop.exit_codes import EXIT_OK, STATUS_FILE
 from tonpolicy.ports import free_port
 from tonpolicy.rollout.client import RolloutError
-from tonpolicy.rollout.fleet import RESTARTS_FILE, FleetClient, fleet_events
+from tonpolicy.rollout.fleet import RESTARTS_FILE, UNSYNCED_VERSION, FleetClient, fleet_events
 
-# A stand-in server: binds --port, answers /health and /get_model_info (its --weight-version and
-# --model-path); /generate fails while the file named by --fail-while exists.
+# A stand-in server: binds --port, answers /health and /get_model_info (its --weight-version, or the
+# content of --version-file, and --model-path); /generate fails while the file named by --fail-while
+# exists, and answers under that version.
 STAND_IN = """
 import json, os, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -39,8 +41,13 @@ class H(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
         self.wfile.write(raw)
+    def version(self):
+        if "--version-file" in args:
+            with open(args["--version-file"]) as f:
+                return f.read()
+        return args.get("--weight-version", "default")
     def do_GET(self):
-        info = {"weight_version": args.get("--weight-version", "default"), "model_path": args.get("--model-path")}
+        info = {"weight_version": self.version(), "model_path": args.get("--model-path")}
         self._send(200, info if self.path == "/get_model_info" else {})
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -49,7 +56,8 @@ class H(BaseHTTPRequestHandler):
         if os.path.exists(args.get("--fail-while", "/nonexistent")):
             self._send(500, {"error": {"message": "a replica is gone"}})
         else:
-            sample = {"output_ids": [4], "meta_info": {"output_token_logprobs": [[-0.5, 4, None]]}}
+            meta = {"output_token_logprobs": [[-0.5, 4, None]], "weight_version": self.version()}
+            sample = {"output_ids": [4], "meta_info": meta}
             self._send(200, [sample])
     def log_message(self, *a):
         pass
@@ -165,14 +173,40 @@ def test_a_member_that_keeps_dying_ends_the_job_past_the_bound(tmp_path: Path, f
 
 
 def test_a_replica_is_not_replaced_where_its_weights_cannot_be_had(tmp_path: Path, fleet) -> None:
-    """Distributed sync keeps no weights on disk and its group cannot take a newcomer: exit 4, saying so."""
+    """Disk sync, and the checkpoint of the version the others serve is gone: exit 4, saying so."""
     rollout, procs = fleet
-    job = _supervise(["rollout.weight_sync=distributed"], tmp_path, rollout, procs)
+    (tmp_path / "checkpoints" / "step_1").rmdir()
+    job = _supervise([], tmp_path, rollout, procs)
     os.kill(rollout.servers[1].proc.pid, signal.SIGKILL)
     job["thread"].join(30)
-    assert "rollout.weight_sync=distributed" in str(job["failed"]) and job["failed"].code == 4
+    assert "the weights of version 'step_1' are not on disk" in str(job["failed"]) and job["failed"].code == 4
     assert not (tmp_path / RESTARTS_FILE).exists()
     (tmp_path / "done").touch()
+
+
+def test_under_distributed_sync_a_hung_replica_is_ended_and_started_from_the_initial_weights(
+    tmp_path: Path, fleet
+) -> None:
+    """A replica that stops answering (SIGSTOP) is a dead one: its process group is ended and it is
+    started again. Under distributed sync only the initial weights are on disk: it starts from them,
+    under the unsynced version, until the trainer sends it the fleet's (no sample of it can pass)."""
+    rollout, procs = fleet
+    (tmp_path / "init").mkdir()
+    old = rollout.servers[1].proc.pid
+    job = _supervise(["rollout.weight_sync=distributed", "rollout.liveness_timeout_s=2"], tmp_path, rollout, procs)
+    os.kill(old, signal.SIGSTOP)
+    (replica,) = _restarts(tmp_path, 1)
+    _replaced(tmp_path, "rollout-1", old)
+    assert replica["member"] == "rollout-1" and replica["weight_version"] == UNSYNCED_VERSION
+    assert replica["exit"] == -signal.SIGKILL and not pid_alive(old)  # ended, not left stopped
+    argv = rollout.servers[1].argv
+    assert argv[argv.index("--model-path") + 1] == str(tmp_path / "init")
+    assert argv[argv.index("--weight-version") + 1] == UNSYNCED_VERSION
+    client = FleetClient(rollout.url, rollout.server_urls, timeout_s=5, run_dir=tmp_path)
+    assert client.replica_restarts() == 1 and not client.whole()  # until the trainer has sent the weights
+    (tmp_path / "done").touch()
+    job["thread"].join(30)
+    assert job.get("code") == EXIT_OK, job
 
 
 def test_a_failed_sample_is_re_sent_with_its_rid_once_the_fleet_is_whole(tmp_path: Path, fleet) -> None:
@@ -202,6 +236,37 @@ def test_a_failed_sample_is_re_sent_with_its_rid_once_the_fleet_is_whole(tmp_pat
     first = [b for b in bodies if b["input_ids"] == [[1, 3]]]
     assert len(first) == 2 and first[0] == first[1]  # re-sent: the same rid and seeds
     assert fleet_events(client) == {"rollout_restarts": 0, "requests_resent": 2}
+
+
+def test_a_sample_an_unsynced_replacement_answered_is_re_sent_once_it_has_the_weights(tmp_path: Path, fleet) -> None:
+    """Distributed sync: replica 1's replacement serves the initial weights under the unsynced version,
+    and the router hands it samples. The fleet client does not keep them: once every member answers, it
+    calls `rejoin` (the weight sync's: a new group, the current weights sent), then re-sends the same
+    requests, now answered at the fleet's version. Control: without `rejoin` the fleet is never whole
+    again and the step fails, naming the cause."""
+    rollout, procs = fleet
+    version = tmp_path / "version"
+    version.write_text(UNSYNCED_VERSION)
+    for k, member in ((1, rollout.servers[1]), (None, rollout.router)):  # the router answers as replica 1
+        member.proc.kill()
+        member.proc.wait()
+        fresh = procs.start(member.name, [*member.argv, "--version-file", str(version)], member.log_path)
+        if k is None:
+            rollout.router = fresh
+        else:
+            rollout.servers[k] = fresh
+    client = FleetClient(rollout.url, rollout.server_urls, timeout_s=5, retries=0, recover_s=3)
+    assert client._wait(lambda: all(c.health(1.0) for c in (client.router, *client.replicas)))
+    with pytest.raises(RolloutError, match="before it had the fleet's weights; the fleet was not whole again"):
+        client.generate([[1, 2]], {"sampling_seed": 3})
+    rejoined = []
+    client.rejoin = lambda: (rejoined.append(1), version.write_text("step_1"))  # what the push does
+    out = client.generate([[1, 2], [1, 3]], [{"sampling_seed": 3}, {"sampling_seed": 4}])
+    assert [o["weight_version"] for o in out] == ["step_1", "step_1"] and rejoined == [1]
+    assert client.take_events()["requests_resent"] >= 2
+    bodies = [json.loads(line) for line in (tmp_path / "rollout-router.requests").read_text().splitlines()]
+    sent = [b for b in bodies if b["input_ids"] == [[1, 3]]]
+    assert len(sent) == 2 and sent[0] == sent[1]  # re-sent: the same rid and seeds
 
 
 def test_max_restarts_is_a_validated_key() -> None:

@@ -30,6 +30,7 @@ from tonpolicy.launch.rollout_fleet import (
     Fleet,
     JobFailed,
     await_rollout,
+    end_member,
     health_ok,
     replace_member,
     start_rollout,
@@ -137,8 +138,9 @@ def _progress(record: dict[str, Any], steps: int) -> str:
 
 
 def supervise(cfg: Config, run_dir: Path, rollout: Fleet, trainer: Child, procs: ProcessGroup | None = None) -> int:
-    """Wait for the trainer, printing each step as its record lands. A fleet member that dies is
-    started again (`replace_member`, with `procs`); a silent server, or a dead one that cannot be
+    """Wait for the trainer, printing each step as its record lands. A fleet member that dies, or stops
+    answering /health for rollout.liveness_timeout_s (hung, stopped: it is ended first), is started
+    again (`replace_member`, with `procs`); one server that does either, or a member that cannot be
     replaced, ends the job at once."""
     tail = _Tail(run_dir / "metrics.jsonl")
     watched = [(child, _Liveness(url, cfg.rollout.liveness_timeout_s)) for child, url in rollout.watched()]
@@ -155,11 +157,13 @@ def supervise(cfg: Config, run_dir: Path, rollout: Fleet, trainer: Child, procs:
                 continue
             silent = liveness.silent_for()
             if silent > cfg.rollout.liveness_timeout_s:
-                raise JobFailed(
-                    EXIT_CHILD_FAILED,
-                    f"{what} stopped answering /health for {silent:.0f}s "
-                    f"(rollout.liveness_timeout_s={cfg.rollout.liveness_timeout_s:g}); log tail:\n{server.tail()}",
-                )
+                limit = cfg.rollout.liveness_timeout_s
+                hung = f"stopped answering /health for {silent:.0f}s (rollout.liveness_timeout_s={limit:g})"
+                if procs is None or rollout.router is None:
+                    raise JobFailed(EXIT_CHILD_FAILED, f"{what} {hung}; log tail:\n{server.tail()}")
+                end_member(server)  # a hung member is a dead one: its process group ended, then replaced
+                fresh = replace_member(cfg, run_dir, rollout, server, procs, cause=f"{hung}, ended")
+                watched[k] = (fresh, _Liveness(liveness.url, cfg.rollout.liveness_timeout_s))
         time.sleep(0.2)
     # The trainer's verdict (ok, gate, handshake) is in its status file; torchrun's exit code only
     # says whether some rank failed, and a rank that died wrote no verdict.

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -150,13 +152,30 @@ def await_rollout(
     return Fleet([c for c, _ in started], urls, router, url)
 
 
-def replace_member(cfg: Config, run_dir: Path, rollout: Fleet, dead: Child, procs: ProcessGroup | None) -> Child:
-    """A fleet member that died, started again at its url (the router's list of workers stands; the
-    trainer's client keeps its urls): a replica from the weights the others serve, under their version,
-    so no sample can reach it at other weights. JobFailed (exit 4) for one server, past
-    rollout.max_restarts, or where the current weights are not on disk."""
+def end_member(child: Child, grace_s: float = 5.0) -> None:
+    """End a member that stopped answering: its whole process group (SIGKILL: a stopped process takes
+    no SIGTERM), waited for, so its port and memory are free for a replacement."""
+    try:
+        os.killpg(child.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        child.proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def replace_member(
+    cfg: Config, run_dir: Path, rollout: Fleet, dead: Child, procs: ProcessGroup | None, cause: str | None = None
+) -> Child:
+    """A fleet member that died (or, `cause`, was ended for it), started again at its url (the router's
+    list of workers stands; the trainer's client keeps its urls). A replica under disk sync starts from
+    the weights the others serve, under their version, so no sample can reach it at other weights; under
+    distributed sync from the initial weights, under UNSYNCED_VERSION until the trainer sends it the
+    current ones over a new weight-update group (tonpolicy.rollout.fleet). JobFailed (exit 4) for one
+    server, past rollout.max_restarts, or where the weights to start from are not on disk."""
     what = "rollout server" if dead.name == "rollout" else dead.name.replace("-", " ")
-    died = f"{what} died (exit {dead.proc.returncode})"
+    died = f"{what} {cause or 'died'} (exit {dead.proc.returncode})"
     if procs is None or rollout.router is None:
         raise JobFailed(EXIT_CHILD_FAILED, f"{died}; log tail:\n{dead.tail()}")
     if rollout.restarts >= cfg.rollout.max_restarts:
@@ -166,27 +185,26 @@ def replace_member(cfg: Config, run_dir: Path, rollout: Fleet, dead: Child, proc
             f"(rollout.max_restarts={cfg.rollout.max_restarts}); log tail:\n{dead.tail()}",
         )
     version: str | None = None
+    how = ""
     if dead is rollout.router:
         argv = dead.argv
         port = int(argv[argv.index("--port") + 1])
     else:
-        if cfg.rollout.weight_sync != "disk":
-            raise JobFailed(
-                EXIT_CHILD_FAILED,
-                f"{died}; a replacement cannot join the weight-update group of rollout.weight_sync="
-                f"{cfg.rollout.weight_sync} (use rollout.weight_sync=disk for a fleet that replaces replicas); "
-                f"log tail:\n{dead.tail()}",
-            )
         from tonpolicy.rollout.client import RolloutClient, RolloutError
+        from tonpolicy.rollout.fleet import UNSYNCED_VERSION
 
         i = rollout.servers.index(dead)
         url = rollout.server_urls[i]
         other = next(u for j, u in enumerate(rollout.server_urls) if j != i)
         try:
-            version = str(RolloutClient(other, timeout_s=10.0).model_info()["weight_version"])
+            served = version = str(RolloutClient(other, timeout_s=10.0).model_info()["weight_version"])
         except (RolloutError, KeyError, ValueError) as e:
             raise JobFailed(EXIT_CHILD_FAILED, f"{died}; the weight version to replace it at is unknown: {e}") from e
         weights = rollout.checkpoint if version == "default" else run_dir / "checkpoints" / version
+        if cfg.rollout.weight_sync != "disk" and version != "default":
+            # Only the initial weights are on disk: the trainer sends it the current ones.
+            weights, version = rollout.checkpoint, UNSYNCED_VERSION
+            how = f" from the initial weights; the trainer sends it weight version {served}"
         if weights is None or not weights.is_dir():
             raise JobFailed(
                 EXIT_CHILD_FAILED, f"{died}; the weights of version {version!r} are not on disk ({weights})"
@@ -195,7 +213,8 @@ def replace_member(cfg: Config, run_dir: Path, rollout: Fleet, dead: Child, proc
         flags: dict[str, Any] = {"--port": port, "--model-path": weights}
         argv = dead.argv if "--weight-version" in dead.argv else [*dead.argv, "--weight-version", version]
         argv = with_flags(argv, {**flags, "--weight-version": version})
-    log.warning(f"tonpolicy: {died}; starting it again" + (f" at weight version {version}" if version else ""))
+        how = how or f" at weight version {version}"
+    log.warning(f"tonpolicy: {died}; starting it again{how}")
     fresh = procs.start(dead.name, argv, dead.log_path, env=dead.env)
     rollout.restarts += 1
     from tonpolicy.rollout.fleet import RESTARTS_FILE

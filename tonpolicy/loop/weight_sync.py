@@ -8,7 +8,10 @@
   over HTTP (`/update_weights_from_distributed`, inside SGLang's `/begin_weight_update` ...
   `/end_weight_update` session) while it broadcasts them. Both calls block until the other side takes
   part, so the HTTP call runs in a thread beside the broadcast. A fleet's replicas all join the one
-  group (each at its own rank offset) and receive the same broadcast.
+  group (each at its own rank offset) and receive the same broadcast. A replica the launcher replaced
+  cannot join a formed group: rank 0 forms a new one with every replica before its next push, or at
+  once when the replacement is needed for a step's samples (it then sends the weights it last pushed,
+  kept for that; tonpolicy.rollout.fleet).
 
 Each push names a weight version (`step_<k>`, policy version k; the initial weights are "default",
 version 0); the servers report the version that sampled each token, and `check_versions` holds a
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +33,7 @@ import torch
 
 from tonpolicy.config.rollout_backends import rollout_backend
 from tonpolicy.config.schema import Config
+from tonpolicy.rollout.fleet import FleetClient
 from tonpolicy.rollout.weight_group import (
     DEFAULT_GROUP,
     FLATTENED_BUCKET,
@@ -260,20 +265,82 @@ class DiskWeightSync(WeightSync):
 
 class GroupWeightSync(WeightSync):
     """The weights gathered on rank 0 and broadcast over the weight-update group (`pusher`: rank 0's,
-    None on the other ranks, which only take part in the gather)."""
+    None on the other ranks, which only take part in the gather).
 
-    def __init__(self, pusher: WeightPusher | None) -> None:
+    A fleet whose replicas the launcher may replace (`fleet`, with `remake`: a new pusher with every
+    replica): a replacement cannot join the formed group, so a new one is formed before the next push,
+    or at once (`rejoin`) when the replacement is needed for a step's samples; the weights last pushed
+    stay on rank 0 (host memory) to be sent to it."""
+
+    def __init__(
+        self, pusher: WeightPusher | None, fleet: Any = None, remake: Callable[[], WeightPusher] | None = None
+    ) -> None:
         self.pusher = pusher
         self.weights: dict[str, torch.Tensor] | None = None
+        self.fleet, self.remake = fleet, remake
+        self.last: dict[str, torch.Tensor] | None = None  # the weights of `version`, kept for a replacement
+        self.formed_at = fleet.replica_restarts() if fleet is not None else 0  # replacements the group has
+        self.lock = threading.Lock()  # a rejoin from a sample thread and a push never overlap
 
     def export(self, worker: Any, step: int) -> None:
         self.weights = worker.hf_state_dict()  # on rank 0; every rank takes part in the gather
 
     def push(self, step: int) -> None:
         assert self.pusher is not None and self.weights is not None, "push runs on rank 0 after export"
-        self.pusher.push(self.weights, weight_version=weight_version(step))
-        self.weights = None
-        self.version = weight_version(step)
+        with self.lock:
+            self._reform()
+            assert self.pusher is not None
+            try:
+                self.pusher.push(self.weights, weight_version=weight_version(step))
+            except Exception:
+                if not self._replaced_meanwhile():
+                    raise
+                # A replica died during the push: the group is formed again with its replacement and
+                # the same weights sent again (the survivors load the same bits a second time).
+                self._reform()
+                self.pusher.push(self.weights, weight_version=weight_version(step))
+            if self.remake is not None:
+                self.last = self.weights
+            self.weights = None
+            self.version = weight_version(step)
+
+    def _reform(self) -> bool:
+        """A new group with every replica where the launcher replaced one since this group was formed."""
+        if self.fleet is None or self.remake is None or self.fleet.replica_restarts() == self.formed_at:
+            return False
+        if not self.fleet.replicas_healthy():
+            raise RuntimeError("a replaced replica did not answer /health: no weight-update group can be formed")
+        self.formed_at = self.fleet.replica_restarts()
+        if self.pusher is not None:
+            self.pusher.close()  # the survivors leave the old group; the replacement never knew it
+        self.pusher = self.remake()
+        return True
+
+    def _replaced_meanwhile(self) -> bool:
+        """After a failed push: whether the launcher replaced a replica since the group was formed,
+        waiting while one does not answer (the launcher may not have ended it yet) up to the fleet's
+        recovery time. A push that failed with every replica answering was not a replica's death."""
+        if self.fleet is None or self.remake is None:
+            return False
+        deadline = time.monotonic() + self.fleet.recover_s
+        while time.monotonic() < deadline:
+            if self.fleet.replica_restarts() != self.formed_at:
+                return True
+            if all(r.health(2.0) for r in self.fleet.replicas):
+                return False
+            time.sleep(0.2)
+        return False
+
+    def rejoin(self) -> None:
+        """A replacement replica serves no weights yet (it started from the initial ones): a new group
+        with every replica, and the weights of the current version sent to all of them (the others
+        load the same bits again)."""
+        with self.lock:
+            self._reform()
+            if self.last is None:
+                raise RuntimeError(f"no weights of version {self.version!r} are kept to send to a replaced replica")
+            assert self.pusher is not None
+            self.pusher.push(self.last, weight_version=self.version)
 
     def close(self) -> None:
         if self.pusher is not None:
@@ -290,12 +357,19 @@ def weight_sync_for(cfg: Config, client: Any, run_dir: Path, device: str) -> Wei
     engine_ranks = rollout_backend(cfg.rollout.backend).engine_ranks(cfg) * cfg.rollout.replicas
     backend = cfg.rollout.weight_sync_backend or ("nccl" if device == "cuda" else "gloo")
     # The group meets at rank 0's node (node 0): engine ranks on other nodes must reach it there.
-    pusher = WeightPusher(
-        client,
-        engine_ranks,
-        backend,
-        cfg.trainer.timeout_s,
-        address=cfg.trainer.master_addr,
-        bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
-    )
-    return GroupWeightSync(pusher)
+
+    def make() -> WeightPusher:
+        return WeightPusher(
+            client,
+            engine_ranks,
+            backend,
+            cfg.trainer.timeout_s,
+            address=cfg.trainer.master_addr,
+            bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20,
+        )
+
+    if not isinstance(client, FleetClient) or cfg.rollout.max_restarts == 0:
+        return GroupWeightSync(make())  # one server, or a fleet that replaces no replica
+    sync = GroupWeightSync(make(), fleet=client, remake=make)
+    client.rejoin = sync.rejoin  # the fleet's client calls it for a replacement that has no weights yet
+    return sync

@@ -14,10 +14,16 @@ version the others serve, one line in RESTARTS_FILE). Meanwhile, with `recover_s
 request failed is re-sent once the fleet is whole again (every member healthy, every replica at one weight
 version): the same rid and seeds, so the same bits; a load from disk or a cache flush that failed on a
 replica is sent to it again once it answers. Both are counted (`take_events`).
+
+Under rollout.weight_sync=distributed nothing but the initial weights is on disk: a replacement starts
+from them under UNSYNCED_VERSION, and `rejoin` (the weight sync's) forms a new weight-update group with
+every replica and sends them the weights last pushed. A sample the replacement answered before that is
+re-sent like a failed one: the same rid and seeds, so the same bits.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +37,11 @@ from tonpolicy.rollout.client import RETRIES, RolloutClient, RolloutError
 MAX_CONCURRENT_SAMPLES = 64
 # In the run directory: one JSON line per fleet member the launcher replaced.
 RESTARTS_FILE = "rollout_restarts.jsonl"
+# The weight version a replacement replica reports until the trainer has sent it the fleet's weights
+# (rollout.weight_sync=distributed); not a policy version, so no token of it can pass the version check.
+UNSYNCED_VERSION = "unsynced"
+# Re-sends of one sample once the fleet is whole again (a member may die again meanwhile).
+RESENDS = 3
 
 
 class FleetClient:
@@ -56,6 +67,9 @@ class FleetClient:
         self._resent = 0
         self._lock = threading.Lock()
         self._recovering = threading.Lock()  # one sample thread polls the fleet; the others wait for it
+        # Set by the weight sync (rollout.weight_sync=distributed): a new weight-update group with every
+        # replica, and the weights last pushed sent to them, for a replacement that serves none yet.
+        self.rejoin: Callable[[], None] | None = None
 
     def _each(self, call: Callable[[RolloutClient], Any], resend: bool = False) -> list[Any]:
         """`call` on every replica at once (a weight-group call blocks until all ranks join); the
@@ -98,6 +112,17 @@ class FleetClient:
             resent, self._resent = self._resent, 0
         return {"rollout_restarts": restarts, "requests_resent": resent}
 
+    def replica_restarts(self) -> int:
+        """Replicas (not the router) the launcher has replaced this run, from its log of replacements."""
+        if self.restarts_path is None or not self.restarts_path.exists():
+            return 0
+        lines = [line for line in self.restarts_path.read_text().splitlines() if line.strip()]
+        return sum(1 for line in lines if json.loads(line).get("member") != "rollout-router")
+
+    def replicas_healthy(self) -> bool:
+        """Every replica answers /health, waiting up to `recover_s` (a replacement may still be loading)."""
+        return self._wait(lambda: all(r.health(2.0) for r in self.replicas))
+
     def _count_resent(self) -> None:
         with self._lock:
             self._resent += 1
@@ -110,15 +135,25 @@ class FleetClient:
             time.sleep(0.2)
         return False
 
+    def _versions(self) -> set[Any] | None:
+        """The weight versions the replicas serve, once every member answers /health (None before)."""
+        if not all(c.health(2.0) for c in (self.router, *self.replicas)):
+            return None
+        try:
+            return {r.model_info().get("weight_version") for r in self.replicas}
+        except (RolloutError, ValueError):
+            return None
+
+    def _restored(self) -> bool:
+        """`whole`, once a replacement that serves no weights yet has been sent them (`rejoin`)."""
+        if self.rejoin is not None and UNSYNCED_VERSION in (self._versions() or ()):
+            self.rejoin()  # a failure is the step's cause: it propagates
+        return self.whole()
+
     def whole(self) -> bool:
         """Every member answers /health and every replica serves one weight version."""
-        if not all(c.health(2.0) for c in (self.router, *self.replicas)):
-            return False
-        try:
-            versions = {r.model_info().get("weight_version") for r in self.replicas}
-        except (RolloutError, ValueError):
-            return False
-        return len(versions) == 1
+        versions = self._versions()
+        return versions is not None and len(versions) == 1
 
     # --- generation, through the router ----------------------------------------------------
 
@@ -140,17 +175,29 @@ class FleetClient:
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling_params for {n} prompts")
 
-        def one(i: int) -> dict[str, Any]:
+        def send(i: int) -> tuple[dict[str, Any] | None, RolloutError | None]:
             try:
-                return self.router.generate([input_ids_batch[i]], params[i], return_routed_experts)[0]
+                out = self.router.generate([input_ids_batch[i]], params[i], return_routed_experts)[0]
             except RolloutError as e:
-                if not self.recover_s:
-                    raise
+                return None, e
+            if out.get("weight_version") == UNSYNCED_VERSION:  # a replacement not yet sent the weights
+                return None, RolloutError("a replacement replica answered before it had the fleet's weights")
+            return out, None
+
+        def one(i: int) -> dict[str, Any]:
+            out, cause = send(i)
+            for _ in range(RESENDS if self.recover_s else 0):
+                if out is not None:
+                    return out
                 with self._recovering:
-                    if not self._wait(self.whole):
-                        raise RolloutError(f"{e}; the fleet was not whole again within {self.recover_s:.0f}s") from e
-            self._count_resent()  # the same rid and seeds: the same sample, wherever it runs now
-            return self.router.generate([input_ids_batch[i]], params[i], return_routed_experts)[0]
+                    if not self._wait(self._restored):
+                        raise RolloutError(f"{cause}; the fleet was not whole again within {self.recover_s:.0f}s")
+                self._count_resent()  # the same rid and seeds: the same sample, wherever it runs now
+                out, cause = send(i)
+            if out is None:
+                assert cause is not None
+                raise cause
+            return out
 
         if n == 0:
             return []
