@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tonpolicy.config.compose import compose_config
-from tonpolicy.config.sizes import DERIVED_MICRO_BATCH_MAX, micro_batch_size, microbatches_per_replica
+from tonpolicy.config.layout import DERIVED_MICRO_BATCH_MAX
+from tonpolicy.config.sizes import micro_batch_size, microbatches_per_replica
 from tonpolicy.validation.validate import validate
 
 

@@ -1,55 +1,40 @@
-"""Sizes derived from a config, shared by validation and the launch plan: world size, Megatron's
-microbatches per replica, the padded training sequence length."""
+"""Sizes derived from a config, shared by validation and the launch plan: the step's batch, the
+layout's sizes for it (tonpolicy.config.layout owns their arithmetic), the padded training sequence
+length."""
 
 from __future__ import annotations
 
+from tonpolicy.config.layout import Layout
 from tonpolicy.config.schema import Config
 
-# The derived micro batch size's bound: per-microbatch overhead is paid once per this many samples
-# while a microbatch's activations stay small.
-DERIVED_MICRO_BATCH_MAX = 8
+
+def step_batch(cfg: Config) -> int:
+    """Samples per step: experiment.prompts_per_step * samples_per_prompt."""
+    return cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
 
 
 def micro_batch_size(cfg: Config) -> int:
-    """trainer.micro_batch_size; when null, each replica's share of a PPO minibatch cut into
-    parallel.num_microbatches when that is set, else the largest size up to DERIVED_MICRO_BATCH_MAX that
-    cuts it into whole microbatches, at least parallel.pp of them (so the pipeline fills); 1 when no
-    size does (validation then says why)."""
-    if cfg.trainer.micro_batch_size is not None:
-        return cfg.trainer.micro_batch_size
-    replicas = max(cfg.trainer.ppo_minibatches, 1) * max(cfg.parallel.dp, 1)
-    batch = cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
-    share = batch // replicas if batch % replicas == 0 else 0
-    wanted = cfg.parallel.num_microbatches
-    if wanted is not None:
-        return share // wanted if wanted >= 1 and share % wanted == 0 and share >= wanted else 1
-    for size in range(min(DERIVED_MICRO_BATCH_MAX, share), 1, -1):
-        if share % size == 0 and share // size >= max(cfg.parallel.pp, 1):
-            return size
-    return 1
+    """trainer.micro_batch_size, or the layout's derived size for this batch (Layout.micro_batch_size)."""
+    t = cfg.trainer
+    return Layout.from_config(cfg).micro_batch_size(step_batch(cfg), t.ppo_minibatches, t.micro_batch_size)
 
 
 def microbatches_per_replica(cfg: Config) -> int:
     """Megatron's num_microbatches per PPO minibatch: batch / (ppo_minibatches * dp * micro_batch_size)."""
-    batch = cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
-    return batch // (cfg.trainer.ppo_minibatches * cfg.parallel.dp * micro_batch_size(cfg))
+    layout = Layout.from_config(cfg)
+    return layout.microbatches_per_replica(step_batch(cfg), cfg.trainer.ppo_minibatches, micro_batch_size(cfg))
 
 
 def world_size(cfg: Config) -> int:
-    p = cfg.parallel
-    return p.tp * p.pp * p.cp * p.dp
+    return Layout.from_config(cfg).world_size
 
 
 def seq_pad_multiple(cfg: Config) -> int:
-    """The smallest multiple training sequences are padded to for this layout."""
+    """The smallest multiple training sequences are padded to: trainer.seq_pad_multiple, else the
+    layout's."""
     if cfg.trainer.seq_pad_multiple is not None:
         return cfg.trainer.seq_pad_multiple
-    p, tile = cfg.parallel, cfg.contract.attention_tile
-    if p.cp_type == "ring":
-        return 2 * p.cp * tile
-    if p.cp_type == "ulysses":
-        return p.cp
-    return 1
+    return Layout.from_config(cfg).pad_multiple(cfg.contract.attention_tile)
 
 
 # The most tokens a multi-turn task's environment appends after one model turn (tonpolicy.rl.multi_turn).

@@ -7,27 +7,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from tonpolicy.config.model import ModelConfig, pipeline_stage_layers
+from tonpolicy.config.layout import Layout
+from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import padded_vocab_size
 from tonpolicy.kernels.sets import kernel_set
 
 
 def transformer_kwargs(
-    model: ModelConfig,
-    dtype: str,
-    tp: int,
-    pp: int,
-    cp: int,
-    pp_layers: list[int] | tuple[int, ...] | None,
-    exact_zero: bool,
-    ep: int = 1,
-    moe_capacity_factor: float | None = None,
+    model: ModelConfig, dtype: str, layout: Layout, exact_zero: bool, moe_capacity_factor: float | None = None
 ) -> dict[str, Any]:
-    """TransformerConfig arguments (numerics and layout)."""
-    stages = pipeline_stage_layers(model.num_layers, pp, pp_layers)
-    uneven = pp > 1 and len(set(stages)) > 1
+    """TransformerConfig arguments (numerics and the layout's sizes)."""
+    stages = layout.stage_layers(model.num_layers)
+    uneven = layout.pp > 1 and len(set(stages)) > 1
     return {
-        **_moe_kwargs(model, ep, moe_capacity_factor),
+        **_moe_kwargs(model, moe_capacity_factor),
         "num_layers": model.num_layers,
         "hidden_size": model.hidden_size,
         "num_attention_heads": model.num_attention_heads,
@@ -58,21 +51,19 @@ def transformer_kwargs(
         # Deterministic embedding backward (index, not F.embedding); forward values are the same.
         "deterministic_mode": exact_zero,
         "init_method_std": model.init_std,
-        "tensor_model_parallel_size": tp,
-        "pipeline_model_parallel_size": pp,
-        "context_parallel_size": cp,
+        **layout.megatron_sizes,
         # Uneven stages the Megatron way: first and last stage sizes, the rest split evenly.
         "num_layers_in_first_pipeline_stage": stages[0] if uneven else None,
         "num_layers_in_last_pipeline_stage": stages[-1] if uneven else None,
     }
 
 
-def _moe_kwargs(model: ModelConfig, ep: int, capacity_factor: float | None) -> dict[str, Any]:
+def _moe_kwargs(model: ModelConfig, capacity_factor: float | None) -> dict[str, Any]:
     """Megatron's MoE settings for a Qwen3-MoE profile (none for a dense one). The contract layer spec
     routes with the kernel set and exchanges tokens itself; the stock spec runs Megatron's router and
     the all-gather dispatcher (the all-to-all one passes its split sizes as tensors, which gloo refuses)."""
     if not model.is_moe:
-        return {"expert_model_parallel_size": ep}
+        return {}
     coef = model.router_aux_loss_coef
     return {
         "num_moe_experts": model.num_experts,
@@ -90,7 +81,6 @@ def _moe_kwargs(model: ModelConfig, ep: int, capacity_factor: float | None) -> d
         "moe_permute_fusion": False,
         "moe_router_fusion": False,
         "moe_expert_capacity_factor": capacity_factor,
-        "expert_model_parallel_size": ep,
     }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tonpolicy.config.hf_qwen3 import EMBED, FINAL_NORM, LM_HEAD, REPLICATED
-from tonpolicy.config.model import pipeline_stage_layers
+from tonpolicy.config.layout import Layout
 from tonpolicy.config.schema import Config
 from tonpolicy.families import adapter
 
@@ -30,9 +30,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def memory_per_rank(cfg: Config) -> dict[str, Any]:
-    m, p = cfg.model, cfg.parallel
+    m, p = cfg.model, Layout.from_config(cfg)
     ad = adapter(m.family)
-    stages = pipeline_stage_layers(m.num_layers, p.pp, p.pp_layers)
+    stages = p.stage_layers(m.num_layers)
     first_layer = [sum(stages[:i]) for i in range(len(stages))]
     per_stage = [{"dense": 0, "expert": 0} for _ in stages]
     for name, param in ad.hf_params(m).items():

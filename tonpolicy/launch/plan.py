@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tonpolicy.config.device import resolve_device  # its callers import it from here too
-from tonpolicy.config.names import layout_label
+from tonpolicy.config.layout import Layout
 from tonpolicy.config.rollout_backends import rollout_backend
 from tonpolicy.config.schema import Config
 from tonpolicy.config.sglang_rules import sglang_python
@@ -21,7 +21,6 @@ from tonpolicy.config.sizes import (
     microbatches_per_replica,
     padded_seq_len,
     seq_pad_multiple,
-    world_size,
 )
 from tonpolicy.contract.identity import identity, kernel_params
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, layer_spec, transformer_kwargs
@@ -153,10 +152,8 @@ def _model_package_cuda_flags(cfg: Config) -> list[str]:
 
 def megatron_config(cfg: Config) -> dict[str, Any]:
     """What the trainer builds (tonpolicy.contract.megatron_args, the one source both use)."""
-    m, p, c = cfg.model, cfg.parallel, cfg.contract
-    transformer = transformer_kwargs(
-        m, c.dtype, p.tp, p.pp, p.cp, p.pp_layers, c.exact_zero, p.ep, cfg.trainer.moe_capacity_factor
-    )
+    m, c, layout = cfg.model, cfg.contract, Layout.from_config(cfg)
+    transformer = transformer_kwargs(m, c.dtype, layout, c.exact_zero, cfg.trainer.moe_capacity_factor)
     spec = layer_spec(c.kernels)
     return {
         "transformer_config": transformer,
@@ -164,16 +161,16 @@ def megatron_config(cfg: Config) -> dict[str, Any]:
         "layer_spec": {
             "name": spec,  # contract: tonpolicy.trainer.layer_spec on the kernel set; stock: megatron's local spec
             "rope": {"theta": m.rope_theta, "applied_by": "core attention" if spec == "kernels" else "GPTModel"},
-            "context_parallel": p.cp_type if p.cp > 1 else None,  # inside the core attention, not TE
+            "context_parallel": layout.cp_type if layout.cp > 1 else None,  # inside the core attention, not TE
             "real_vocab_size": m.vocab_size,
             "transformer_engine": False,
         },
         "parallel_state": {
-            "tensor_model_parallel_size": p.tp,
-            "pipeline_model_parallel_size": p.pp,
-            "context_parallel_size": p.cp,
-            "data_parallel_size": p.dp,
-            "world_size": world_size(cfg),
+            "tensor_model_parallel_size": layout.tp,
+            "pipeline_model_parallel_size": layout.pp,
+            "context_parallel_size": layout.cp,
+            "data_parallel_size": layout.dp,
+            "world_size": layout.world_size,
         },
         "schedule": {
             "num_microbatches": microbatches_per_replica(cfg),
@@ -209,7 +206,7 @@ def environment(cfg: Config, device: str) -> dict[str, str]:
 
 def torchrun_argv(cfg: Config, run_dir: Path, model_path: str) -> list[str]:
     t = cfg.trainer
-    nproc = t.nproc_per_node or world_size(cfg) // t.nnodes
+    nproc = t.nproc_per_node or Layout.from_config(cfg).world_size // t.nnodes
     # With real SGLang the trainer runs in SGLang's environment: one torch build for both engines.
     py = trainer_python(cfg) if rollout_backend(cfg.rollout.backend).interpreter else "python"
     # One node: as before. Several: each node runs this with its own NODE_RANK (launch.sh sets it from
@@ -303,7 +300,7 @@ def launch_plan(cfg: Config, run_dir: Path) -> dict[str, Any]:
     plan: dict[str, Any] = {
         "contract": ident.to_dict(),
         "model": cfg.model.name,
-        "layout": layout_label(cfg.parallel),
+        "layout": Layout.from_config(cfg).label,
         "device": device,
         "dist_backend": "nccl" if device == "cuda" else "gloo",
         "environment": environment(cfg, device),

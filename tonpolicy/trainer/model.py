@@ -11,6 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from tonpolicy.config.dtypes import dtype_name
+from tonpolicy.config.layout import Layout
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.contract.megatron_args import gpt_model_kwargs, transformer_kwargs
 from tonpolicy.families import family, resolve
@@ -24,17 +25,14 @@ def transformer_config(
     moe_capacity_factor: float | None = None,
 ) -> TransformerConfig:
     """The plan's TransformerConfig (tonpolicy.contract.megatron_args) at the current layout."""
-    kw = transformer_kwargs(
-        cfg,
-        dtype_name(dtype),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_context_parallel_world_size(),
-        pp_layers,
-        exact_zero,
-        parallel_state.get_expert_model_parallel_world_size(),
-        moe_capacity_factor,
+    layout = Layout(
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        cp=parallel_state.get_context_parallel_world_size(),
+        pp_layers=pp_layers,
+        ep=parallel_state.get_expert_model_parallel_world_size(),
     )
+    kw = transformer_kwargs(cfg, dtype_name(dtype), layout, exact_zero, moe_capacity_factor)
     kw.update(activation_func=F.silu, params_dtype=dtype, pipeline_dtype=dtype)
     # Build-only settings (no numerics): initialise on the CPU (then move once); mark TP-sharded
     # params (grad-norm filters need it).

@@ -1,7 +1,7 @@
 """Process-group setup for the trainer and a spawn helper for multi-process runs.
 
-One process per (tp, pp, cp) rank; data parallel size is world / (tp*pp*cp). Expert parallelism adds no
-ranks: Megatron carves its `ep` groups out of the data- (and context-) parallel ranks. CPU uses gloo (with the
+One process per (tp, pp, cp) rank; data parallel size is world / (tp*pp*cp). The sizes are the config's
+`Layout` (tonpolicy.config.layout), re-exported here for the trainer. CPU uses gloo (with the
 megatron CUDA redirections of `cpu_compat`), GPU uses NCCL.
 """
 
@@ -11,63 +11,15 @@ import io
 import os
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tonpolicy.config.names import layout_label
-from tonpolicy.config.schema import ParallelConfig
+from tonpolicy.config.layout import Layout as Layout
 from tonpolicy.ports import free_port
 from tonpolicy.process_exit import exit_now
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Trainer parallel layout. cp_type: 'ulysses' (all-to-all over heads) or 'ring' (zigzag)."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    cp_type: str = "ulysses"
-    pp_layers: tuple[int, ...] | None = None  # layers per pipeline stage; None: an even split
-    dp: int = 1  # data-parallel replicas (megatron derives DP from the world size)
-    ep: int = 1  # expert parallelism: MoE experts split over ep of the cp*dp ranks (no ranks of its own)
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    @classmethod
-    def of(cls, p: ParallelConfig) -> Layout:
-        """The trainer's part of the `parallel` config group (the rollout sizes stay there)."""
-        return cls(
-            tp=p.tp,
-            pp=p.pp,
-            cp=p.cp,
-            cp_type=p.cp_type if p.cp_type in ("ulysses", "ring") else "ulysses",
-            pp_layers=tuple(p.pp_layers) if p.pp_layers and p.pp > 1 else None,
-            dp=p.dp,
-            ep=p.ep,
-        )
-
-    def to_parallel(self) -> ParallelConfig:
-        p = ParallelConfig(
-            tp=self.tp,
-            pp=self.pp,
-            cp=self.cp,
-            cp_type=self.cp_type if self.cp > 1 else "none",
-            dp=self.dp,
-            ep=self.ep,
-            pp_layers=list(self.pp_layers) if self.pp_layers else None,
-        )
-        p.name = layout_label(p)
-        return p
-
-    def __str__(self) -> str:
-        return layout_label(self.to_parallel())
 
 
 def device() -> torch.device:
@@ -91,12 +43,7 @@ def init_distributed(layout: Layout, seed: int = 1234) -> None:
         else:
             dist.init_process_group("gloo")
     cpu_compat.apply()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-    )
+    parallel_state.initialize_model_parallel(**layout.megatron_sizes)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from tonpolicy.config.layout import Layout
 from tonpolicy.trainer import cp_layout
 from tonpolicy.trainer.kernel_modules import lm_head_rows
 from tonpolicy.trainer.logprobs import token_logprobs
@@ -59,15 +60,16 @@ def real_microbatches(num_samples: int, micro_batch_size: int) -> int:
 def make_microbatches(
     prompts: list[list[int]],
     responses: list[list[int]],
-    cp_type: str,
+    layout: Layout,
     tile: int,
     extras: list[dict[str, torch.Tensor]] | None = None,
     micro_batch_size: int = 1,
     pack: bool = False,
 ) -> tuple[list[Microbatch], int]:
     """This rank's microbatches (its DP share, `micro_batch_size` samples each) plus the common padded
-    sequence length (the same on every replica: Megatron's pipeline shapes are static)."""
-    cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    sequence length (the same on every replica: Megatron's pipeline shapes are static). The CP split is
+    the layout's; the DP size is read from the live groups (Megatron derives it from the world size)."""
+    cp, cp_type, rank = layout.cp, layout.cp_type, ps.get_context_parallel_rank()
     if pack and cp > 1:
         raise ValueError("packed sequences are not split for context parallelism")
     extras = extras if extras is not None else [{} for _ in prompts]
@@ -91,7 +93,8 @@ def make_microbatches(
             for k in range(0, len(g), micro_batch_size)
         )
     else:
-        seq_len = cp_layout.padded_len(max(lengths), cp, cp_type, tile)
+        pad = layout.pad_multiple(tile)
+        seq_len = -(-max(lengths) // pad) * pad
     local = cp_layout.local_positions(seq_len, cp, rank, cp_type)
 
     def ids_of(i: int) -> torch.Tensor:

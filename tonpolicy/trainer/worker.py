@@ -114,7 +114,7 @@ class TrainerWorker:
     ) -> tuple[list[schedule.Microbatch], int]:
         t = self.cfg.trainer
         return schedule.make_microbatches(
-            prompts, responses, self.layout.cp_type, self.tile, extras, micro_batch_size(self.cfg), t.pack_sequences
+            prompts, responses, self.layout, self.tile, extras, micro_batch_size(self.cfg), t.pack_sequences
         )
 
     def replay_routes(self, rollout_routes: list[torch.Tensor] | None) -> None:
@@ -379,7 +379,7 @@ class TrainerWorker:
             "params_dtype": dtype_name(c.params_dtype),
             "pipeline_dtype": dtype_name(c.pipeline_dtype),
         }
-        keys = transformer_kwargs(self.model_cfg, self.cfg.contract.dtype, 1, 1, 1, None, True)
+        keys = transformer_kwargs(self.model_cfg, self.cfg.contract.dtype, Layout(), True)
         gpt = {
             k: getattr(m, k)
             for k in (

@@ -16,11 +16,11 @@ from tonpolicy.config.errors import ConfigError as ConfigError
 from tonpolicy.config.errors import ConfigIssue as ConfigIssue
 from tonpolicy.config.errors import unknown_keys as unknown_keys
 from tonpolicy.config.hf_check import hf_config_mismatches
+from tonpolicy.config.layout import Layout
 from tonpolicy.config.moe_rules import check_moe
 from tonpolicy.config.ranges import LOOPBACK, check_ranges
 from tonpolicy.config.rollout_backends import RolloutBackend, rollout_backend, rollout_backend_names
 from tonpolicy.config.schema import Config, value_at
-from tonpolicy.config.sizes import micro_batch_size, microbatches_per_replica, seq_pad_multiple, world_size
 from tonpolicy.families import ANY_FAMILY, FAMILIES
 from tonpolicy.kernels.sets import LOGITS_DTYPES, KernelSetSpec, kernel_set, kernel_set_names, kernel_sets
 from tonpolicy.rl.task import TASKS
@@ -147,11 +147,9 @@ def _check_layout(cfg: Config, bad: Any) -> None:
     if m.num_attention_heads % m.num_kv_heads:
         bad("model.num_kv_heads", f"must divide model.num_attention_heads={m.num_attention_heads} (GQA)")
 
-    # Trainer tensor parallelism (Megatron shards query groups, so TP divides both head counts).
-    if m.num_attention_heads % p.tp:
-        bad("parallel.tp", f"must divide model.num_attention_heads={m.num_attention_heads}")
-    if m.num_kv_heads % p.tp:
-        bad("parallel.tp", f"must divide model.num_kv_heads={m.num_kv_heads} (Megatron query groups)")
+    # The trainer's layout: its own rules (tonpolicy.config.layout).
+    for issue in Layout.from_config(cfg).issues(cfg):
+        bad(issue.key, issue.rule)
 
     # Rollout tensor parallelism: SGLang replicates KV heads when TP > KV heads, so it needs
     # heads % tp == 0 and either kv_heads % tp == 0 or tp % kv_heads == 0.
@@ -164,61 +162,6 @@ def _check_layout(cfg: Config, bad: Any) -> None:
     if backend is not None and not backend.sharded and rtp != 1:
         bad("parallel.rollout_tp", "the embedded rollout engine runs unsharded: must be 1 (use rollout=sglang for TP)")
 
-    # Pipeline parallelism.
-    if p.pp_layers is not None:
-        if len(p.pp_layers) != p.pp:
-            bad("parallel.pp_layers", f"must list one layer count per stage (parallel.pp={p.pp})")
-        if sum(p.pp_layers) != m.num_layers or min(p.pp_layers, default=0) < 1:
-            bad("parallel.pp_layers", f"stages must each hold >= 1 layer and sum to model.num_layers={m.num_layers}")
-        if len(set(p.pp_layers[1:-1])) > 1:
-            bad(
-                "parallel.pp_layers",
-                "Megatron sizes uneven stages by the first and the last: the stages between "
-                "them must hold equal layer counts",
-            )
-    elif m.num_layers % p.pp:
-        bad("parallel.pp", f"must divide model.num_layers={m.num_layers} (or declare parallel.pp_layers)")
-    # Megatron's batch arithmetic: batch = dp * num_microbatches * micro_batch_size.
-    # Each PPO minibatch is such a batch: batch = ppo_minibatches * dp * num_microbatches * micro_batch_size.
-    batch = cfg.experiment.prompts_per_step * cfg.experiment.samples_per_prompt
-    mbs, k = micro_batch_size(cfg), cfg.trainer.ppo_minibatches
-    # Blame the key the user set; a derived size fails only where dp does not split the batch, or the
-    # batch is too small to fill the pipeline.
-    explicit = cfg.trainer.micro_batch_size is not None
-    mbs_key = "trainer.micro_batch_size" if explicit else "parallel.dp"
-    pp_key = mbs_key if explicit else "experiment.prompts_per_step"
-    if not explicit and p.num_microbatches is not None:
-        pp_key = "parallel.num_microbatches"
-    if k >= 1 and batch % k:
-        bad(
-            "trainer.ppo_minibatches",
-            f"must divide the step's batch (experiment.prompts_per_step*samples_per_prompt={batch}): "
-            "every minibatch holds the same number of samples",
-        )
-    elif p.dp >= 1 and mbs >= 1 and k >= 1:
-        if (batch // k) % (p.dp * mbs):
-            of = (
-                "the batch" if k == 1 else f"each of the trainer.ppo_minibatches={k} minibatches ({batch // k} samples)"
-            )
-            bad(
-                mbs_key,
-                f"parallel.dp*micro_batch_size={p.dp * mbs} must divide {of} "
-                f"(experiment.prompts_per_step*samples_per_prompt={batch}): every replica runs whole microbatches",
-            )
-        else:
-            n_mb = microbatches_per_replica(cfg)
-            if p.num_microbatches is not None and p.num_microbatches != n_mb:
-                bad(
-                    "parallel.num_microbatches",
-                    f"is batch/({'ppo_minibatches*' if k > 1 else ''}dp*micro_batch_size)={n_mb} here: "
-                    "set that, or null to derive it",
-                )
-            if p.pp > 1 and n_mb < p.pp:
-                bad(
-                    pp_key,
-                    f"leaves {n_mb} microbatches per replica, fewer than parallel.pp="
-                    f"{p.pp} stages: the pipeline never fills",
-                )
     if cfg.data.train_files and cfg.reward.function is None:
         bad("data.train_files", "needs reward.function (yours): the built-in tasks score only their own prompts")
     if cfg.data.val_files and cfg.reward.function is None:
@@ -229,35 +172,6 @@ def _check_layout(cfg: Config, bad: Any) -> None:
         bad("trainer.eval_every", "must be >= 0 (0: after the last step only)")
     if cfg.data.train_files and cfg.task.max_turns > 1:
         bad("data.train_files", f"is for single-turn prompts: task={cfg.task.name} is multi-turn")
-    if cfg.trainer.pack_sequences and p.cp > 1:
-        bad(
-            "trainer.pack_sequences",
-            "packed rows are not split for context parallelism (each sample would need "
-            "its own zigzag): use padded rows (false) with parallel.cp > 1",
-        )
-
-    # Context parallelism.
-    if p.cp > 1 and p.cp_type == "none":
-        bad("parallel.cp_type", f"parallel.cp={p.cp} needs a CP type: ulysses or ring")
-    if p.cp == 1 and p.cp_type not in ("none",):
-        bad("parallel.cp_type", "must be none when parallel.cp=1")
-    if p.cp > 1 and p.cp_type == "ulysses":
-        for key, heads in (("num_attention_heads", m.num_attention_heads), ("num_kv_heads", m.num_kv_heads)):
-            if heads % (p.tp * p.cp):
-                bad("parallel.cp", f"Ulysses CP needs model.{key}={heads} divisible by tp*cp={p.tp * p.cp}")
-    pad = seq_pad_multiple(cfg)
-    if p.cp > 1 and p.cp_type == "ring" and pad % (2 * p.cp * c.attention_tile):
-        bad(
-            "trainer.seq_pad_multiple",
-            f"ring CP needs sequences padded to a multiple of 2*cp*attention_tile={2 * p.cp * c.attention_tile}",
-        )
-
-    # World size against the declared resources.
-    ws = world_size(cfg)
-    if cfg.trainer.nproc_per_node is not None and cfg.trainer.nproc_per_node * cfg.trainer.nnodes != ws:
-        bad("trainer.nproc_per_node", f"nnodes*nproc_per_node must equal tp*pp*cp*dp={ws}")
-    if ws % cfg.trainer.nnodes:
-        bad("trainer.nnodes", f"must divide the world size tp*pp*cp*dp={ws}")
     t = cfg.trainer
     if t.nnodes > 1 and cfg.mode == "plan" and t.master_addr in LOOPBACK:
         bad(
