@@ -32,6 +32,7 @@ from tonpolicy.loop.staleness import (
 from tonpolicy.loop.weight_sync import DiskWeightSync, PolicyVersionError, policy_version
 from tonpolicy.ports import free_port
 from tonpolicy.rl.objective import PPOConfig, importance_weights, mean_loss
+from tonpolicy.rl.train_samples import TrainSamples
 from tonpolicy.validation.validate import ConfigError, validate
 
 
@@ -191,10 +192,10 @@ class Worker:
         self.recomputes += 1
         return [torch.tensor(_lps(r, self.version), dtype=torch.float32) for r in responses]
 
-    def ppo_step(self, prompts: Any, responses: Any, old_logprobs: Any, may_update: Any, **kw: Any) -> dict:
-        self.behaviour, self.old = kw["behaviour_logprobs"], old_logprobs
-        first = list(range(len(responses) // self.minibatches))  # the first minibatch's samples
-        ok = may_update(first, [torch.tensor(_lps(responses[i], self.version)) for i in first])
+    def ppo_step(self, train: TrainSamples, may_update: Any, record_routes: bool = False) -> dict:
+        self.behaviour, self.old = train.behaviour_logprobs, train.old_logprobs
+        first = list(range(len(train) // self.minibatches))  # the first minibatch's samples
+        ok = may_update(first, [torch.tensor(_lps(train.responses[i], self.version)) for i in first])
         self.version += ok
         return {"grad_norm": 1.0, "update_successful": float(ok)}
 

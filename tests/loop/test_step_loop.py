@@ -21,6 +21,7 @@ from tonpolicy.loop.records import StepRecords, append_jsonl
 from tonpolicy.loop.run import Loop, take_step
 from tonpolicy.loop.weight_sync import DiskWeightSync
 from tonpolicy.ports import free_port
+from tonpolicy.rl.train_samples import TrainSamples
 
 
 def _lps(response: list[int]) -> list[float]:
@@ -71,12 +72,11 @@ class Worker:
         self.recomputes += 1
         return [torch.tensor(_lps(r), dtype=torch.float32) for r in responses]
 
-    def ppo_step(
-        self, prompts: Any, responses: Any, old_logprobs: list[torch.Tensor], may_update: Any, **_: Any
-    ) -> dict:
-        self.old = old_logprobs
-        samples = list(range(len(responses) // self.minibatches))
-        first = [torch.tensor(_lps(responses[i]), dtype=torch.float32) for i in samples]
+    def ppo_step(self, train: TrainSamples, may_update: Any, record_routes: bool = False) -> dict:
+        assert train.old_logprobs is not None
+        self.old = train.old_logprobs
+        samples = list(range(len(train) // self.minibatches))
+        first = [torch.tensor(_lps(train.responses[i]), dtype=torch.float32) for i in samples]
         if self.first_forward_off:
             first[1].view(torch.int32)[0] ^= 1
         ok = may_update(samples, first)

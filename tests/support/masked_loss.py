@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from tonpolicy.align import harness
+from tonpolicy.rl.train_samples import TrainSamples
 from tonpolicy.trainer.process_groups import Layout
 
 
@@ -39,7 +40,7 @@ def masked_loss_worker(ck: str, prompts: list[list[int]], responses: list[list[i
         ("model_changed", shifted("model"), masks),
         ("env_changed_unmasked", shifted("env"), None),
     ]:
-        m = worker.ppo_step(prompts, responses, o, o, adv, loss_masks=mk)
+        m = worker.ppo_step(TrainSamples(prompts, responses, o, o, adv, loss_masks=mk))
         results[name] = (m["loss"], m["grad_norm"])
     worker.close()
     return results

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.config.schema import Config, ContractConfig, ExperimentConfig, TrainerConfig
 from tonpolicy.contract.gate import compare_logprobs
+from tonpolicy.rl.train_samples import TrainSamples
 from tonpolicy.trainer.process_groups import Layout
 
 CONTRACTS = {
@@ -236,7 +237,8 @@ def ppo_worker(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         t1 = time.perf_counter()
         first: dict[str, Any] = {}
         check = _first_forward_check(old, job.get("exact_first_forward", False), first)
-        m = worker.ppo_step(ro["prompts"], ro["responses"], old, ro["logprobs"], job["advantages"], may_update=check)
+        samples = TrainSamples(ro["prompts"], ro["responses"], old, ro["logprobs"], job["advantages"])
+        m = worker.ppo_step(samples, may_update=check)
         m.update(first)
         t2 = time.perf_counter()
         new = worker.logprobs(ro["prompts"], ro["responses"])

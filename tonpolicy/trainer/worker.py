@@ -28,10 +28,12 @@ from tonpolicy.kernels import (
     weights_updated,
 )
 from tonpolicy.kernels.sets import kernel_set
-from tonpolicy.rl.objective import PPOConfig, importance_weights, mean_loss, metrics, token_loss
+from tonpolicy.rl.objective import PPOConfig, metrics
+from tonpolicy.rl.train_samples import TrainSamples
 from tonpolicy.trainer import routes, schedule
 from tonpolicy.trainer.model import build_gpt
 from tonpolicy.trainer.moe_weights import is_expert_param
+from tonpolicy.trainer.ppo_loss import PPOLoss, TokenInputs, token_inputs
 from tonpolicy.trainer.process_groups import Layout, init_distributed
 from tonpolicy.trainer.weights import load_into, megatron_to_hf
 
@@ -89,6 +91,7 @@ class TrainerWorker:
         # The rollout reports greedy (temperature <= 0) logprobs at temperature 1; so do we.
         self.temperature = logprob_temperature(cfg.experiment.temperature)
         self.ppo = PPOConfig(cfg.trainer.clip_eps, cfg.trainer.clip_eps_high, cfg.trainer.kl_coef)
+        self.loss = PPOLoss(self.ppo, cfg.trainer.tis_cap)
         self.model: Any = self.module
         self.optimizer: Any = None
         self.last_share: list[int] = []
@@ -179,60 +182,30 @@ class TrainerWorker:
 
     def ppo_step(
         self,
-        prompts: list[list[int]],
-        responses: list[list[int]],
-        old_logprobs: list[torch.Tensor] | None,
-        rollout_logprobs: list[torch.Tensor],
-        advantages: list[float],
-        loss_masks: list[torch.Tensor] | None = None,
+        samples: TrainSamples,
         may_update: Callable[[list[int], list[torch.Tensor]], bool] | None = None,
         record_routes: bool = False,
-        behaviour_logprobs: list[torch.Tensor] | None = None,
-        tis_cap: float | None = None,
     ) -> dict[str, Any]:
         """trainer.ppo_epochs x trainer.ppo_minibatches clipped policy-gradient updates (verl's and
-        slime's loop): the samples split into ppo_minibatches contiguous minibatches (batch order, the same
-        on every rank), one optimizer update each on its minibatch's token-mean loss, all of it repeated
-        ppo_epochs times. Computed identically on every rank.
+        slime's loop): one optimizer update per minibatch (`TrainSamples.minibatches`) on its token-mean
+        loss, all of it repeated ppo_epochs times. Computed identically on every rank.
 
-        `may_update` (the gate's check on the first training forward) gets, on every rank, the first
-        minibatch's sample indices and its forward's logprobs (autograd on): the one forward that precedes
-        every update of the step. False drops the gradients and ends the step with no update
-        (`update_successful` 0, grad_norm NaN). `record_routes`: an MoE model's routes of that same forward
-        land in `last_routes` (those samples only; global rank 0), as `logprobs` records the recompute's.
+        `may_update` is the gate's check of the first training forward (docs/ARCHITECTURE.md "The gate's
+        order"): it gets the first minibatch's sample indices and that forward's logprobs (autograd on);
+        False drops the gradients and ends the step with no update (`update_successful` 0, grad_norm
+        NaN). `record_routes`: an MoE model's routes of that same forward land in `last_routes`.
 
-        Metrics: loss, ratio_* and clipfrac over each sample's first training forward (epoch 0; exactly
-        ratio 1 for the first minibatch under an exact contract, moved by the earlier updates for later
-        minibatches, as PPO means them to be); train_rollout_* compare `old_logprobs` with the rollout's;
-        grad_norm is the first update's (before clipping); with more than one update, grad_norms and
-        minibatch_losses list every update's.
-
-        Decoupled PPO (asynchronous steps): `old_logprobs` are the proximal policy's (the current weights
-        before any update), or None for each sample's own first training forward (detached; one update
-        only: then no separate forward is needed, and under the contract they are the same bits); with
-        `behaviour_logprobs` (the rollout's) each token's loss is weighted by pi_proximal / pi_behaviour,
-        truncated at `tis_cap` (None: untruncated)."""
+        Metrics: loss, ratio_* and clipfrac over each sample's first training forward (epoch 0);
+        train_rollout_* compare PPO's old logprobs with the rollout's; grad_norm is the first update's
+        (before clipping); with more than one update, grad_norms and minibatch_losses list every one."""
         if self.optimizer is None:
             self._setup_optimizer()
         self.model.train()
         t = self.cfg.trainer
-        n, k = len(prompts), t.ppo_minibatches
-        if k < 1 or n % k:
-            raise ValueError(f"trainer.ppo_minibatches={k} must divide the batch's {n} samples")
-        masks = loss_masks or [torch.ones(len(r)) for r in responses]
-        advs = [torch.full((len(r),), float(a)) for r, a in zip(responses, advantages, strict=True)]
-        if old_logprobs is None and k * t.ppo_epochs != 1:
+        minibatches = samples.minibatches(t.ppo_minibatches)
+        if samples.old_logprobs is None and len(minibatches) * t.ppo_epochs != 1:
             raise ValueError("old_logprobs=None (the first training forward's) needs exactly one update per step")
-        extras: list[dict[str, torch.Tensor]] = [
-            {"adv": a, "mask": m.float()} for a, m in zip(advs, masks, strict=True)
-        ]
-        for i, ex in enumerate(extras):
-            if old_logprobs is not None:
-                ex["old"] = torch.as_tensor(old_logprobs[i], dtype=torch.float32)
-            if behaviour_logprobs is not None:
-                ex["behav"] = torch.as_tensor(behaviour_logprobs[i], dtype=torch.float32)
-        self._tis_cap = tis_cap
-        minibatches = [list(range(j, j + n // k)) for j in range(0, n, n // k)]
+        inputs = token_inputs(samples)
         first: dict[int, torch.Tensor] = {}  # each sample's first training forward (epoch 0)
         losses: list[float] = []
         norms: list[float] = []
@@ -242,60 +215,48 @@ class TrainerWorker:
         updates = [(epoch, idx) for epoch in range(t.ppo_epochs) for idx in minibatches]
         try:
             for u, (epoch, idx) in enumerate(updates):
-                lp = self._train_forward(
-                    prompts, responses, extras, idx, replayed, epoch == 0, record_routes and u == 0
-                )
+                lp = self._train_forward(samples, inputs, idx, replayed, epoch == 0, record_routes and u == 0)
                 if epoch == 0:
                     first.update(zip(idx, lp, strict=True))
-                ex = [extras[i] for i in idx]
-                losses.append(
-                    mean_loss(
-                        lp,
-                        [e.get("old", x.detach()) for e, x in zip(ex, lp, strict=True)],
-                        [e["adv"] for e in ex],
-                        [e["mask"] for e in ex],
-                        self.ppo,
-                        [self._is_weight(e, x) for e, x in zip(ex, lp, strict=True)] if "behav" in ex[0] else None,
-                    )
-                )
+                losses.append(self.loss.mean([inputs[i] for i in idx], lp))
                 if u == 0 and may_update is not None and not may_update(idx, lp):
                     self.optimizer.zero_grad()  # refused: no update at all this step
                     ok = False
                     break
-                updated, grad_norm, _ = self.optimizer.step()
-                weights_updated()  # the optimizer writes the params through `.data`
-                ok = ok and bool(updated)
-                norms.append(float(grad_norm))
+                ok = self._update(norms) and ok
         finally:
             routes.end_replay(self.module)
-        seen = sorted(first)
-        out: dict[str, Any] = metrics(
-            [first[i] for i in seen],
-            [extras[i].get("old", first[i].detach()) for i in seen],
-            [torch.as_tensor(rollout_logprobs[i], dtype=torch.float32) for i in seen],
-            [advs[i] for i in seen],
-            [masks[i] for i in seen],
-            self.ppo,
-        )
+        out = self._step_metrics(samples, inputs, first)
         out.update(grad_norm=norms[0] if norms else float("nan"), update_successful=float(ok), lr=self.lr)
-        if k * t.ppo_epochs > 1:
+        if len(updates) > 1:
             out.update(updates=len(norms), grad_norms=norms, minibatch_losses=losses)
         return out
 
-    def _token_loss(self, lp: torch.Tensor, ex: dict[str, torch.Tensor]) -> torch.Tensor:
-        """PPO's clipped loss per token; decoupled (asynchronous steps): weighted by pi_proximal / pi_behaviour."""
-        loss = token_loss(lp, ex["old"] if "old" in ex else lp.detach(), ex["adv"], self.ppo)
-        return loss * self._is_weight(ex, lp) if "behav" in ex else loss
+    def _update(self, norms: list[float]) -> bool:
+        """One optimizer step on the gradients in the buffers; its grad norm appended to `norms`."""
+        updated, grad_norm, _ = self.optimizer.step()
+        weights_updated()  # the optimizer writes the params through `.data`
+        norms.append(float(grad_norm))
+        return bool(updated)
 
-    def _is_weight(self, ex: dict[str, torch.Tensor], lp: torch.Tensor) -> torch.Tensor:
-        proximal = ex["old"] if "old" in ex else lp.detach()
-        return importance_weights([proximal], [ex["behav"]], self._tis_cap)[0]
+    def _step_metrics(
+        self, samples: TrainSamples, inputs: list[TokenInputs], first: dict[int, torch.Tensor]
+    ) -> dict[str, Any]:
+        """`rl.objective.metrics` over the samples' first training forwards (`first`: sample -> logprobs)."""
+        seen = sorted(first)
+        return metrics(
+            [first[i] for i in seen],
+            [inputs[i].old_or(first[i]) for i in seen],
+            [torch.as_tensor(samples.rollout_logprobs[i], dtype=torch.float32) for i in seen],
+            [inputs[i].advantage for i in seen],
+            [inputs[i].mask for i in seen],
+            self.ppo,
+        )
 
     def _train_forward(
         self,
-        prompts: list[list[int]],
-        responses: list[list[int]],
-        extras: list[dict[str, torch.Tensor]],
+        samples: TrainSamples,
+        inputs: list[TokenInputs],
         idx: list[int],
         replayed: list[torch.Tensor] | None,
         count_share: bool,
@@ -303,10 +264,11 @@ class TrainerWorker:
     ) -> list[torch.Tensor]:
         """Forward and backward of the minibatch `idx` (gradients of its token-mean loss left in the
         grad buffers); returns its samples' logprobs of this forward, on every rank."""
+        prompts, responses = samples.prompts, samples.responses
         mbs, seq_len = self._microbatches(
-            [prompts[i] for i in idx], [responses[i] for i in idx], [extras[i] for i in idx]
+            [prompts[i] for i in idx], [responses[i] for i in idx], [inputs[i].extras() for i in idx]
         )
-        total = max(float(sum(extras[i]["mask"].sum() for i in idx)), 1.0)  # the minibatch's tokens, every replica
+        total = max(float(sum(inputs[i].mask.sum() for i in idx)), 1.0)  # the minibatch's tokens, every replica
         n_mb, dp = len(mbs), ps.get_data_parallel_world_size()
         if count_share:  # the samples this replica trained on
             self.last_share += [idx[i] for mb in mbs if mb.weight for i in mb.samples]
@@ -315,7 +277,8 @@ class TrainerWorker:
             lps, exs = schedule.local_logprobs(
                 mb, logits, self.model_cfg.vocab_size, self.temperature, self.logprob_kernels
             )
-            local = sum((self._token_loss(lp, ex) * ex["mask"]).sum() for lp, ex in zip(lps, exs, strict=True)) / total
+            tokens = [TokenInputs.of(ex) for ex in exs]
+            local = sum((self.loss.per_token(t, lp) * t.mask).sum() for lp, t in zip(lps, tokens, strict=True)) / total
             # megatron's schedule multiplies this by CP and divides it by the microbatch count, and DDP
             # averages gradients over DP x CP: the update is the gradient of the minibatch's token mean.
             return local * n_mb * dp * mb.weight, {
