@@ -13,6 +13,8 @@ Two ways in: the launch plan puts `CPU_ALLOCATOR_ENV` in the environment of ever
 to a running process with mallopt, called by the command line's entry (`python -m tonpolicy`) and by
 whoever wants them (the test suite, benchmarks), never by an import: a library that other programs import
 leaves their allocator alone. A value the user set in the environment wins.
+
+Also here: another process tree's peak resident memory (the rollout server's, as the step record holds it).
 """
 
 from __future__ import annotations
@@ -42,3 +44,58 @@ def tune_malloc() -> dict[str, int]:
         if env not in os.environ and mallopt(_MALLOPT[env], v) == 1:
             done[env] = v
     return done
+
+
+# --- peak memory of other processes (the rollout servers, as the trainer records them) --------------
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (SGLang's server runs its scheduler and detokenizer as children);
+    empty when `pid` is gone. psutil where it is installed, else Linux's /proc."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        try:
+            root = psutil.Process(pid)
+            return [pid, *(c.pid for c in root.children(recursive=True))]
+        except psutil.Error:
+            return []
+    parents: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after its last ')'
+                parents[int(entry.name)] = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    if pid not in parents:
+        return []
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [p for p, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
+def peak_rss_kib(pid: int) -> int | None:
+    """A process's peak resident memory so far (the kernel's high-water mark, VmHWM; KiB); None where
+    /proc does not say (the process is gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def tree_peak_rss_mib(pid: int) -> float | None:
+    """The sum of the peaks of `pid`'s process tree (MiB): each process's own high-water mark, so a bound
+    on the tree's peak that is reached when the processes peak together; None where none can be read."""
+    peaks = [k for k in map(peak_rss_kib, process_tree(pid)) if k is not None]
+    return round(sum(peaks) / 1024, 1) if peaks else None

@@ -122,3 +122,5 @@ def test_wandb_offline_run_holds_parity_and_grad_norm_per_step(
         assert row["parity/mismatched_tokens"] == 0 and row["step"] == rec["step"]
         assert "parity/exact" not in row and "time" not in row  # not charted
         assert row["perf/peak_rss_mib"] > 0 and row["perf/rollout_tokens_per_s"] > 0
+        # The embedded server's peak, beside the trainer's (its process tree's, from /proc).
+        assert row["perf/peak_rollout_rss_mib"] == rec["peak_rollout_rss_mib"] > 0

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tonpolicy.cpu_memory import tree_peak_rss_mib
 from tonpolicy.files import write_json_atomic
 from tonpolicy.loop.batch import Batch
 from tonpolicy.loop.exit_codes import STATUS_FILE
@@ -57,6 +58,19 @@ def peak_memory() -> dict[str, float]:
     return out
 
 
+def rollout_peak_memory(run_dir: Path) -> dict[str, float]:
+    """The rollout servers' peak resident memory (MiB), beside the trainer's: each server's process tree
+    (the launcher's pids.json names them; a fleet's largest member), on this node's /proc. Nothing where
+    the launcher wrote no pids (a trainer started by hand) or the servers run elsewhere."""
+    try:
+        pids = json.loads((run_dir / "pids.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    servers = [pid for name, pid in pids.items() if name.startswith("rollout") and name != "rollout-router"]
+    peaks = [p for p in map(tree_peak_rss_mib, servers) if p is not None]
+    return {"peak_rollout_rss_mib": max(peaks)} if peaks else {}
+
+
 def throughput(record: dict[str, Any], batch: Batch) -> dict[str, float]:
     """Tokens per second: the rollout's sampled tokens over its time, the trainer's tokens (prompt and
     response) over the rest of the step."""
@@ -94,7 +108,7 @@ class StepRecords:
         trainer_logprobs: Sequence[torch.Tensor | None] | None = None,
     ) -> None:
         """`trainer_logprobs`: per sample, the trainer's logprobs the gate compared (None: not compared)."""
-        record = {**record, **throughput(record, batch), **peak_memory()}
+        record = {**record, **throughput(record, batch), **peak_memory(), **rollout_peak_memory(self.run_dir)}
         if batch.weight_versions is not None:  # tokens per weight version that sampled them
             counts = Counter(sampled_versions(batch.weight_versions, batch.response_masks))
             numbers = [policy_version(v) for v in counts]
