@@ -165,7 +165,7 @@ def test_a_duplicate_rid_refusal_is_re_sent_under_the_next_attempts_rid(serve) -
 
 def test_the_retry_bound_is_a_validated_key_the_trainers_client_takes() -> None:
     from tonpolicy.config.compose import compose_config
-    from tonpolicy.config.ranges import check_fleet
+    from tonpolicy.config.fleet_rules import check_fleet
     from tonpolicy.rollout.fleet import FleetClient, rollout_client
 
     fleet = rollout_client("http://127.0.0.1:1", ["http://127.0.0.1:2"], retries=1)

@@ -270,7 +270,7 @@ def test_a_sample_an_unsynced_replacement_answered_is_re_sent_once_it_has_the_we
 
 
 def test_max_restarts_is_a_validated_key() -> None:
-    from tonpolicy.config.ranges import check_fleet
+    from tonpolicy.config.fleet_rules import check_fleet
 
     assert compose_config(["mode=plan"]).rollout.max_restarts == 2
     for value, errors in ((-1, 1), (0, 0), (100, 0), (101, 1)):

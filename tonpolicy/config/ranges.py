@@ -1,21 +1,19 @@
-"""Ranges of every numeric field a process acts on. Called by
-tonpolicy.validation.validate with its `bad(key, rule)` reporter."""
+"""Ranges of every numeric field a process acts on (and, through their own modules, the rollout server's
+access and the fleet's rules). Called by tonpolicy.validation.validate with its `bad(key, rule)` reporter."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 from typing import Any
 
+from tonpolicy.config.fleet_rules import check_fleet
 from tonpolicy.config.schema import Config, value_at
+from tonpolicy.config.server_access import check_server_access
 from tonpolicy.config.sizes import padded_seq_len, seq_pad_multiple
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SEED_MAX = 2**32 - 1  # PYTHONHASHSEED's range
 MIN_TEMPERATURE = 1e-6  # below this SGLang and the embedded server sample greedily
 WEIGHT_SYNC_MODES = ("disk", "distributed")
-API_KEY_ENV = "TONPOLICY_API_KEY"
 
 
 def check_ranges(cfg: Config, bad: Any) -> None:
@@ -60,16 +58,7 @@ def check_ranges(cfg: Config, bad: Any) -> None:
     ):
         if value is not None and value < 1:
             bad(key, "must be a positive integer (or null)")
-    if r.host not in LOOPBACK and not (r.allow_remote and r.require_api_key):
-        bad(
-            "rollout.host",
-            "binds a non-loopback address, exposing /generate and the weight endpoints to "
-            "other hosts; set rollout.allow_remote=true to mean it and rollout.require_api_key=true (with "
-            f"${API_KEY_ENV}) so only the trainer is served (torchrun's store listens on all interfaces "
-            "either way)",
-        )
-    if r.require_api_key and cfg.mode != "plan" and not os.environ.get(API_KEY_ENV):
-        bad("rollout.require_api_key", f"needs the key in ${API_KEY_ENV} (it is never written to the config)")
+    check_server_access(cfg, bad)
     if r.weight_sync not in WEIGHT_SYNC_MODES:
         bad("rollout.weight_sync", f"must be one of {list(WEIGHT_SYNC_MODES)}")
     if r.weight_sync_bucket_mb < 0:
@@ -95,39 +84,3 @@ def check_ranges(cfg: Config, bad: Any) -> None:
         value = value_at(cfg, key)
         if not (math.isfinite(value) and value >= 0):
             bad(key, "must be a finite number >= 0")
-
-
-ROUTER_POLICIES = ("round_robin", "random", "cache_aware", "power_of_two")
-# Re-sends back off exponentially up to the client's cap: more than this only stretches a failing step.
-MAX_CLIENT_RETRIES = 20
-# A member that keeps dying is a bad node or a bad configuration, not a transient loss.
-MAX_RESTARTS = 100
-
-
-def check_fleet(cfg: Config, bad: Any) -> None:
-    """rollout.replicas is the one name for rollout data parallelism (servers behind sglang-router)."""
-    r = cfg.rollout
-    if cfg.parallel.rollout_dp != 1:
-        bad(
-            "parallel.rollout_dp",
-            "rollout data parallelism is a fleet of servers behind sglang-router: "
-            f"use rollout.replicas={cfg.parallel.rollout_dp} (parallel.rollout_dp must stay 1)",
-        )
-    if r.replicas < 1:
-        bad("rollout.replicas", "must be a positive integer (1: one server, no router)")
-    if not 0 <= r.client_retries <= MAX_CLIENT_RETRIES:
-        bad("rollout.client_retries", f"must be an integer in [0, {MAX_CLIENT_RETRIES}] (0: no re-sends)")
-    if not 0 <= r.max_restarts <= MAX_RESTARTS:
-        bad(
-            "rollout.max_restarts",
-            f"must be an integer in [0, {MAX_RESTARTS}] (0: a dead replica or router ends the run)",
-        )
-    if r.router_policy not in ROUTER_POLICIES:
-        bad("rollout.router_policy", f"must be one of {list(ROUTER_POLICIES)} (sglang-router's --policy)")
-    if r.replicas > 1 and r.nnodes > 1:
-        bad("rollout.replicas", "a fleet of servers each spanning nodes (rollout.nnodes > 1) is not supported yet")
-    if r.replicas > 1 and cfg.mode != "plan" and importlib.util.find_spec("sglang_router") is None:
-        bad(
-            "rollout.replicas",
-            "needs sglang-router in the launcher's environment (pip install sglang-router==0.3.2; scripts/setup.sh)",
-        )

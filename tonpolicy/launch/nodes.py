@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tonpolicy.config.errors import ConfigError, ConfigIssue
-from tonpolicy.config.ranges import LOOPBACK
 from tonpolicy.config.schema import Config
+from tonpolicy.config.server_access import LOOPBACK
 
 LAUNCHER_HINT = "hydra/launcher=slurm_nodes (or local_nodes) starts trainer.nnodes tasks, one per node"
 

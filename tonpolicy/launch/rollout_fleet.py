@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tonpolicy.config.ranges import API_KEY_ENV
 from tonpolicy.config.rollout_backends import rollout_backend
 from tonpolicy.config.schema import Config
+from tonpolicy.config.server_access import API_KEY_ENV
 from tonpolicy.files import write_json_atomic
 from tonpolicy.launch.plan import API_KEY_PLACEHOLDER, router_argv
 from tonpolicy.launch.procs import Child, ProcessGroup, wait_until

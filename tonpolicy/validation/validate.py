@@ -18,9 +18,10 @@ from tonpolicy.config.errors import unknown_keys as unknown_keys
 from tonpolicy.config.hf_check import hf_config_mismatches
 from tonpolicy.config.layout import Layout
 from tonpolicy.config.moe_rules import check_moe
-from tonpolicy.config.ranges import LOOPBACK, check_ranges
+from tonpolicy.config.ranges import check_ranges
 from tonpolicy.config.rollout_backends import RolloutBackend, rollout_backend, rollout_backend_names
 from tonpolicy.config.schema import Config, value_at
+from tonpolicy.config.server_access import LOOPBACK
 from tonpolicy.families import ANY_FAMILY, FAMILIES
 from tonpolicy.kernels.sets import LOGITS_DTYPES, KernelSetSpec, kernel_set, kernel_set_names, kernel_sets
 from tonpolicy.rl.task import TASKS

@@ -22,8 +22,8 @@ from tonpolicy.config.compose import load_config
 from tonpolicy.config.device import cuda_graphs_on, resolve_device
 from tonpolicy.config.dtypes import DTYPES
 from tonpolicy.config.model import ModelConfig
-from tonpolicy.config.ranges import API_KEY_ENV
 from tonpolicy.config.schema import Config
+from tonpolicy.config.server_access import API_KEY_ENV
 from tonpolicy.contract.identity import KERNEL_PARAM_FIELDS, identity, kernel_params
 
 
