@@ -43,6 +43,7 @@ def _share(measured: tuple[float, float]) -> float:
 
 
 def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int) -> dict[str, Any]:
+    from tonpolicy.rl.train_samples import TrainSamples
     from tonpolicy.trainer import schedule
     from tonpolicy.trainer.process_groups import reset_model_parallel
     from tonpolicy.trainer.worker import TrainerWorker
@@ -60,22 +61,23 @@ def _bench(layout: Layout, dtype: str, checkpoint: str, batch: dict, steps: int)
     out: dict[str, Any] = {"layout": str(layout), "dtype": dtype}
     p, r = batch["prompts"], batch["responses"]
     # Both specs live side by side (same process groups) and their steps alternate.
-    workers, olds = {}, {}
+    workers, samples = {}, {}
     for spec in ("kernels", "stock"):
         cfg = harness.make_config(layout, dtype, "exact", 1.0, checkpoint)
         workers[spec] = TrainerWorker(cfg, checkpoint, spec=spec)
-        olds[spec] = workers[spec].logprobs(p, r)
+        old = workers[spec].logprobs(p, r)
+        samples[spec] = TrainSamples(p, r, old, old, batch["advantages"])
     cmp_s: list[float] = []
 
     def measure(spec: str, _round: int) -> tuple[float, float]:
         """(seconds of one step, the share of it in the logprob recipe)."""
-        old = olds[spec]
         recipe["s"] = 0.0
         t0 = time.perf_counter()
-        workers[spec].ppo_step(p, r, old, old, batch["advantages"])
+        workers[spec].ppo_step(samples[spec])
         dt = time.perf_counter() - t0
         if spec == "kernels":
             t1 = time.perf_counter()
+            old = samples[spec].rollout_logprobs
             harness.compare(old, [x.clone() for x in old])
             cmp_s.append(time.perf_counter() - t1)
         return dt, recipe["s"] / dt

@@ -102,6 +102,8 @@ def invariance(cks: dict, ros: dict) -> dict:
 
 @stage("step")
 def step(cks: dict, ros: dict, steps: int) -> dict:
+    from tonpolicy.rl.train_samples import TrainSamples
+
     out = {}
     for dtype, ck in cks.items():
         ro = ros[dtype]
@@ -109,12 +111,13 @@ def step(cks: dict, ros: dict, steps: int) -> dict:
         for spec in ("kernels", "stock"):
             w = _worker(dtype, spec, ck)
             old = w.logprobs(ro["prompts"], ro["responses"])
+            samples = TrainSamples(ro["prompts"], ro["responses"], old, ro["logprobs"], adv)
             times, m = [], {}
             for i in range(steps + 1):
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 t = time.perf_counter()
-                m = w.ppo_step(ro["prompts"], ro["responses"], old, ro["logprobs"], adv)
+                m = w.ppo_step(samples)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 if i:  # the first step builds DDP and the optimizer

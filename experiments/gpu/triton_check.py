@@ -202,6 +202,7 @@ def model(root: Path) -> dict:
     from tonpolicy.config.model import ModelConfig
     from tonpolicy.model.checkpoint import init_state_dict, load_hf, save_hf
     from tonpolicy.model.qwen3 import Qwen3
+    from tonpolicy.rl.train_samples import TrainSamples
     from tonpolicy.trainer.process_groups import Layout
     from tonpolicy.trainer.worker import TrainerWorker
 
@@ -227,12 +228,12 @@ def model(root: Path) -> dict:
             w = TrainerWorker(harness.make_config(Layout(), dtype_name, "triton", 0.8, ck), ck, spec=spec)
             lps = w.logprobs(ro["prompts"], ro["responses"])
             out[f"{dtype_name}_trainer_{spec}_vs_engine"] = harness.compare(lps, ro["logprobs"])
-            old = lps
+            samples = TrainSamples(ro["prompts"], ro["responses"], lps, ro["logprobs"], adv)
             times = []
             for i in range(2 if SMOKE else 4):
                 _sync()
                 t = time.perf_counter()
-                met = w.ppo_step(ro["prompts"], ro["responses"], old, ro["logprobs"], adv)
+                met = w.ppo_step(samples)
                 _sync()
                 if i:
                     times.append(time.perf_counter() - t)
