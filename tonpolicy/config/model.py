@@ -34,6 +34,10 @@ class ModelConfig:
     hf_config: str | None = None
     # Path to an HF checkpoint directory (config.json + safetensors); None means random init from seed.
     checkpoint: str | None = None
+    # The tokenizer a random-init checkpoint carries (a directory with tokenizer.json, and optionally
+    # tokenizer_config.json, chat_template.jinja, generation_config.json): its vocabulary must fit
+    # vocab_size. None: the tiny models' word-level tokenizer. A checkpoint carries its own.
+    tokenizer: str | None = None
     init_seed: int = 1234
     init_std: float = 0.02
 
@@ -76,7 +80,7 @@ def pipeline_stage_layers(num_layers: int, pp: int, pp_layers: list[int] | tuple
 
 
 # ModelConfig fields that are labels or provenance, not architecture: a checkpoint may differ in them.
-_NOT_ARCHITECTURE = {"name", "family", "hf_config", "checkpoint", "init_seed", "init_std"}
+_NOT_ARCHITECTURE = {"name", "family", "hf_config", "checkpoint", "tokenizer", "init_seed", "init_std"}
 # The rest: what a checkpoint's config.json states (tonpolicy.config.hf_qwen3 reads and writes each).
 ARCHITECTURE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ModelConfig) if f.name not in _NOT_ARCHITECTURE)
 # Those only a mixture of experts states (the MoE adapter, tonpolicy.config.hf_qwen3_moe, adds them).

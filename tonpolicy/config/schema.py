@@ -341,9 +341,11 @@ GROUPS: dict[str, type] = {
 
 
 def register_configs() -> None:
+    from tonpolicy.config.assets import register_asset_resolver
     from tonpolicy.config.names import register_resolvers
 
     register_resolvers()
+    register_asset_resolver()
     # The user's own conf/ (hydra.searchpath in config.yaml) is optional: a directory without one is
     # not worth a warning on every composition.
     warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=conf is not available")

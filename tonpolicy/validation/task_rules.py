@@ -8,10 +8,12 @@ from typing import Any
 
 from tonpolicy.config.schema import Config
 from tonpolicy.rl.task import TASKS, get_task
+from tonpolicy.validation.tokenizer_rules import check_model_tokenizer
 
 
 def check_task(cfg: Config, bad: Any) -> None:
     task = cfg.task
+    check_model_tokenizer(cfg, bad)  # whether a task's prompts read as the model's tokenizer reads them
     if task.graded_tokens < 1:
         bad("task.graded_tokens", "must be a positive integer (the reward grades that many response tokens)")
     elif task.graded_tokens > cfg.experiment.max_new_tokens >= 1:
