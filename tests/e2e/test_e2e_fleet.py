@@ -131,19 +131,30 @@ def test_a_hung_replica_and_a_killed_router_are_replaced_and_the_run_stays_exact
 
 
 def test_a_replica_that_dies_past_the_bound_ends_the_run(tmp_path: Path) -> None:
-    """kill -9 of one replica mid-run with rollout.max_restarts=0 (the bound already reached): exit 4
-    within seconds, naming it and the key; completed steps on disk; no process of the job left (every
-    child's process group is empty). The bound counted over several deaths: test_fleet_recovery.py."""
-    proc, run_dir = start_job(tmp_path, "rollout.replicas=2", "rollout.max_restarts=0", "experiment.steps=50")
+    """Disk weight sync, rollout.max_restarts=1: kill -9 of replica 1 once step 0 is recorded; it is
+    started again from the checkpoint of the version the others serve, and the steps go on, exact. A
+    second kill -9 of it is past the bound: exit 4 within seconds, naming it and the key; completed
+    steps on disk; no process of the job left (every child's process group is empty)."""
+    proc, run_dir = start_job(tmp_path, "rollout.replicas=2", "rollout.max_restarts=1", "experiment.steps=50")
     wait_for(lambda: len(records(run_dir)) >= 1, 300, "the first step")
     pids = json.loads((run_dir / "pids.json").read_text())
     assert set(pids) == {"rollout-0", "rollout-1", "rollout-router", "trainer"}
     os.kill(pids["rollout-1"], signal.SIGKILL)
+    wait_for(lambda: json.loads((run_dir / "pids.json").read_text())["rollout-1"] != pids["rollout-1"], 120, "it")
+    done = len(records(run_dir))
+    wait_for(lambda: len(records(run_dir)) > done + 1, 120, "a step with the replacement")
+    replaced = json.loads((run_dir / "pids.json").read_text())
+    os.kill(replaced["rollout-1"], signal.SIGKILL)
     t0 = time.monotonic()
     out, err = proc.communicate(timeout=60)
     assert time.monotonic() - t0 < 30
-    assert proc.returncode == 4 and "rollout 1 died" in err and "rollout.max_restarts=0" in err, err[-3000:]
-    assert summary(run_dir)["steps_completed"] >= 1 and len(records(run_dir)) >= 1
+    assert "rollout 1 died (exit -9); starting it again at weight version step_" in err
+    assert proc.returncode == 4 and "after 1 replacement(s)" in err and "rollout.max_restarts=1" in err, err[-3000:]
+    recs = records(run_dir)
+    assert summary(run_dir)["steps_completed"] == len(recs) >= done + 2
+    assert all(r["mismatched_tokens"] == 0 and r["weight_versions"] == {f"step_{r['step']}" if r["step"] else
+               "default": r["tokens_scored"]} for r in recs)  # fmt: skip
+    pids |= {"rollout-1-replacement": replaced["rollout-1"]}
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_group_alive(p) for p in pids.values()):
         time.sleep(0.1)
