@@ -1,28 +1,9 @@
-"""The exact-zero gate as the step loop applies it: two checks, each comparing fp32 bit patterns with
+"""The exact-zero gate as the step loop applies it: its checks, each comparing fp32 bit patterns with
 `contract.gate.compare_logprobs` (the one equality rule), and the threshold that turns a comparison
-into a verdict.
-
-Every check runs before the update, so a step that breaks the contract trains nothing. With the
-"old logprob" recompute (`trainer.recompute_logprobs`, on by default where the contract does not promise
-exact zero) there are two: rollout == recompute (the server's logprobs against the trainer's recompute at
-its layout), then recompute == the first training forward (autograd on; the first PPO ratio must be
-exactly 1). Without it (the default under an exact-zero contract: the recompute would compute the same
-bits a third time) there is one: rollout == the first training forward, and PPO's old logprobs are the
-rollout's.
-
-The first-forward check sees the samples whose first training forward precedes every update of the
-step: all of them with one PPO minibatch (the default), the first minibatch's with
-`trainer.ppo_minibatches` > 1. A later minibatch's first forward runs after the earlier minibatches'
-updates, so its ratio is not 1 and nothing exact can be said of it there; only the recompute checks
-every sample before any update (the record's `gate_samples` says how many were checked).
-
-Asynchronous steps (experiment.max_staleness >= 1) check rollout == the trainer under the version that
-sampled each token (the kept weights of an older version; for the current version's tokens the first
-training forward, or with several updates per step a no-grad proximal forward, itself then checked ==
-the first training forward), before any update.
+into a verdict. Which checks a step runs, and in what order: docs/ARCHITECTURE.md "The gate's order".
 
 For an MoE model it also measures (never fails on) `routing_agreement`: how often the trainer's
-recompute routed a token to the same experts as the rollout did.
+routers sent a token to the same experts as the rollout's did.
 """
 
 from __future__ import annotations
@@ -53,7 +34,7 @@ def recomputes_logprobs(cfg: Config) -> bool:
 class Verdict:
     """One check's outcome: what it compared (`report`) and whether the gate fails the step on it."""
 
-    check: str  # ROLLOUT_VS_RECOMPUTE, RECOMPUTE_VS_FIRST_FORWARD or ROLLOUT_VS_FIRST_FORWARD
+    check: str  # one of the check names above
     report: ParityReport
     failed: bool
 

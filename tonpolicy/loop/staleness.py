@@ -5,10 +5,9 @@ At step j the trainer holds policy version j; the batch's tokens were sampled by
 version that sampled each token: the kept weights of version v (tonpolicy.trainer.snapshots) for tokens
 of version v < j, the proximal logprobs for tokens of version j. The proximal logprobs (decoupled PPO's
 "old" policy, the PPO ratio's denominator: the current weights') are the first training forward's with
-one update per step, a no-grad forward before the updates with several. The gate compares these with
-the rollout's, bit for bit, before any update. The rollout's logprobs are then decoupled
-PPO's behaviour policy: each token's loss is weighted by pi_proximal / pi_behaviour (trainer.tis_cap
-truncates it).
+one update per step, a no-grad forward before the updates with several (the gate's checks of them:
+docs/ARCHITECTURE.md "The gate's order"). The rollout's logprobs are then decoupled PPO's behaviour
+policy: each token's loss is weighted by pi_proximal / pi_behaviour (trainer.tis_cap truncates it).
 """
 
 from __future__ import annotations

@@ -195,9 +195,8 @@ class TrainerWorker:
         False drops the gradients and ends the step with no update (`update_successful` 0, grad_norm
         NaN). `record_routes`: an MoE model's routes of that same forward land in `last_routes`.
 
-        Metrics: loss, ratio_* and clipfrac over each sample's first training forward (epoch 0);
-        train_rollout_* compare PPO's old logprobs with the rollout's; grad_norm is the first update's
-        (before clipping); with more than one update, grad_norms and minibatch_losses list every one."""
+        Metrics: `rl.objective.metrics` over each sample's first training forward (epoch 0); grad_norm
+        is the first update's; with more than one update, grad_norms and minibatch_losses list each."""
         if self.optimizer is None:
             self._setup_optimizer()
         self.model.train()
