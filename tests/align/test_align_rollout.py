@@ -16,7 +16,7 @@ from tonpolicy.align.rollout_dump import decode_dump, full_forward_dump
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model.qwen3 import Qwen3
-from tonpolicy.rollout.engine.requests import GenRequest
+from tonpolicy.rollout.engine.generation import GenRequest
 
 CFG = ModelConfig()
 PROMPT = [3, 11, 12, 13, 14, 15, 4]

@@ -188,7 +188,7 @@ def test_engine_reports_each_fed_positions_routes():
         {"input_ids": prompts[0], "return_routed_experts": True, "routed_experts_start_len": 5}
     ).items[0]
     ids, table = tables[0][0]
-    from tonpolicy.rollout.engine.requests import GenResult
+    from tonpolicy.rollout.engine.generation import GenResult
 
     out = build_generate_output("r", item, GenResult(ids, torch.zeros(len(ids)), "length", routed_experts=table), "1")
     got = decode_routed_experts(

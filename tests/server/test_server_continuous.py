@@ -12,7 +12,7 @@ import torch
 from support.server_proc import DTYPE, IDENTITY, ServerProc, local_engine, save_checkpoint
 
 from tonpolicy.rollout.client import RolloutClient
-from tonpolicy.rollout.engine.requests import GenRequest
+from tonpolicy.rollout.engine.generation import GenRequest
 
 LONG = ([5, 17, 300, 42, 7], {"max_new_tokens": 300, "sampling_seed": 1})  # ~2 s of decode on one core
 SHORT = ([9, 8, 7], {"max_new_tokens": 4, "sampling_seed": 2})

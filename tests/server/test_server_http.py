@@ -20,7 +20,7 @@ from support.server_proc import DTYPE, IDENTITY, ServerProc, local_engine, save_
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
 from tonpolicy.rollout.client import RolloutClient, RolloutError
-from tonpolicy.rollout.engine.requests import GenRequest
+from tonpolicy.rollout.engine.generation import GenRequest
 
 MAX_NEW = 6
 

@@ -19,7 +19,7 @@ from tonpolicy.contract.identity import identity, kernel_params
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model.qwen3 import Qwen3
 from tonpolicy.rollout.engine import Engine
-from tonpolicy.rollout.engine.requests import GenRequest
+from tonpolicy.rollout.engine.generation import GenRequest
 from tonpolicy.rollout.server.app import EXIT_BIND_FAILED, EXIT_LOAD_FAILED
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tonpolicy.rollout.engine.requests import GenResult
+from tonpolicy.rollout.engine.generation import GenResult
 from tonpolicy.rollout.wire.request import (
     DEFAULT_MAX_NEW_TOKENS,
     GenerateItem,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from support.server_proc import DTYPE, IDENTITY, ServerProc, local_engine, save_checkpoint
 
-from tonpolicy.rollout.engine.requests import GenRequest
+from tonpolicy.rollout.engine.generation import GenRequest
 
 LONG = ([5, 17, 300, 42, 7], {"max_new_tokens": 200, "sampling_seed": 1})  # ~1.5 s of decode on one core
 

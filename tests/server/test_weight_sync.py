@@ -19,7 +19,7 @@ from tonpolicy.config.model import ModelConfig
 from tonpolicy.loop.weight_sync import WeightPusher
 from tonpolicy.model.checkpoint import init_state_dict, load_hf
 from tonpolicy.rollout.client import RolloutClient, RolloutError
-from tonpolicy.rollout.engine.requests import GenRequest
+from tonpolicy.rollout.engine.generation import GenRequest
 from tonpolicy.rollout.weight_group import DEFAULT_GROUP, buckets, init_update_group, listen
 
 PROMPTS = [[3, 11, 12], [5, 17, 18, 19, 4]]

@@ -21,7 +21,7 @@ from tonpolicy.align.recorder import RecordingKernels, Selection
 from tonpolicy.kernels import logprob_temperature
 from tonpolicy.model.qwen3 import Qwen3, Segment
 from tonpolicy.rollout.engine import Engine
-from tonpolicy.rollout.engine.requests import GenRequest
+from tonpolicy.rollout.engine.generation import GenRequest
 
 
 def make_recorder(model: Qwen3, selection: Selection, perturb: dict | None = None) -> RecordingKernels:

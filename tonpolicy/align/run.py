@@ -79,7 +79,7 @@ def sample_request(cfg: Config) -> Any:
     """Sample `align.sample` of a run's first step: same prompt and sampling seed as the run's."""
     from tonpolicy.rl.batch import sampling_seed
     from tonpolicy.rl.task import EOS, make_prompts
-    from tonpolicy.rollout.engine.requests import GenRequest
+    from tonpolicy.rollout.engine.generation import GenRequest
 
     e, i = cfg.experiment, cfg.align.sample
     prompt = cfg.align.prompt

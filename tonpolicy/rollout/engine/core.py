@@ -38,9 +38,9 @@ import torch
 from tonpolicy.kernels import logprob_temperature
 from tonpolicy.model.kv_cache import KVPool
 from tonpolicy.model.qwen3 import Qwen3, Segment
+from tonpolicy.rollout.engine.generation import GenRequest, GenResult, TopLogprobs
 from tonpolicy.rollout.engine.graphs import DecodeGraphs
 from tonpolicy.rollout.engine.logits import make_generator, sample_token, score_logprobs, top_logprobs
-from tonpolicy.rollout.engine.requests import GenRequest, GenResult, TopLogprobs
 
 __all__ = ["Engine", "GenRequest", "GenResult", "score_logprobs"]
 

@@ -11,8 +11,8 @@ from tonpolicy.families import family, resolve
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model.checkpoint import load_hf, param_shapes
 from tonpolicy.rollout.engine import Engine
+from tonpolicy.rollout.engine.generation import GenRequest
 from tonpolicy.rollout.engine.graphs import DecodeGraphs
-from tonpolicy.rollout.engine.requests import GenRequest
 from tonpolicy.rollout.server.args import ServerArgs
 from tonpolicy.rollout.wire.request import GenerateItem
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tonpolicy.rollout.engine.requests import GenResult
+from tonpolicy.rollout.engine.generation import GenResult
 from tonpolicy.rollout.server.state import (
     Response,
     ServerState,

@@ -18,8 +18,8 @@ from typing import Any
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.model.tokenizer import TextTokenizer
+from tonpolicy.rollout.engine.generation import GenResult
 from tonpolicy.rollout.engine.loop import EngineLoop
-from tonpolicy.rollout.engine.requests import GenResult
 from tonpolicy.rollout.server.args import ServerArgs
 from tonpolicy.rollout.server.model import to_gen_request
 from tonpolicy.rollout.wire.request import GenerateItem, ProtocolError

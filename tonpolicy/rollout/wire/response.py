@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from tonpolicy.rollout.wire.request import GenerateItem, ProtocolError
 
 if TYPE_CHECKING:  # the engine's result type, for the server's side only: the client loads no engine
-    from tonpolicy.rollout.engine.requests import GenResult, TopLogprobs
+    from tonpolicy.rollout.engine.generation import GenResult, TopLogprobs
 
 # token ids -> text; None when the server has no tokenizer
 Decode = Callable[[list[int]], str] | None

@@ -1,4 +1,4 @@
-"""Request/result types of the embedded rollout engine."""
+"""One generation's request and result in the embedded rollout engine (`GenRequest`, `GenResult`)."""
 
 from __future__ import annotations
 
