@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.e2e_common import FAST, records, run_job, run_sweep, summary
+from support.e2e_common import FAST, records, run_job, run_sweep, summary, with_fast
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,16 @@ def test_tp1_multi_step_with_weight_sync(tp1_wandb_job: tuple[subprocess.Complet
 def test_distributed_weight_sync_writes_nothing_and_stays_exact(tmp_path: Path) -> None:
     """rollout.weight_sync=distributed at TP 2: weights go over a gloo group, no checkpoint per step
     (the final weights are saved all the same), and the gate (rollout == recompute with the new
-    weights) holds on every step."""
-    proc, run_dir = run_job(tmp_path, "parallel=tp2", "experiment.steps=3", "rollout.weight_sync=distributed")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    weights) holds on every step. Run through the public API, as another program would (in process):
+    `api.run` gives the exit code, the run directory and the summary."""
+    from tonpolicy import api
+
+    run_dir = tmp_path / "run"
+    result = api.run(with_fast("parallel=tp2", "experiment.steps=3", "rollout.weight_sync=distributed"), run_dir)
+    assert result.exit_code == 0 and result.ok and result.problems == [], (result.problems, result.summary)
+    assert result.run_dir == run_dir and result.summary == summary(run_dir)
+    assert result.summary["status"] == "ok" and result.summary["steps_completed"] == 3
+    assert result.summary["mismatched_tokens"] == 0 and result.summary["layout"] == "tp2"
     recs = records(run_dir)
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert all(r["mismatched_tokens"] == 0 and r["max_abs_logprob_diff"] == 0.0 for r in recs)

@@ -64,7 +64,10 @@ def run(config: Config | Sequence[str], run_dir: str | Path) -> RunResult:
     """Run one job (or, with mode=plan, write its launch plan) into `run_dir`, as `python -m tonpolicy`
     does: the servers and trainer ranks are child processes of this one, stopped when the job ends.
     `config` is a composed Config or the overrides to compose. Blocks until the job is over; call it from
-    the main thread (the job stops its children on SIGINT and SIGTERM, and restores the handlers after)."""
+    the main thread (the job stops its children on SIGINT and SIGTERM, and restores the handlers after).
+    The launcher's progress goes to the `tonpolicy` loggers at INFO (`logging.basicConfig(level=logging.INFO)`
+    shows it; unconfigured, only warnings and errors reach stderr); the servers' and ranks' logs are in
+    `run_dir/logs/`."""
     from tonpolicy.app import run as run_job
     from tonpolicy.config.errors import ConfigError
     from tonpolicy.loop.exit_codes import EXIT_INVALID_CONFIG
