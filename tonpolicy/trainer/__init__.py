@@ -9,11 +9,12 @@ kernel and stock spec providers they are filled from), `kernel_modules` and `moe
 modules that call the kernel set), `cp_layout`, `cp_attention` and `ring_attention` (Ulysses /
 zigzag-ring context parallelism, the one response slicer), `ep_exchange` (expert parallelism's token
 exchange), `comm` (autograd collectives), `kernel_autograd` (kernel forward, plain backward), `logprobs`
-(the recipe with `comm.replicated_all_gather`), `schedule` (megatron's schedules over samples),
-`weights` and `moe_weights` (HF <-> Megatron), `optimizer_state` (the trainer state a checkpoint keeps),
-`routes` (MoE routes recorded and replayed), `snapshots` (weights of versions still in flight),
-`process_groups` (process groups, spawn), `cpu_compat` (megatron on CPU). The RL objective lives in
-`tonpolicy.rl`; the trainer-vs-rollout harness in `tonpolicy.align.harness`.
+(the recipe with `comm.replicated_all_gather`), `ppo_loss` (PPO's per-token inputs and clipped loss),
+`schedule` (megatron's schedules over samples), `weights` and `moe_weights` (HF <-> Megatron),
+`optimizer_state` (the trainer state a checkpoint keeps), `routes` (MoE routes recorded and replayed),
+`snapshots` (weights of versions still in flight), `process_groups` (process groups, spawn), `cpu_compat`
+(megatron on CPU). The RL objective lives in `tonpolicy.rl`; the trainer-vs-rollout harness in
+`tonpolicy.align.harness`.
 """
 
 import sys as _sys

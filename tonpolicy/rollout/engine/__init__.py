@@ -1,5 +1,5 @@
-"""The embedded rollout engine (`core`), its request/result types (`requests`), the logits-to-token
-step (`logits`) and the thread that owns the engine for the server (`loop`)."""
+"""The embedded rollout engine (`core`), one generation's request and result (`generation`), the
+logits-to-token step (`logits`) and the thread that owns the engine for the server (`loop`)."""
 
 from tonpolicy.rollout.engine.core import Engine
 from tonpolicy.rollout.engine.generation import GenRequest, GenResult, TopLogprobs
