@@ -1,7 +1,8 @@
-"""Rank 0's record of one step (a line of metrics.jsonl, its samples, W&B) and the line it prints."""
+"""Rank 0's record of one step (a line of metrics.jsonl, its samples, W&B) and the line it logs."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,8 @@ from tonpolicy.rollout.fleet import fleet_events
 
 if TYPE_CHECKING:
     from tonpolicy.loop.run import Loop
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,10 @@ def write_step_record(loop: Loop, outcome: StepOutcome, times: StepTimes) -> Non
         "time": round(time.time(), 3),  # when the record was written (unix seconds): steps end to end
     }
     loop.records.write(record, batch, trained)
-    print(
+    log.info(
         f"step {step}: tokens={parity.tokens_scored} mismatched={parity.mismatched_tokens} "
         f"max|Δ|={parity.max_abs_logprob_diff:.3e} grad_norm={outcome.metrics.get('grad_norm')}"
-        + (f" routing_agreement={routing['routing_agreement']}" if routing else ""),
-        flush=True,
+        + (f" routing_agreement={routing['routing_agreement']}" if routing else "")
     )
 
 
