@@ -107,7 +107,7 @@ def test_version_flag_is_tonpolicys(tmp_path: Path, args: list[str]) -> None:
 
 def test_summary_and_wandb_config_record_the_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tonpolicy.launch.job import summarize
-    from tonpolicy.launch.wandb_log import MetricsLogger
+    from tonpolicy.launch.wandb_log import WandbLogger
 
     cfg = compose_config()
     assert summarize(cfg, tmp_path, "ok", 1.0)["tonpolicy"] == build_info()
@@ -117,5 +117,5 @@ def test_summary_and_wandb_config_record_the_code(tmp_path: Path, monkeypatch: p
     fake_wandb = types.SimpleNamespace(init=lambda **kw: seen.update(kw))
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb)
     cfg.logger.backend, cfg.logger.mode = "wandb", "offline"
-    MetricsLogger(cfg, tmp_path)
+    WandbLogger(cfg, tmp_path)
     assert seen["config"]["tonpolicy"] == build_info()

@@ -10,7 +10,7 @@ import pytest
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.schema import Config
 from tonpolicy.launch.wandb_keys import split_record, wandb_key
-from tonpolicy.launch.wandb_log import MetricsLogger, samples_table, wandb_settings
+from tonpolicy.launch.wandb_log import WandbLogger, samples_table, wandb_settings
 from tonpolicy.loop.records import due
 from tonpolicy.validation.validate import ConfigError, validate
 
@@ -100,7 +100,7 @@ def test_offline_run_charts_namespaced_numbers(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("WANDB_SERVICE", "")
     monkeypatch.delenv("WANDB_SERVICE")
     cfg = _cfg("logger.samples_every=2")
-    logger = MetricsLogger(cfg, tmp_path)
+    logger = WandbLogger(cfg, tmp_path)
     assert logger.run is not None and logger.run.settings.mode == "offline"
     charted: list[dict] = []
     log = logger.run.log

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
 
     from tonpolicy.launch.plan import resolve_device
-    from tonpolicy.launch.wandb_log import MetricsLogger
+    from tonpolicy.launch.wandb_log import WandbLogger
     from tonpolicy.loop.run import run_trainer
     from tonpolicy.trainer import worker  # noqa: F401 - Megatron's imports, while the rollout starts
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         url,
         args.checkpoint,
         resolve_device(cfg),
-        new_logger=lambda: MetricsLogger(cfg, run_dir, group=run_dir.parent.name),
+        new_logger=lambda: WandbLogger(cfg, run_dir, group=run_dir.parent.name),
         replica_urls=replica_urls,
     )
 

@@ -49,7 +49,10 @@ def enabled(cfg: Config, env: dict[str, str] | None = None) -> bool:
     return wandb_settings(cfg, Path("."), env)["mode"] != "disabled"
 
 
-class MetricsLogger:
+class WandbLogger:
+    """The step loop's metrics logger (loop.records.MetricsLogger) on W&B: records, samples tables, the run's end;
+    nothing where logger.backend is not wandb or W&B is disabled."""
+
     def __init__(self, cfg: Config, run_dir: Path, group: str | None = None) -> None:
         self.run = None
         self.samples_every = cfg.logger.samples_every
