@@ -10,7 +10,7 @@ its rules."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from tonpolicy.config.errors import ConfigIssue
@@ -42,19 +42,12 @@ class Layout:
 
     @classmethod
     def of(cls, p: ParallelConfig | Any) -> Layout:
-        """From the `parallel` config group (its rollout sizes stay there); also a DictConfig, as Hydra's
-        `${layout:${parallel}}` resolver passes it, where later-added keys may be absent."""
-        layers = getattr(p, "pp_layers", None)
-        return cls(
-            tp=p.tp,
-            pp=p.pp,
-            cp=p.cp,
-            cp_type=getattr(p, "cp_type", "none"),
-            pp_layers=tuple(int(n) for n in layers) if layers else None,
-            dp=p.dp,
-            ep=getattr(p, "ep", 1),
-            num_microbatches=getattr(p, "num_microbatches", None),
-        )
+        """From the `parallel` config group, by field name (its rollout sizes stay there; a field added
+        here is read from the key of its name). Also a DictConfig, as Hydra's `${layout:${parallel}}`
+        resolver passes it, where keys added later may be absent."""
+        sizes = {f.name: getattr(p, f.name, f.default) for f in fields(cls)}
+        layers = sizes["pp_layers"]
+        return cls(**{**sizes, "pp_layers": tuple(int(n) for n in layers) if layers else None})
 
     def to_parallel(self) -> ParallelConfig:
         """The `parallel` config group of this layout, named by its label."""
