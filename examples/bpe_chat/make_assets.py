@@ -1,7 +1,7 @@
 """Write the bpe_chat example's data and tokenizer into tonpolicy/assets/bpe_chat/ (committed; run again
 to check that the files are what this script makes: `python examples/bpe_chat/make_assets.py --check`).
 
-- train.jsonl / val.jsonl: chat questions "Even or odd: 37" with the label "even" or "odd";
+- train.jsonl / val.jsonl: chat questions "Is 37 even or odd?" with the label "even" or "odd";
 - tokenizer/: a byte-level BPE (the Qwen family's kind) trained with the `tokenizers` library on a small
   generated English text about numbers, with Qwen3's special tokens and a Qwen3-style chat template, so
   the answers "even" and "odd" are one token each where a response starts.
@@ -39,7 +39,7 @@ WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
 
 
 def question(n: int) -> str:
-    return f"Even or odd: {n}"
+    return f"Is {n} even or odd?"
 
 
 def answer(n: int) -> str:

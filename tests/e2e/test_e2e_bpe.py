@@ -31,8 +31,8 @@ def test_the_shipped_files_are_what_the_script_makes() -> None:
 
 def test_the_answers_are_one_token_and_the_prompt_is_qwen3_chat() -> None:
     tok = TextTokenizer(TOKENIZER)
-    text = tok.apply_chat_template([{"role": "user", "content": "Even or odd: 37"}])
-    assert text == "<|im_start|>user\nEven or odd: 37<|im_end|>\n<|im_start|>assistant\n"
+    text = tok.apply_chat_template([{"role": "user", "content": "Is 37 even or odd?"}])
+    assert text == "<|im_start|>user\nIs 37 even or odd?<|im_end|>\n<|im_start|>assistant\n"
     assert [len(tok.encode(w)) for w in ("even", "odd")] == [1, 1]
     assert tok.decode(tok.encode("odd<|im_end|>")) == "odd"  # the EOS is special: left out of the text
     assert tok.stop_token_ids == tuple(sorted({tok.tokenizer.token_to_id("<|im_end|>"), 0}))
