@@ -40,6 +40,10 @@ def _check_data(cfg: Config) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if cfg.model.checkpoint is None:  # the run's init checkpoint will carry this tokenizer
             save_tokenizer(tmp, cfg.model.vocab_size)
+            if cfg.model.tokenizer:
+                from tonpolicy.launch.init_checkpoint import write_tokenizer
+
+                write_tokenizer(cfg.model.tokenizer, Path(tmp))
         tokenizer = load_text_tokenizer(cfg.model.checkpoint or tmp)
         for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
             if not files:
