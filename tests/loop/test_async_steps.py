@@ -19,7 +19,7 @@ from support.list_logger import Logger
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.schema import Config, ExperimentConfig, TrainerConfig
-from tonpolicy.loop.gate import Gate
+from tonpolicy.loop.gate_policy import Gate
 from tonpolicy.loop.producer import BatchProducer
 from tonpolicy.loop.records import StepRecords
 from tonpolicy.loop.run import Loop, make_batch, take_step

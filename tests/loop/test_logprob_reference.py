@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from tonpolicy.config.schema import Config, ExperimentConfig, TrainerConfig
-from tonpolicy.loop.batch import Batch
 from tonpolicy.loop.logprob_reference import (
     BeforeUpdate,
     FirstForwardReference,
@@ -15,6 +14,7 @@ from tonpolicy.loop.logprob_reference import (
     SamplingVersionsReference,
     logprob_reference,
 )
+from tonpolicy.loop.rollout_batch import Batch
 from tonpolicy.rl.objective import PPOConfig
 from tonpolicy.rl.train_samples import TrainSamples
 from tonpolicy.trainer.ppo_loss import PPOLoss, TokenInputs, token_inputs

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tonpolicy.config.schema import Config, ContractConfig, GateConfig
-from tonpolicy.loop.gate import RECOMPUTE_VS_FIRST_FORWARD, ROLLOUT_VS_RECOMPUTE, Gate
+from tonpolicy.loop.gate_policy import RECOMPUTE_VS_FIRST_FORWARD, ROLLOUT_VS_RECOMPUTE, Gate
 
 
 def _logprobs() -> list[torch.Tensor]:

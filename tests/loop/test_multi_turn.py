@@ -1,4 +1,4 @@
-"""The multi-turn task's rollout (tonpolicy.rl.multi_turn, loop.batch.collect_episodes), token in,
+"""The multi-turn task's rollout (tonpolicy.rl.multi_turn, loop.rollout_batch.collect_episodes), token in,
 token out, through the real embedded server over HTTP: each turn sends the earlier turns' ids exactly
 as sampled plus the environment's, later turns hit the prefix cache with the same logprob bits as with
 it off, the gate sees only the model's tokens, and masked tokens carry no loss. Negative controls: a
@@ -16,8 +16,8 @@ from support.server_proc import DTYPE, IDENTITY, ServerProc, save_checkpoint
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.contract.gate import bits_differ
-from tonpolicy.loop.batch import collect_batch
-from tonpolicy.loop.gate import Gate
+from tonpolicy.loop.gate_policy import Gate
+from tonpolicy.loop.rollout_batch import collect_batch
 from tonpolicy.loop.weight_sync import sampled_versions
 from tonpolicy.model.tokenizer import TextTokenizer, save_tokenizer
 from tonpolicy.rl.multi_turn import Episode, calculator_reply, run_episodes, segments

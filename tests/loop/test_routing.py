@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.launch.records import step_table
-from tonpolicy.loop.batch import collect_batch
-from tonpolicy.loop.gate import routing_agreement
+from tonpolicy.loop.gate_policy import routing_agreement
+from tonpolicy.loop.rollout_batch import collect_batch
 from tonpolicy.ports import free_port
 from tonpolicy.trainer import routes
 from tonpolicy.trainer.cp_layout import ResponseSlice

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from support.list_logger import Logger
 
 from tonpolicy.config.schema import Config, ExperimentConfig, TrainerConfig
-from tonpolicy.loop.gate import Gate
+from tonpolicy.loop.gate_policy import Gate
 from tonpolicy.loop.records import StepRecords, append_jsonl
 from tonpolicy.loop.run import Loop, take_step
 from tonpolicy.loop.weight_sync import DiskWeightSync

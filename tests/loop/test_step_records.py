@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from tests.support.list_logger import Logger
-from tonpolicy.loop.batch import Batch
 from tonpolicy.loop.records import StepRecords, by_sample, due
+from tonpolicy.loop.rollout_batch import Batch
 
 
 def _batch() -> Batch:

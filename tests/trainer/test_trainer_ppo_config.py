@@ -8,7 +8,7 @@ import pytest
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.sizes import microbatches_per_replica
-from tonpolicy.loop.gate import recomputes_logprobs
+from tonpolicy.loop.gate_policy import recomputes_logprobs
 from tonpolicy.validation.validate import ConfigError, validate
 
 

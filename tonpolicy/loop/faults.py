@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from tonpolicy.loop.batch import Batch
+from tonpolicy.loop.rollout_batch import Batch
 
 
 def injected_fault(step: int) -> None:

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tonpolicy.config.schema import Config
-from tonpolicy.loop.batch import Batch
 from tonpolicy.loop.collective import broadcast
-from tonpolicy.loop.gate import Verdict, model_tokens, recomputes_logprobs
+from tonpolicy.loop.gate_policy import Verdict, model_tokens, recomputes_logprobs
 from tonpolicy.loop.records import by_sample
+from tonpolicy.loop.rollout_batch import Batch
 from tonpolicy.loop.staleness import async_metrics, logprobs_under_sampling_versions, token_versions, with_current
 from tonpolicy.rl.objective import train_rollout_metrics
 from tonpolicy.rl.train_samples import TrainSamples

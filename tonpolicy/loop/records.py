@@ -20,8 +20,8 @@ import torch
 
 from tonpolicy.cpu_memory import tree_peak_rss_mib
 from tonpolicy.files import write_json_atomic
-from tonpolicy.loop.batch import Batch
 from tonpolicy.loop.exit_codes import STATUS_FILE
+from tonpolicy.loop.rollout_batch import Batch
 from tonpolicy.loop.weight_sync import policy_version, sampled_versions
 from tonpolicy.rl.multi_turn import segments
 

@@ -19,16 +19,16 @@ import torch.distributed as dist
 from tonpolicy.config.schema import Config
 from tonpolicy.contract.handshake import handshake
 from tonpolicy.contract.identity import runtime_identity
-from tonpolicy.loop.batch import Batch, Score, collect_batch
 from tonpolicy.loop.checkpoints import Checkpoints
 from tonpolicy.loop.collective import broadcast
 from tonpolicy.loop.exit_codes import EXIT_GATE_FAILED, EXIT_HANDSHAKE, EXIT_INVALID_CONFIG, EXIT_OK
 from tonpolicy.loop.faults import forgets_optimizer_state, injected_fault, with_fault_advantages, with_fault_logprobs
-from tonpolicy.loop.gate import Gate, Verdict
+from tonpolicy.loop.gate_policy import Gate, Verdict
 from tonpolicy.loop.logprob_reference import BeforeUpdate, FirstForward, FirstForwardReference, logprob_reference
 from tonpolicy.loop.producer import BatchProducer
 from tonpolicy.loop.records import MetricsLogger, StepRecords, write_status
 from tonpolicy.loop.resume import bring_servers_to
+from tonpolicy.loop.rollout_batch import Batch, Score, collect_batch
 from tonpolicy.loop.step_record import StepOutcome, StepTimes, write_step_record
 from tonpolicy.loop.weight_sync import WeightSync, policy_version, weight_sync_for
 from tonpolicy.model.tokenizer import load_text_tokenizer, load_tokenizer

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tonpolicy.config.schema import Config
-from tonpolicy.loop.batch import Batch
-from tonpolicy.loop.gate import Verdict, routing_agreement
+from tonpolicy.loop.gate_policy import Verdict, routing_agreement
 from tonpolicy.loop.logprob_reference import BeforeUpdate, FirstForward
+from tonpolicy.loop.rollout_batch import Batch
 from tonpolicy.rollout.fleet import fleet_events
 
 if TYPE_CHECKING:

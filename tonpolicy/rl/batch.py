@@ -1,5 +1,5 @@
 """What a step's batch is drawn from: the task's prompts (each repeated for its GRPO group) and the
-sampling parameters, a seed per sample. The batch itself is `tonpolicy.loop.batch.Batch`."""
+sampling parameters, a seed per sample. The batch itself is `tonpolicy.loop.rollout_batch.Batch`."""
 
 from __future__ import annotations
 
