@@ -60,7 +60,10 @@ def test_model_tokenizer_rules(overrides: list[str], rule: str) -> None:
     with pytest.raises(ConfigError) as err:
         validate(compose_config(["experiment=bpe_chat", "mode=plan", *overrides]), check_hf=False)
     assert any(i.key == "model.tokenizer" and rule in i.rule for i in err.value.issues), err.value
-    validate(compose_config(["experiment=bpe_chat", "mode=plan"]))  # the control: the example itself
+
+
+def test_the_example_itself_is_valid() -> None:  # the rules' control
+    validate(compose_config(["experiment=bpe_chat", "mode=plan"]))
 
 
 def test_the_init_checkpoint_carries_the_bpe_tokenizer(tmp_path: Path) -> None:
