@@ -63,7 +63,9 @@ def test_server_dies_mid_run(tmp_path: Path) -> None:
 
 
 def test_server_that_hangs_is_detected(tmp_path: Path) -> None:
-    """A server that stops answering (SIGSTOP) ends the run with exit 4 within seconds, records intact."""
+    """One server that stops answering (SIGSTOP) ends the run with exit 4 within seconds, naming it and
+    the key, records intact, nothing left (a fleet's member is ended and replaced instead:
+    test_e2e_fleet.py)."""
     proc, run_dir = start_job(tmp_path, "parallel=tp1", "experiment.steps=50", "rollout.liveness_timeout_s=5")
     wait_for(lambda: len(records(run_dir)) >= 1, 300, "the first step")
     pids = json.loads((run_dir / "pids.json").read_text())
@@ -71,7 +73,7 @@ def test_server_that_hangs_is_detected(tmp_path: Path) -> None:
     t0 = time.monotonic()
     out, err = proc.communicate(timeout=120)
     assert time.monotonic() - t0 < 30
-    assert proc.returncode == 4 and "stopped answering /health" in err, err[-3000:]
+    assert proc.returncode == 4 and "rollout server stopped answering /health" in err, err[-3000:]
     assert "rollout.liveness_timeout_s=5" in err
     assert summary(run_dir)["steps_completed"] >= 1 and len(records(run_dir)) >= 1
     _assert_all_gone(run_dir)
