@@ -47,17 +47,18 @@ def test_plan_and_megatron_args_take_the_layout_s_sizes() -> None:
     assert {k: tc[k] for k in layout.megatron_sizes} == layout.megatron_sizes
     assert megatron["parallel_state"]["world_size"] == layout.world_size == 4
     assert megatron["schedule"]["seq_pad_multiple"] == layout.pad_multiple(cfg.contract.attention_tile) == 1
+    ring = compose_config(["parallel=cp2_ring"])
+    pad = Layout.from_config(ring).pad_multiple(ring.contract.attention_tile)
+    assert pad == seq_pad_multiple(ring) == 4 * ring.contract.attention_tile and padded_seq_len(ring) % pad == 0
 
 
 @pytest.mark.parametrize(
     ("cp", "cp_type", "multiple"), [(1, "none", 1), (2, "ulysses", 2), (2, "ring", 32), (4, "ring", 64)]
 )
 def test_pad_multiple_is_the_cp_split_s(cp: int, cp_type: str, multiple: int) -> None:
-    """Ring CP cuts a sequence into 2*cp chunks of whole tiles, Ulysses into cp; the plan's padded length
-    and the trainer's schedule both pad to it."""
-    cfg = compose_config([f"parallel.cp={cp}", f"parallel.cp_type={cp_type}", "contract.attention_tile=8"])
-    assert Layout.from_config(cfg).pad_multiple(8) == multiple == seq_pad_multiple(cfg)
-    assert padded_seq_len(cfg) % multiple == 0
+    """Ring CP cuts a sequence into 2*cp chunks of whole tiles, Ulysses into cp (the plan's padded length
+    and the trainer's schedule both pad to it)."""
+    assert Layout(cp=cp, cp_type=cp_type).pad_multiple(8) == multiple
 
 
 def test_every_rule_at_once_with_key_value_and_rule() -> None:
