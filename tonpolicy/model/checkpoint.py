@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tonpolicy.config.dtypes import dtype_name
-from tonpolicy.config.hf_qwen3 import LM_HEAD
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.families import adapter, family_of_hf
 
@@ -56,7 +55,7 @@ def save_hf(
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous() for k, v in state_dict.items()}
     if cfg.tie_word_embeddings:
-        tensors.pop(LM_HEAD, None)
+        tensors.pop(adapter(cfg.family).LM_HEAD, None)
     dtype = dtype_name(next(iter(tensors.values())).dtype)
     source = Path(cfg.checkpoint) if cfg.checkpoint else None
     if source is not None and source.resolve() != path.resolve() and (source / "config.json").exists():
@@ -133,5 +132,5 @@ def load_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     for f in files:
         sd.update(load_file(str(path / f)))
     if cfg.tie_word_embeddings:
-        sd.pop(LM_HEAD, None)
+        sd.pop(adapter(cfg.family).LM_HEAD, None)
     return cfg, sd
