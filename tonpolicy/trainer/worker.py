@@ -92,7 +92,8 @@ class TrainerWorker:
         self.temperature = logprob_temperature(cfg.experiment.temperature)
         self.ppo = PPOConfig(cfg.trainer.clip_eps, cfg.trainer.clip_eps_high, cfg.trainer.kl_coef)
         self.loss = PPOLoss(self.ppo, cfg.trainer.tis_cap)
-        self.model: Any = self.module
+        # Megatron's DDP wrapper of `module` (its grad buffers), made with the optimizer by the first ppo_step
+        self.ddp: Any = None
         self.optimizer: Any = None
         self.last_share: list[int] = []
         # An MoE model's: the last recompute's routes per sample (global rank 0; `routes.gather_routes`),
@@ -100,6 +101,11 @@ class TrainerWorker:
         self.last_routes: list[torch.Tensor] | None = None
         self.replayed: list[torch.Tensor] | None = None
         self.lr = learning_rate(cfg)  # a task may set its own
+
+    @property
+    def runnable(self) -> Any:
+        """What the pipeline schedule runs: `ddp` once training began, else the GPTModel (`module`)."""
+        return self.module if self.ddp is None else self.ddp
 
     @property
     def logprob_kernels(self) -> Any:
@@ -137,16 +143,16 @@ class TrainerWorker:
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[torch.Tensor]:
         """fp32 logprob of every response token (temperature from the experiment config). An MoE
         model's routes at the positions that predicted them land in `last_routes` (global rank 0)."""
-        self.model.eval()
+        self.runnable.eval()
         mbs, seq_len = self._microbatches(prompts, responses)
         lengths = [len(r) for r in responses]
         if not self.model_cfg.is_moe:
-            outs = schedule.run(self.model, mbs, seq_len, self._lp_loss, True, self.spec == "kernels")
+            outs = schedule.run(self.runnable, mbs, seq_len, self._lp_loss, True, self.spec == "kernels")
             return schedule.assemble(outs, mbs, lengths)
         with routes.RouteRecorder(self.module) as recorder:
             try:
                 outs = schedule.run(
-                    self.model, mbs, seq_len, self._lp_loss, True, self.spec == "kernels", self._before_forward()
+                    self.runnable, mbs, seq_len, self._lp_loss, True, self.spec == "kernels", self._before_forward()
                 )
             finally:
                 routes.end_replay(self.module)
@@ -168,7 +174,7 @@ class TrainerWorker:
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
-        self.model = DistributedDataParallel(config=self.module.config, ddp_config=ddp_cfg, module=self.module)
+        self.ddp = DistributedDataParallel(config=self.module.config, ddp_config=ddp_cfg, module=self.module)
         opt_cfg = OptimizerConfig(
             optimizer="adam",
             lr=self.lr,
@@ -177,7 +183,7 @@ class TrainerWorker:
             bf16=self.dtype == torch.bfloat16,
             params_dtype=self.dtype,
         )
-        self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
+        self.optimizer = get_megatron_optimizer(opt_cfg, [self.ddp])
         self.module.config.finalize_model_grads_func = finalize_model_grads
 
     def ppo_step(
@@ -199,7 +205,7 @@ class TrainerWorker:
         is the first update's; with more than one update, grad_norms and minibatch_losses list each."""
         if self.optimizer is None:
             self._setup_optimizer()
-        self.model.train()
+        self.ddp.train()
         t = self.cfg.trainer
         minibatches = samples.minibatches(t.ppo_minibatches)
         if samples.old_logprobs is None and len(minibatches) * t.ppo_epochs != 1:
@@ -285,7 +291,7 @@ class TrainerWorker:
                 "resp": [s.resp for s in mb.slices],
             }
 
-        self.model.zero_grad_buffer()
+        self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         replay = None
         if replayed is not None:
@@ -297,10 +303,10 @@ class TrainerWorker:
         before = (lambda mb: [h(mb) for h in hooks]) if hooks else None
         kernel_spec, lengths = self.spec == "kernels", [len(responses[i]) for i in idx]
         if not (record_routes and self.model_cfg.is_moe):
-            outs = schedule.run(self.model, mbs, seq_len, loss_fn, False, kernel_spec, before)
+            outs = schedule.run(self.ddp, mbs, seq_len, loss_fn, False, kernel_spec, before)
             return schedule.assemble(outs, mbs, lengths)
         with routes.RouteRecorder(self.module) as recorder:
-            outs = schedule.run(self.model, mbs, seq_len, loss_fn, False, kernel_spec, before)
+            outs = schedule.run(self.ddp, mbs, seq_len, loss_fn, False, kernel_spec, before)
         m = self.model_cfg
         self.last_routes = routes.gather_routes(recorder, mbs, lengths, m.num_layers, m.num_experts_per_tok)
         return schedule.assemble(outs, mbs, lengths)
