@@ -7,6 +7,7 @@ order of the checks: docs/ARCHITECTURE.md "The gate's order"."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -64,16 +65,20 @@ def _masks(batch: Batch, samples: list[int]) -> list[torch.Tensor] | None:
     return None if batch.response_masks is None else [batch.response_masks[i] for i in samples]
 
 
-class FirstForwardReference:
-    """No forward before the update: PPO's old logprobs are the rollout's, and the one check is
-    rollout == the first training forward."""
+class LogprobReference(ABC):
+    """What a step holds the rollout's logprobs against; one per run (`logprob_reference`)."""
 
     recompute = False  # the record's `recompute`: a no-grad forward before the update gives PPO's old logprobs
 
+    @abstractmethod
     def before_update(self, loop: Loop, batch: Batch, step: int) -> BeforeUpdate:
-        return BeforeUpdate(batch.rollout_logprobs)
+        """The forwards before any update and their check (every rank; rank 0's verdict)."""
 
-    def before_training(self, loop: Loop, step: int) -> None:
+    @abstractmethod
+    def _check(self, loop: Loop) -> Callable[..., Verdict]:
+        """The gate's check of the first training forward against `BeforeUpdate.reference`."""
+
+    def before_training(self, loop: Loop, step: int) -> None:  # noqa: B027 (most references do nothing here)
         """Just before the update (after the checks before it passed)."""
 
     def train_samples(self, batch: Batch, before: BeforeUpdate) -> TrainSamples:
@@ -92,9 +97,6 @@ class FirstForwardReference:
             return self._check(loop)(ref, logprobs, _masks(batch, samples))
 
         return FirstForward(check)
-
-    def _check(self, loop: Loop) -> Callable[..., Verdict]:
-        return loop.gate.rollout_vs_first_forward
 
     def metrics(self, loop: Loop, batch: Batch, before: BeforeUpdate, seen: FirstForward, step: int) -> dict[str, Any]:
         """The record's metrics beside ppo_step's (train_rollout_* replace its own where it computed them)."""
@@ -119,7 +121,18 @@ class FirstForwardReference:
         return seen.samples, by_sample(len(batch.prompts), seen.samples, seen.logprobs)
 
 
-class RecomputeReference(FirstForwardReference):
+class FirstForwardReference(LogprobReference):
+    """No forward before the update: PPO's old logprobs are the rollout's, and the one check is
+    rollout == the first training forward."""
+
+    def before_update(self, loop: Loop, batch: Batch, step: int) -> BeforeUpdate:
+        return BeforeUpdate(batch.rollout_logprobs)
+
+    def _check(self, loop: Loop) -> Callable[..., Verdict]:
+        return loop.gate.rollout_vs_first_forward
+
+
+class RecomputeReference(LogprobReference):
     """A no-grad recompute at the trainer's layout before the update: PPO's old logprobs; checks
     rollout == recompute, then recompute == the first training forward."""
 
@@ -136,7 +149,7 @@ class RecomputeReference(FirstForwardReference):
         return loop.gate.recompute_vs_first_forward
 
 
-class SamplingVersionsReference(FirstForwardReference):
+class SamplingVersionsReference(LogprobReference):
     """Asynchronous steps: the trainer's logprobs under the version that sampled each token (older
     versions' kept weights; the current version's from the first training forward, or with `proximal`
     from a no-grad forward before the update, then itself checked == the first training forward).
@@ -204,7 +217,7 @@ class SamplingVersionsReference(FirstForwardReference):
         return out
 
 
-def logprob_reference(cfg: Config) -> FirstForwardReference:
+def logprob_reference(cfg: Config) -> LogprobReference:
     """The run's logprob reference, from trainer.recompute_logprobs and experiment.max_staleness."""
     stale = cfg.experiment.max_staleness
     if stale:

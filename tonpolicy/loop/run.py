@@ -24,7 +24,7 @@ from tonpolicy.loop.collective import broadcast
 from tonpolicy.loop.exit_codes import EXIT_GATE_FAILED, EXIT_HANDSHAKE, EXIT_INVALID_CONFIG, EXIT_OK
 from tonpolicy.loop.faults import forgets_optimizer_state, injected_fault, with_fault_advantages, with_fault_logprobs
 from tonpolicy.loop.gate_policy import Gate, Verdict
-from tonpolicy.loop.logprob_reference import BeforeUpdate, FirstForward, FirstForwardReference, logprob_reference
+from tonpolicy.loop.logprob_reference import BeforeUpdate, FirstForward, LogprobReference, logprob_reference
 from tonpolicy.loop.producer import BatchProducer
 from tonpolicy.loop.records import MetricsLogger, StepRecords, write_status
 from tonpolicy.loop.resume import bring_servers_to
@@ -58,7 +58,7 @@ class Loop:
     score: Score | None = None  # rank 0's: the user's reward function (reward.function), else the task's
     data: PromptData | None = None  # rank 0's: the user's prompts (data.train_files), else the task's
     # which logprobs the rollout's are held against, chosen once from the config
-    reference: FirstForwardReference = field(init=False)
+    reference: LogprobReference = field(init=False)
 
     def __post_init__(self) -> None:
         self.reference = logprob_reference(self.cfg)
