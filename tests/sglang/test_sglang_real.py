@@ -17,13 +17,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from support.e2e_common import records, run_job, samples, summary
 from support.sglang_proc import SGLangServer, check_parity, save_checkpoint
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.contract.handshake import handshake
 from tonpolicy.contract.identity import runtime_identity
+from tonpolicy.families import family, resolve
 from tonpolicy.kernels import get_kernels
+from tonpolicy.model.checkpoint import load_hf
 
 
 @pytest.fixture
@@ -109,6 +112,68 @@ def test_stock_sglang_is_close_but_not_exact(stock_fp32_server: SGLangServer, fp
     result = check_parity(sglang_py, stock_fp32_server, fp32_ckpt, "ordered", 1.0)
     assert stock_fp32_server.client.contract() is None  # stock SGLang reports no tonpolicy contract
     assert result["mismatched"] > 0 and 0 < result["max_abs_diff"] < 1e-3, result
+
+
+IDS = list(range(3, 2000, 13))  # token-id logprobs asked of every row: many values per row
+PROMPTS = [[11, 200, 37, 45, 900, 13, 7], list(range(20, 60)), [5]]
+# Prefill-only gives one row per request; rows whose two recipes round alike are common: many requests.
+SCORED = [[(7 * i + 13 * j) % 2000 for j in range(3 + i)] for i in range(24)]
+
+
+def _reported(url: str, prefill_only: bool) -> list[tuple[list[int], list[int], list[tuple[int, int, float]]]]:
+    """A greedy batch (sampled, prompt, top-k and token-id logprobs), or the same prompts as /v1/score sends
+    them (max_new_tokens 0, no prompt logprobs: the next token's top-k and token-id logprobs): per request
+    its prompt, response and (row, token, logprob) for every value reported."""
+    sampling = {"max_new_tokens": 0 if prefill_only else 6, "temperature": 0}
+    body = {"input_ids": PROMPTS, "sampling_params": sampling, "return_logprob": True, "top_logprobs_num": 4,
+            "token_ids_logprob": IDS, "logprob_start_len": -1 if prefill_only else 0}  # fmt: skip
+    prompts = body["input_ids"] = SCORED if prefill_only else PROMPTS
+    req = urllib.request.Request(f"{url}/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    out = []
+    for prompt, item in zip(prompts, json.loads(urllib.request.urlopen(req, timeout=300).read()), strict=True):
+        mi, resp = item["meta_info"], item["output_ids"]
+        seen = [(len(prompt) - 1 + i, t, lp) for i, (lp, t, _) in enumerate(mi["output_token_logprobs"])]
+        keys = [("output_", len(prompt) - 1)]
+        if not prefill_only:  # prompt logprobs from position 0: row i - 1 gives token i
+            seen += [(i, t, lp) for i, (lp, t, _) in enumerate(mi["input_token_logprobs"][1:])]
+            keys.append(("input_", -1))
+        for key, first in keys:
+            for kind in ("top_logprobs", "token_ids_logprobs"):
+                for i, row in enumerate(mi[key + kind]):
+                    seen += [(first + i, t, lp) for lp, t, _ in row or [] if first + i >= 0]
+        out.append((prompt, resp, seen))
+    return out
+
+
+@pytest.mark.parametrize("prefill_only", [False, True], ids=["greedy", "prefill_only"])
+def test_greedy_and_prefill_only_logprobs_are_the_recipe(
+    fp32_server: tuple[SGLangServer, Path], stock_fp32_server: SGLangServer, prefill_only: bool
+) -> None:
+    """Every logprob a v2 server reports for a greedy batch (sampled, prompt, top-k, token-id) and for a
+    prefill-only batch (SGLang's /v1/score route) is v2's log-softmax of tonpolicy's full-forward logits,
+    bit for bit. Controls: torch's log_softmax of the same exact logits (SGLang's recipe on the contract's
+    logits) misses some of them, so a route left to SGLang would fail; stock SGLang misses."""
+    server, ckpt = fp32_server
+    cfg, sd = load_hf(str(ckpt))
+    model = resolve(family(cfg.family).engine_model)(cfg, get_kernels("ordered"), torch.float32, sd)
+
+    def mismatched(url: str) -> tuple[int, int, int]:
+        total = ours = torchs = 0
+        for prompt, resp, seen in _reported(url, prefill_only):
+            logits = model(torch.tensor(prompt + resp))
+            rows = model.kernels.log_softmax(logits, cfg.vocab_size, 1.0).view(torch.int32)
+            plain = torch.log_softmax(logits[:, : cfg.vocab_size].float(), -1).view(torch.int32)
+            at, tok = torch.tensor([i for i, _, _ in seen]), torch.tensor([t for _, t, _ in seen])
+            got = torch.tensor([lp for _, _, lp in seen], dtype=torch.float32).view(torch.int32)
+            total += len(seen)
+            ours += int((rows[at, tok] != got).sum())
+            torchs += int((plain[at, tok] != got).sum())
+        return total, ours, torchs
+
+    total, ours, torchs = mismatched(server.url)
+    assert total > 400 and ours == 0 and torchs > 0, (total, ours, torchs)
+    total, ours, _ = mismatched(stock_fp32_server.url)
+    assert total > 400 and ours > 0, (total, ours)
 
 
 def _run(tmp_path: Path, *overrides: str):

@@ -15,11 +15,14 @@ resolves to ("pytorch", "flashinfer"; both build a plain `Sampler`) and under "t
 
 SGLang's route computes torch's fp32 log_softmax, which is the `invariant` set's recipe. The `ordered`
 set's recipe (its own exp, log and sums) and the `triton` set's (exp/log in 1024-wide lanes) are not:
-under them the sampled tokens' logprobs are then recomputed by that kernel from the same logits, per row
-and per temperature, and replace SGLang's. A set that also gives whole rows (`log_softmax`, and the
-normalizer (m, L) with logprob = (x - m) - L: the `ordered` set) gives top-k and token-id logprobs from
-its rows, and prompt logprobs through SGLang's own normalizer route (its "fast input logprobs": top-k of
-the raw logits, values (x - m) - L), whose normalizer is then the set's; under the `triton` set those stay
+under them SGLang only samples (no logprob of SGLang's is computed, greedy batch or not) and the sampled
+tokens' logprobs are computed by that kernel from the same logits, per row and per temperature. A set that
+also gives whole rows (`log_softmax`, and the normalizer (m, L) with logprob = (x - m) - L: the `ordered`
+set) gives top-k and token-id logprobs from its rows, prefill-only requests' (max_new_tokens 0, what
+SGLang's /v1/score sends) from its rows at temperature 1, and prompt logprobs through SGLang's own
+normalizer route (its "fast input logprobs": top-k of the raw logits, values (x - m) - L), whose
+normalizer is then the set's; under the `triton` set those stay SGLang's log_softmax. SGLang's two
+scoring routes that read rows at chosen positions (multi-item delimiters, score-extraction anchors) stay
 SGLang's log_softmax. The sampler runs outside CUDA graphs.
 """
 
@@ -125,34 +128,51 @@ class ContractSampler(Sampler):
         *,
         logprob_logits=None,
     ):
+        kernels = _logprob_kernels() if return_logprob else None
         if return_logprob and logprob_logits is None:
             # A copy: the default path divides the logits by T in place before sampling.
             logprob_logits = logits_output.next_token_logits.clone()
-        ids = super().forward(
-            logits_output,
-            sampling_info,
-            return_logprob,
-            top_logprobs_nums,
-            token_ids_logprobs,
-            positions,
-            logprob_logits=logprob_logits,
-        )
-        kernels = _logprob_kernels() if return_logprob else None
-        if kernels is not None:
-            greedy = sampling_info.is_all_greedy
-            temps = [1.0] * ids.shape[0] if greedy else sampling_info.temperatures.flatten().tolist()
-            rows_asked = any(k > 0 for k in top_logprobs_nums or []) or any(
-                t is not None for t in token_ids_logprobs or []
+        if kernels is None:
+            return super().forward(
+                logits_output,
+                sampling_info,
+                return_logprob,
+                top_logprobs_nums,
+                token_ids_logprobs,
+                positions,
+                logprob_logits=logprob_logits,
             )
-            if rows_asked and _row_kernels() is not None:
-                rows = kernel_log_softmax(kernels, logprob_logits, temps)
-                result = self.output_logprob_processor.compute_logprobs(
-                    rows, top_logprobs_nums, token_ids_logprobs, ids
-                )
-                result.write_output_to(logits_output)
-            else:
-                logits_output.next_token_logprobs = kernel_token_logprobs(kernels, logprob_logits, ids, temps)
+        # The set owns the logprobs: SGLang samples only (its log_softmax is never computed, whatever the
+        # batch: greedy or not), and every reported logprob is the set's, from the same logits SGLang's
+        # route would have used (custom logit processors applied, as SGLang applies them there).
+        ids = super().forward(logits_output, sampling_info, False, top_logprobs_nums, token_ids_logprobs, positions)
+        logprob_logits = self._preprocess_logits(logprob_logits, sampling_info)
+        greedy = sampling_info.is_all_greedy
+        temps = [1.0] * ids.shape[0] if greedy else sampling_info.temperatures.flatten().tolist()
+        rows_asked = any(k > 0 for k in top_logprobs_nums or []) or any(t is not None for t in token_ids_logprobs or [])
+        if rows_asked and _row_kernels() is not None:
+            rows = kernel_log_softmax(kernels, logprob_logits, temps)
+            result = self.output_logprob_processor.compute_logprobs(rows, top_logprobs_nums, token_ids_logprobs, ids)
+            result.write_output_to(logits_output)
+        else:
+            logits_output.next_token_logprobs = kernel_token_logprobs(kernels, logprob_logits, ids, temps)
         return ids
+
+    def compute_logprobs_only(self, logits_output, sampling_info, top_logprobs_nums, token_ids_logprobs) -> None:  # noqa: ANN001
+        """Prefill-only requests (max_new_tokens 0, SGLang's /v1/score): their next-token top-k and token-id
+        logprobs from the set's rows (temperature 1, as SGLang reports them), not SGLang's log_softmax."""
+        kernels = _row_kernels()
+        logits = logits_output.next_token_logits
+        if kernels is None or logits is None:
+            return super().compute_logprobs_only(logits_output, sampling_info, top_logprobs_nums, token_ids_logprobs)
+        if not (any(k > 0 for k in top_logprobs_nums) or any(t for t in token_ids_logprobs)):
+            return None
+        rows = kernel_log_softmax(kernels, self._preprocess_logits(logits, sampling_info), [1.0] * logits.shape[0])
+        no_ids = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        result = self.output_logprob_processor.compute_logprobs(rows, top_logprobs_nums, token_ids_logprobs, no_ids)
+        result.token_logprobs = None  # nothing was sampled
+        result.write_output_to(logits_output)
+        return None
 
 
 def register_contract_sampler() -> None:
