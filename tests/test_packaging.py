@@ -35,6 +35,8 @@ def test_wheel_ships_every_config_and_composes(tmp_path: Path) -> None:
     yamls = {f"tonpolicy/conf/{p.relative_to(CONF_DIR)}" for p in CONF_DIR.rglob("*.yaml")}
     assert yamls and yamls <= names, yamls - names
     assert "tonpolicy/kernels/invariant/exact_gemv.cpp" in names  # the compiled few-row products build from it
+    assets = {f"tonpolicy/{p.relative_to(CONF_DIR.parent)}" for p in (CONF_DIR.parent / "assets").rglob("*.*")}
+    assert assets and assets <= names, assets - names  # what ${asset:...} resolves to
 
     target = tmp_path / "site"
     subprocess.run(
@@ -57,3 +59,13 @@ def test_wheel_ships_every_config_and_composes(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "name: qwen3_4b" in proc.stdout and "name: tp2_pp2" in proc.stdout
+    proc = subprocess.run(  # an experiment whose files ship in the package resolves them there
+        [sys.executable, "-m", "tonpolicy", "--cfg", "job", "--resolve", "experiment=bpe_chat"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"{target}/tonpolicy/assets/bpe_chat/train.jsonl" in proc.stdout, proc.stdout
