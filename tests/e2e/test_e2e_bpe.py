@@ -92,6 +92,7 @@ def test_a_short_bpe_chat_job_holds_exact_zero(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs, steps = records(run_dir), samples(run_dir)
     assert len(recs) == 2 and all(r["mismatched_tokens"] == 0 and r["reward_errors"] == 0 for r in recs)
+    assert json.loads((run_dir / "summary.json").read_text())["task"] == "data train.jsonl"  # not the task's
     rows = {json.dumps(r["prompt"]): r["label"] for r in map(json.loads, (ASSETS / "bpe_chat" / "train.jsonl").open())}
     tok = TextTokenizer(run_dir / "checkpoints" / "init")
     for step in steps:

@@ -224,7 +224,7 @@ def summarize(
         "mismatched_tokens": sum(r["mismatched_tokens"] for r in records),
         "max_abs_logprob_diff": max((r["max_abs_logprob_diff"] for r in records), default=0.0),
         "last_grad_norm": next((r["grad_norm"] for r in reversed(records) if "grad_norm" in r), None),
-        "task": cfg.task.name,
+        "task": prompt_source(cfg),
         "rewards": [r["reward_mean"] for r in records],
         "wall_s": round(wall_s, 2),
         "tonpolicy": build_info(),  # the code that ran: version, git commit, uncommitted changes
@@ -239,10 +239,17 @@ def summarize(
         reward_curve(
             records,
             run_dir / "reward_curve.png",
-            f"{cfg.task.name}, {cfg.contract.name} {layout_label(cfg.parallel)}: reward and parity",
+            f"{prompt_source(cfg)}, {cfg.contract.name} {layout_label(cfg.parallel)}: reward and parity",
         )
         print(step_table(records))  # the job's result, on stdout whatever the log level
     return summary
+
+
+def prompt_source(cfg: Config) -> str:
+    """What the run's prompts come from: the data files when the user gave them, else the built-in task."""
+    if cfg.data.train_files:
+        return "data " + ", ".join(Path(f).name for f in cfg.data.train_files)
+    return cfg.task.name
 
 
 def run_job(cfg: Config, run_dir: Path, plan: dict[str, Any]) -> int:
