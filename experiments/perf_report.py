@@ -23,7 +23,7 @@ from pathlib import Path
 
 from perf_targets import RESULTS
 
-BENCHES = ("bench_engine", "bench_trainer", "bench_step", "bench_sglang")
+BENCHES = ("bench_engine", "bench_trainer", "bench_moe_trainer", "bench_step", "bench_sglang")
 README = Path(__file__).resolve().parents[1] / "docs" / "PERFORMANCE.md"
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 
