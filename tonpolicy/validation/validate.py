@@ -241,11 +241,11 @@ def _check_cuda_graphs(cfg: Config, bad: Any) -> None:
         )
     spec = _kernels(cfg)
     if spec is not None and not spec.cuda_graphs:
-        graph_sets = ", ".join(s.name for s in kernel_sets() if s.cuda_graphs)
+        graph_sets = " or ".join(s.name for s in kernel_sets() if s.cuda_graphs)
         bad(
             "rollout.cuda_graphs",
-            f"decode graphs need a kernel set that runs them ({graph_sets}; contract.kernels={c.kernels} sizes "
-            "its work on the host): use contract=qwen3_dense_triton_v1 or rollout.cuda_graphs=false",
+            f"decode graphs need the {graph_sets} kernel set (contract.kernels={c.kernels} sizes its work on the "
+            "host): use contract=qwen3_dense_triton_v1 or rollout.cuda_graphs=false",
         )
     if cfg.model.is_moe:
         bad("rollout.cuda_graphs", "decode graphs are for dense models (expert routing is host-planned)")
