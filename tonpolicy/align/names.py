@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tonpolicy.config.hf_qwen3 import EMBED, FINAL_NORM, LM_HEAD, parse_layer_param
+from tonpolicy.config.model import ModelConfig
+from tonpolicy.families import adapter
 
 LAYER_OPS: tuple[str, ...] = (
     "input_norm",
@@ -123,15 +124,18 @@ _MEGATRON_LAYER_ROLES = {
 _MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.weight$")
 
 
-def hf_weight_role(name: str, num_layers: int) -> tuple[int, str] | None:
-    """(layer, role) of a Hugging Face Qwen3 parameter (the rollout model's names)."""
-    layer = parse_layer_param(name)
+def hf_weight_role(name: str, cfg: ModelConfig) -> tuple[int, str] | None:
+    """(layer, role) of a Hugging Face parameter (the rollout model's names, read by its family's adapter);
+    None for a parameter no checkpoint op reads as its weight (a router's, an expert's)."""
+    hf = adapter(cfg.family)
+    layer = hf.parse_layer_param(name)
     if layer is not None:
-        return layer[0], HF_LAYER_ROLES[layer[1]]
-    if name == FINAL_NORM:
-        return num_layers, "final_norm"
-    if name in (LM_HEAD, EMBED):
-        return num_layers, "logits"  # the LM head reads the (tied) embedding as a weight
+        role = HF_LAYER_ROLES.get(layer[1])
+        return None if role is None else (layer[0], role)
+    if name == hf.FINAL_NORM:
+        return cfg.num_layers, "final_norm"
+    if name in (hf.LM_HEAD, hf.EMBED):
+        return cfg.num_layers, "logits"  # the LM head reads the (tied) embedding as a weight
     return None
 
 

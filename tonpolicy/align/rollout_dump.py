@@ -29,7 +29,7 @@ def make_recorder(model: Qwen3, selection: Selection, perturb: dict | None = Non
     rec = RecordingKernels(
         model.kernels, cfg.num_layers, cfg.num_attention_heads // cfg.num_kv_heads, cfg.head_dim, selection, perturb
     )
-    rec.bind_weights(dict(model.named_parameters()), lambda n: hf_weight_role(n, cfg.num_layers))
+    rec.bind_weights(dict(model.named_parameters()), lambda n: hf_weight_role(n, cfg))
     return rec
 
 
