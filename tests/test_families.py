@@ -25,6 +25,8 @@ def test_every_piece_resolves(name: str) -> None:
     assert list(inspect.signature(resolve(f.layer_spec)).parameters) == ["config", "provider"]
     adapter = resolve(f.hf_adapter)
     assert callable(adapter.config_from_hf)
+    converter = resolve(f.megatron_weights)
+    assert all(callable(getattr(converter, n)) for n in ("load_into", "megatron_to_hf", "megatron_state"))
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -1,10 +1,11 @@
 """The one place to add a model family: what each engine builds for it.
 
-An entry names, by import path, the family's four pieces: the engine model on a kernel set (knows no
+An entry names, by import path, the family's pieces: the engine model on a kernel set (knows no
 parallelism), the Megatron layer spec (built from a spec provider), the model class SGLang loads from
-tonpolicy's model package, and the HF adapter (config.json both ways, parameter names, TP plan). Paths,
-not imports: this module sits below every room that uses it, and each room imports only its own piece
-(the trainer never loads the engine model, tonpolicy never loads the SGLang side).
+tonpolicy's model package, the HF adapter (config.json both ways, parameter names, TP plan) and the
+weight converter between HF and Megatron names. Paths, not imports: this module sits below every room
+that uses it, and each room imports only its own piece (the trainer never loads the engine model,
+tonpolicy never loads the SGLang side).
 
 `model.family` and `contract.family` name an entry here; `tests/test_families.py` resolves every path.
 """
@@ -26,6 +27,8 @@ class ModelFamily:
     # serve this family yet, and validation refuses rollout=sglang for it.
     sglang_entry: str | None
     hf_adapter: str  # module with config_from_hf / config_to_hf, parameter names and the TP plan
+    # module with load_into / megatron_to_hf / megatron_state: HF weights <-> Megatron's, any TP/PP split
+    megatron_weights: str
     routed_experts: bool = False  # a mixture of experts (its contract fingerprints the MoE ops)
 
 
@@ -37,6 +40,7 @@ FAMILIES: dict[str, ModelFamily] = {
         layer_spec="tonpolicy.trainer.layer_spec:dense_block_spec",
         sglang_entry="tonpolicy.inside_sglang.model.qwen3:Qwen3ForCausalLM",
         hf_adapter="tonpolicy.config.hf_qwen3",
+        megatron_weights="tonpolicy.trainer.weights",
     ),
     "qwen3_moe": ModelFamily(
         name="qwen3_moe",
@@ -45,6 +49,7 @@ FAMILIES: dict[str, ModelFamily] = {
         layer_spec="tonpolicy.trainer.layer_spec:moe_block_spec",
         sglang_entry="tonpolicy.inside_sglang.model.qwen3_moe:Qwen3MoeForCausalLM",
         hf_adapter="tonpolicy.config.hf_qwen3_moe",
+        megatron_weights="tonpolicy.trainer.weights",  # its routed layers through moe_weights
         routed_experts=True,
     ),
 }
@@ -63,6 +68,11 @@ def family(name: str) -> ModelFamily:
 def adapter(name: str) -> Any:
     """The HF adapter module of family `name`."""
     return resolve(family(name).hf_adapter)
+
+
+def megatron_weights(name: str) -> Any:
+    """The module converting family `name`'s HF weights to Megatron's and back."""
+    return resolve(family(name).megatron_weights)
 
 
 def family_of_hf(hf: dict[str, Any]) -> ModelFamily:

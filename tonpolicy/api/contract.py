@@ -129,11 +129,11 @@ class Contract:
 
     def megatron_load_hf(self, model: GPTModel, hf_state_dict: dict[str, torch.Tensor]) -> None:
         """Load an HF checkpoint's tensors into this rank's GPTModel (its TP/PP/EP slice; strict)."""
+        from tonpolicy.families import megatron_weights
         from tonpolicy.kernels import padded_vocab_size
-        from tonpolicy.trainer.weights import load_into
 
         vocab = padded_vocab_size(self.config.model.vocab_size, self.config.contract.canonical_shards)
-        load_into(model, hf_state_dict, self.config.model, vocab)
+        megatron_weights(self.config.model.family).load_into(model, hf_state_dict, self.config.model, vocab)
 
     # --- the logprob recipe ------------------------------------------------------------------------
 

@@ -92,8 +92,8 @@ def load_trainer_state(worker: Any, path: Path, optimizer: bool = True) -> int:
     run had completed. `optimizer=False`: that count only (a test's control)."""
     from safetensors import safe_open
 
+    from tonpolicy.families import megatron_weights
     from tonpolicy.kernels import weights_updated
-    from tonpolicy.trainer.weights import megatron_state
 
     if worker.optimizer is None:
         worker._setup_optimizer()
@@ -104,7 +104,9 @@ def load_trainer_state(worker: Any, path: Path, optimizer: bool = True) -> int:
         local = {}
         for kind in KINDS:
             hf = {k.partition("/")[2]: t for k, t in flat.items() if k.startswith(kind + "/")}
-            local[kind] = megatron_state(hf, worker.model_cfg, worker.vocab_padded, worker.layout.pp_layers)
+            local[kind] = megatron_weights(worker.model_cfg.family).megatron_state(
+                hf, worker.model_cfg, worker.vocab_padded, worker.layout.pp_layers
+            )
         load_local_state(worker.module, worker.optimizer, local, int(meta["adam_step"]))
         weights_updated()  # an fp32 model's main parameters are its weights
     return int(meta["completed_steps"])

@@ -21,6 +21,7 @@ from tonpolicy.config.schema import Config
 from tonpolicy.config.sizes import micro_batch_size
 from tonpolicy.contract.identity import kernel_params
 from tonpolicy.contract.megatron_args import transformer_kwargs
+from tonpolicy.families import megatron_weights
 from tonpolicy.kernels import (
     get_kernels,
     logprob_temperature,
@@ -35,7 +36,6 @@ from tonpolicy.trainer.model import build_gpt
 from tonpolicy.trainer.moe_weights import is_expert_param
 from tonpolicy.trainer.ppo_loss import PPOLoss, TokenInputs, token_inputs
 from tonpolicy.trainer.process_groups import Layout, init_distributed
-from tonpolicy.trainer.weights import load_into, megatron_to_hf
 
 
 class TrainerWorker:
@@ -86,7 +86,9 @@ class TrainerWorker:
             exact_zero=c.exact_zero,
             moe_capacity_factor=cfg.trainer.moe_capacity_factor,
         )
-        load_into(self.module, hf, self.model_cfg, self.vocab_padded, self.layout.pp_layers)
+        megatron_weights(self.model_cfg.family).load_into(
+            self.module, hf, self.model_cfg, self.vocab_padded, self.layout.pp_layers
+        )
         self.tile = kernels.attention_tile
         # The rollout reports greedy (temperature <= 0) logprobs at temperature 1; so do we.
         self.temperature = logprob_temperature(cfg.experiment.temperature)
@@ -334,7 +336,7 @@ class TrainerWorker:
             return None
         shards = dict(d for d, _ in gathered if d is not None)
         expert_shards = dict(e for _, e in gathered if e is not None) or None
-        return megatron_to_hf(
+        return megatron_weights(self.model_cfg.family).megatron_to_hf(
             shards, self.model_cfg, self.layout.tp, self.layout.pp, self.layout.pp_layers, expert_shards
         )
 
