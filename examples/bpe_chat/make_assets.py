@@ -1,7 +1,9 @@
 """Write the bpe_chat example's data and tokenizer into tonpolicy/assets/bpe_chat/ (committed; run again
 to check that the files are what this script makes: `python examples/bpe_chat/make_assets.py --check`).
 
-- train.jsonl / val.jsonl: chat questions "Is 37 even or odd?" with the label "even" or "odd";
+- train.jsonl / val.jsonl: chat questions "Is 7 even or odd?" about the ten one-digit numbers, with the
+  label "even" or "odd" and the allowed answers `choices` (read by the choice_match reward); val.jsonl
+  holds the same ten questions (one digit leaves none to hold out);
 - tokenizer/: a byte-level BPE (the Qwen family's kind) trained with the `tokenizers` library on a small
   generated English text about numbers, with Qwen3's special tokens and a Qwen3-style chat template, so
   the answers "even" and "odd" are one token each where a response starts.
@@ -47,7 +49,10 @@ def answer(n: int) -> str:
 
 
 def rows(numbers: list[int]) -> list[dict]:
-    return [{"prompt": [{"role": "user", "content": question(n)}], "label": answer(n)} for n in numbers]
+    return [
+        {"prompt": [{"role": "user", "content": question(n)}], "label": answer(n), "choices": ["even", "odd"]}
+        for n in numbers
+    ]
 
 
 def corpus(rng: random.Random) -> list[str]:
@@ -87,11 +92,13 @@ def train_tokenizer(lines: list[str]) -> Tokenizer:
 
 def write(out: Path) -> None:
     rng = random.Random(SEED)
-    numbers = list(range(1000))
-    rng.shuffle(numbers)
+    rng.shuffle(list(range(1000)))  # the draws the tokenizer's corpus followed when the data had 3 digits
+    # One-digit numbers, as the default run's first_parity task: the digit the parity is read from is the
+    # only number token; with up to three digits the policy settled on one answer word for every number.
+    numbers = list(range(10))
     (out / "tokenizer").mkdir(parents=True, exist_ok=True)
-    for name, part in (("train.jsonl", numbers[:900]), ("val.jsonl", numbers[900:932])):
-        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows(part)))
+    for name in ("train.jsonl", "val.jsonl"):
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows(numbers)))
     tok = train_tokenizer(corpus(rng))
     for word in ("even", "odd"):
         if len(tok.encode(word).ids) != 1:

@@ -1,6 +1,6 @@
 """The real-vocabulary example (experiment=bpe_chat): chat prompts from the shipped JSONL, a byte-level BPE
 with a Qwen3-style chat template carried by the random-init checkpoint (model.tokenizer), the built-in
-exact_match reward on the decoded answer; a short job holds exact zero and its records read as text."""
+choice_match reward on the decoded answer; a short job holds exact zero and its records read as text."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tonpolicy.config.assets import ASSETS, asset_path
 from tonpolicy.config.compose import compose_config
 from tonpolicy.launch.init_checkpoint import write_init_checkpoint
 from tonpolicy.model.tokenizer import TextTokenizer
-from tonpolicy.rl.rewards import exact_match
+from tonpolicy.rl.rewards import choice_match
 from tonpolicy.validation.validate import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,12 +93,12 @@ def test_a_short_bpe_chat_job_holds_exact_zero(tmp_path: Path) -> None:
     recs, steps = records(run_dir), samples(run_dir)
     assert len(recs) == 2 and all(r["mismatched_tokens"] == 0 and r["reward_errors"] == 0 for r in recs)
     assert json.loads((run_dir / "summary.json").read_text())["task"] == "data train.jsonl"  # not the task's
-    rows = {json.dumps(r["prompt"]): r["label"] for r in map(json.loads, (ASSETS / "bpe_chat" / "train.jsonl").open())}
+    rows = {json.dumps(r.pop("prompt")): r for r in map(json.loads, (ASSETS / "bpe_chat" / "train.jsonl").open())}
     tok = TextTokenizer(run_dir / "checkpoints" / "init")
     for step in steps:
         for prompt, response, reward in zip(step["prompt_texts"], step["responses"], step["rewards"], strict=True):
             question = prompt.removeprefix("<|im_start|>user\n").partition("<|im_end|>")[0]
-            label = rows[json.dumps([{"role": "user", "content": question}])]
+            row = rows[json.dumps([{"role": "user", "content": question}])]
             assert prompt == tok.apply_chat_template([{"role": "user", "content": question}])
-            # the reward read the answer as text, special tokens (the EOS) left out
-            assert reward == exact_match(tok.decode(response), label)
+            # the reward read the answer as text, special tokens (the EOS) left out, and the row's choices
+            assert reward == choice_match(tok.decode(response), row["label"], {"choices": row["choices"]})

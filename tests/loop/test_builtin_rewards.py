@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tonpolicy.rl.rewards import exact_match, math_answer
+from tonpolicy.rl.rewards import CHOICE_CREDIT, choice_match, exact_match, math_answer
 from tonpolicy.rl.user_reward import UserReward, load_function
 
 
@@ -15,6 +15,23 @@ def test_exact_match_compares_normalized_text_with_any_accepted_label() -> None:
     assert exact_match("New   York", ["Boston", "New York"]) == 1.0
     assert exact_match("paris", "Paris") == 0.0  # case is part of the answer
     assert exact_match("Paris, France", "Paris") == 0.0
+
+
+def test_choice_match_credits_the_label_fully_and_another_allowed_answer_a_little() -> None:
+    row = {"choices": ["even", "odd"]}
+    assert choice_match(" odd", "odd", row) == 1.0
+    assert choice_match("even\n", "odd", row) == CHOICE_CREDIT  # the format, not the answer
+    assert 0.0 < CHOICE_CREDIT < 1.0
+    assert choice_match("od", "odd", row) == 0.0 and choice_match("Odd", "odd", row) == 0.0
+    assert choice_match("odd", "odd") == 1.0  # the label alone needs no choices
+    with pytest.raises(ValueError, match="'choices' column"):
+        choice_match("even", "odd", {})
+    # named by its module path, it receives the row's other columns as `extra`
+    reward = UserReward("tonpolicy.rl.rewards:choice_match", timeout_s=30, on_error="zero", batched=False, decode=str)
+    assert reward([[1], [1]], [[2], [3]], ["[2]", "[2]"], [{"choices": ["[2]", "[3]"]}] * 2) == (
+        [1.0, CHOICE_CREDIT],
+        0,
+    )
 
 
 def test_math_answer_is_equality_of_the_mathematics_not_of_the_text() -> None:

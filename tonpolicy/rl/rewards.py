@@ -1,7 +1,8 @@
 """Built-in reward functions for the common cases, named as a user's are: `reward.function=exact_match`
-or `reward.function=math_answer` (also `tonpolicy.rl.rewards:<name>`). Both read the decoded response
-and the row's label (`data.label_key`), so both need the checkpoint's tokenizer; a label may be a list of
-accepted answers. They score 1.0 or 0.0."""
+or `reward.function=math_answer` (also `tonpolicy.rl.rewards:<name>`, the way choice_match is named).
+They read the decoded response and the row's label (`data.label_key`), so they need the checkpoint's
+tokenizer; a label may be a list of accepted answers. exact_match and math_answer score 1.0 or 0.0;
+choice_match also gives partial credit for another of the row's allowed answers (a format reward)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,25 @@ def math_answer(response: str | None, label: Any) -> float:
         if predicted and verify(gold, predicted, timeout_seconds=None):
             return 1.0
     return 0.0
+
+
+# Half the label's: the answer word a policy finds second still scores above the group's other samples
+# while the first one spreads (a smaller credit left it unsampled: the policy settled on one word).
+CHOICE_CREDIT = 0.5
+
+
+def choice_match(response: str | None, label: Any, extra: dict[str, Any] | None = None) -> float:
+    """exact_match, with CHOICE_CREDIT for a response that is another of the row's allowed answers (its
+    `choices` column, compared as exact_match compares). Why: with exact_match alone a policy that
+    settles on one answer word gets no reward on the other class's prompts, all of whose samples then
+    score alike (no GRPO advantage); crediting the format keeps both words sampled, so correctness is
+    what separates them."""
+    if exact_match(response, label):
+        return 1.0
+    choices = (extra or {}).get("choices")
+    if choices is None:
+        raise ValueError("choice_match needs the row's allowed answers: a 'choices' column")
+    return CHOICE_CREDIT * exact_match(response, list(choices))
 
 
 BUILTIN: dict[str, Callable[..., float]] = {"exact_match": exact_match, "math_answer": math_answer}
