@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from support.tied_to_suite import tied_to_suite
+
 # Short steps on the copy task (graded rewards vary within a group, so every step has a gradient),
 # sampled from the whole vocabulary (not the default run's top 16): long, varied responses.
 FAST = [
@@ -62,7 +64,7 @@ def run_job(tmp_path: Path, *overrides: str, timeout: float = 400, env: dict[str
 def start_job(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        tonpolicy_argv(run_dir, *overrides),
+        tied_to_suite(tonpolicy_argv(run_dir, *overrides)),
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import torch
+from support.tied_to_suite import tied_to_suite
 
 from tonpolicy.config.model import ModelConfig
 from tonpolicy.kernels import get_kernels
@@ -39,7 +40,7 @@ class ServerProc:
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         argv = [python, "-m", "tonpolicy.rollout.server", *args, "--port-file", str(self.port_file)]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(tied_to_suite(argv), cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
         self.port: int | None = None
 
     def log(self) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.tied_to_suite import tied_to_suite
 
 from tonpolicy.config.compose import compose_config
 from tonpolicy.config.model import ModelConfig
@@ -59,7 +60,7 @@ class SGLangServer:
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            argv,
+            tied_to_suite(argv),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
