@@ -80,7 +80,7 @@ def test_failures_are_contained_and_counted(user_file: str) -> None:
 @pytest.mark.parametrize(
     ("spec", "says"),
     [
-        ("no_colon", "must be a built-in (exact_match, math_answer), 'package.module:function'"),
+        ("no_colon", "must be a built-in (exact_match, choice_match, math_answer), 'package.module:function'"),
         ("/nonexistent/r.py:f", "no Python file /nonexistent/r.py"),
         ("tonpolicy_no_such_module:f", "importing tonpolicy_no_such_module failed"),
         ("math:no_such_function", "math has no function 'no_such_function'"),

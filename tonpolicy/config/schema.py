@@ -270,7 +270,7 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     # Your own reward function, 'package.module:function' or 'path/to/file.py:function', or a built-in
-    # (exact_match, math_answer: tonpolicy.rl.rewards), called on every sample instead of the task's
+    # (exact_match, choice_match, math_answer: tonpolicy.rl.rewards), called on every sample instead of the task's
     # (tonpolicy.rl.user_reward says how); null: the task's reward.
     function: str | None = None
     batched: bool = False  # one call per step with lists (prompts, responses, ...) instead of one per sample

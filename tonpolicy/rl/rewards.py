@@ -1,5 +1,5 @@
-"""Built-in reward functions for the common cases, named as a user's are: `reward.function=exact_match`
-or `reward.function=math_answer` (also `tonpolicy.rl.rewards:<name>`, the way choice_match is named).
+"""Built-in reward functions for the common cases, named by their key in BUILTIN
+(`reward.function=exact_match`, `choice_match`, `math_answer`) or as a user's are (`tonpolicy.rl.rewards:<name>`).
 They read the decoded response and the row's label (`data.label_key`), so they need the checkpoint's
 tokenizer; a label may be a list of accepted answers. exact_match and math_answer score 1.0 or 0.0;
 choice_match also gives partial credit for another of the row's allowed answers (a format reward)."""
@@ -57,7 +57,11 @@ def choice_match(response: str | None, label: Any, extra: dict[str, Any] | None 
     return CHOICE_CREDIT * exact_match(response, list(choices))
 
 
-BUILTIN: dict[str, Callable[..., float]] = {"exact_match": exact_match, "math_answer": math_answer}
+BUILTIN: dict[str, Callable[..., float]] = {
+    "exact_match": exact_match,
+    "choice_match": choice_match,
+    "math_answer": math_answer,
+}
 
 
 def _text(response: str | None) -> str:
