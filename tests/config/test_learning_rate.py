@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -46,3 +48,16 @@ def test_which_overrides_give_trainer_lr(overrides: list[str], task_lr: float | 
     dcfg = OmegaConf.create({"trainer": {"lr": 0.5}, "task": {"name": "t", "lr": TASK_LR}})
     given_lr_wins(dcfg, overrides)
     assert dcfg.task.lr == task_lr
+
+
+def test_an_experiment_that_sets_task_lr_is_obeyed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-run experiment (`# @package _global_`, the user's own under ./conf) is composed after the
+    task group, so the learning rate it sets is the run's, not silently the task's."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ntask:\n  lr: 0.003\nexperiment:\n  name: mine\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_config(["experiment=mine"])
+    assert (cfg.experiment.name, learning_rate(cfg)) == ("mine", 0.003)
+    assert learning_rate(compose_config([])) == TASK_LR  # the control: the task's own without it
