@@ -1,4 +1,4 @@
-"""docs/ARCHITECTURE.md's "Where to add", true by test: a kernel set, a rollout backend and a task, each
+"""docs/ARCHITECTURE.md's "Where to add", true by test: a model family, a kernel set, a rollout backend and a task, each
 registered in its one place, are accepted by validation and rendered into the plan with no other edit
 (and unregistered after)."""
 
@@ -19,6 +19,7 @@ from tonpolicy.config.rollout_backends import (
     unregister_rollout_backend,
 )
 from tonpolicy.config.schema import Config
+from tonpolicy.families import FAMILIES, adapter, megatron_weights
 from tonpolicy.kernels import sets
 from tonpolicy.launch.plan import launch_plan
 from tonpolicy.launch.sglang_env import trainer_python
@@ -51,6 +52,8 @@ def _dummy_rules(cfg: Config, bad: Any) -> None:
 
 @pytest.fixture
 def registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    qwen3 = FAMILIES["qwen3"]  # a family entry naming Qwen3's pieces under another name
+    monkeypatch.setitem(FAMILIES, "dummy_family", qwen3.__class__(**{**vars(qwen3), "name": "dummy_family"}))
     plain = sets.kernel_set("plain")
     monkeypatch.setitem(sets._REGISTRY, "dummy_kernels", plain.__class__(**{**vars(plain), "name": "dummy_kernels"}))
     register_rollout_backend(
@@ -79,6 +82,7 @@ def registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 OVERRIDES = [
     "contract=off_policy",  # a non-invariant contract: the dummy kernels promise no invariance
+    "model.family=dummy_family",
     "contract.kernels=dummy_kernels",
     "rollout.backend=dummy_backend",
     "contract.supported_rollout_backends=[embedded,sglang,dummy_backend]",
@@ -96,6 +100,8 @@ def test_registered_names_are_validated_and_planned(registered: None, tmp_path: 
     assert plan["rollout"]["environment"] == DUMMY_ENV
     assert plan["trainer_command"][0] == "/opt/dummy/bin/python" == trainer_python(cfg)
     assert plan["megatron"]["kernels"]["name"] == "dummy_kernels"
+    # the rooms that are not the family's own reach its pieces through the entry
+    assert adapter("dummy_family").LM_HEAD == "lm_head.weight" and megatron_weights("dummy_family").load_into
     prompts = make_prompts("dummy_task", 0, 2, seed=0, max_prompt_len=8)
     assert prompts == [[6, 4], [6, 4]] and reward("dummy_task", [6, 4], [17], 1, target=7) == 1.0
 
@@ -110,7 +116,12 @@ def test_unregistered_names_are_refused_listing_the_known_ones() -> None:
     with pytest.raises(ConfigError) as e:
         validate(compose_config(OVERRIDES), check_hf=False)
     text = str(e.value)
-    for key in ("contract.kernels='dummy_kernels'", "rollout.backend='dummy_backend'", "task.name='dummy_task'"):
+    for key in (
+        "model.family='dummy_family'",
+        "contract.kernels='dummy_kernels'",
+        "rollout.backend='dummy_backend'",
+        "task.name='dummy_task'",
+    ):
         assert key in text
     assert "must be one of" in text and "'sglang'" in text and "'calculator'" in text
     with pytest.raises(KeyError, match="known: embedded, sglang"):

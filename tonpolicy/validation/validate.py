@@ -32,8 +32,6 @@ from tonpolicy.validation.task_rules import check_task
 RENAMED = {("contract.kernels", "contract"): "invariant", ("contract.kernels", "default"): "plain"}
 KNOWN = {
     "mode": ("plan", "run", "align"),
-    "model.family": tuple(FAMILIES),
-    "contract.family": (*FAMILIES, ANY_FAMILY),
     "contract.dtype": ("bfloat16", "float32"),
     "parallel.cp_type": ("none", "ulysses", "ring"),
     "trainer.backend": ("megatron",),
@@ -47,10 +45,12 @@ SGLANG_DETERMINISTIC_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "ascend",
 
 
 def known() -> dict[str, tuple[Any, ...]]:
-    """Every key with a closed set of values; the registries' names are read now, so a kernel set,
-    rollout backend or task registered after import is known."""
+    """Every key with a closed set of values; the registries' names are read now, so a model family,
+    kernel set, rollout backend or task registered after import is known."""
     return {
         **KNOWN,
+        "model.family": tuple(FAMILIES),
+        "contract.family": (*FAMILIES, ANY_FAMILY),
         "contract.kernels": kernel_set_names(),
         "rollout.backend": rollout_backend_names(),
         "task.name": tuple(TASKS),
