@@ -49,23 +49,15 @@ def test_wheel_ships_every_config_and_composes(tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
     where = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert where.stdout.startswith(str(target)), where.stdout + where.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "tonpolicy", "--cfg", "job", "model=qwen3_4b", "parallel=tp2_pp2"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+
+    def tonpolicy(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "tonpolicy", *args]
+        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    proc = tonpolicy("--cfg", "job", "model=qwen3_4b", "parallel=tp2_pp2")
     assert "name: qwen3_4b" in proc.stdout and "name: tp2_pp2" in proc.stdout
-    proc = subprocess.run(  # an experiment whose files ship in the package resolves them there
-        [sys.executable, "-m", "tonpolicy", "--cfg", "job", "--resolve", "experiment=bpe_chat"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+    # an experiment whose files ship in the package resolves them there
+    proc = tonpolicy("--cfg", "job", "--resolve", "experiment=bpe_chat")
     assert f"{target}/tonpolicy/assets/bpe_chat/train.jsonl" in proc.stdout, proc.stdout

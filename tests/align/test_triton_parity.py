@@ -16,9 +16,10 @@ from tonpolicy.model.checkpoint import init_state_dict, load_hf, save_hf
 from tonpolicy.model.qwen3 import Qwen3
 from tonpolicy.trainer.process_groups import Layout, spawn
 
-pytestmark = pytest.mark.slow  # Triton's interpreter through both engines at several layouts
-
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = [
+    pytest.mark.slow,  # Triton's interpreter through both engines at several layouts
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+]
 TEMPERATURE = 0.8
 MODEL = ModelConfig(num_layers=1)  # the interpreter is slow; one layer has every kernel
 
