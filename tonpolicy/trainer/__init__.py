@@ -17,6 +17,8 @@ exchange), `comm` (autograd collectives), `kernel_autograd` (kernel forward, pla
 `tonpolicy.align.harness`.
 """
 
+import importlib.abc as _abc
+import importlib.machinery as _machinery
 import sys as _sys
 
 
@@ -36,3 +38,31 @@ def _hide_unloadable_cuda_extensions() -> None:
 
 
 _hide_unloadable_cuda_extensions()
+
+
+class _MegatronJitFuserOff(_abc.MetaPathFinder):
+    """megatron-core decorates its fused elementwise functions with `torch.compile` while it imports,
+    which imports dynamo and inductor (seconds of CPU in every trainer rank). The trainer's contract path
+    calls none of them, so megatron's own switch `jit.disable_jit_fuser()` is thrown the moment its `jit`
+    module has run, before any fusion module reads `jit_fuser`."""
+
+    def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
+        if name != "megatron.core.jit":
+            return None
+        spec = _machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def run_then_disable(module):  # type: ignore[no-untyped-def]
+            run_module(module)
+            module.disable_jit_fuser()
+
+        spec.loader.exec_module = run_then_disable  # type: ignore[method-assign]
+        return spec
+
+
+if "megatron.core.jit" not in _sys.modules and not any(
+    isinstance(finder, _MegatronJitFuserOff) for finder in _sys.meta_path
+):
+    _sys.meta_path.insert(0, _MegatronJitFuserOff())
