@@ -45,15 +45,29 @@ READABLE = 0o644  # a checkpoint is read by other users' servers
 
 
 def save_hf(
-    state_dict: dict[str, torch.Tensor], cfg: ModelConfig, path: str | Path, max_shard_bytes: int = MAX_SHARD_BYTES
+    state_dict: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    path: str | Path,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    quant: str = "none",
 ) -> None:
     """A complete HF model directory: the weights (one file, or shards of at most `max_shard_bytes`
     with an index), config.json and, from the checkpoint the model came from (`cfg.checkpoint`),
     every other file that is not weights (tokenizer, chat template, generation_config.json, ...);
-    its config.json keeps every key, only the dtype follows the weights. Files are 0644."""
+    its config.json keeps every key, only the dtype follows the weights. Files are 0644.
+    `quant="fp8_block"` (contract.quant): the linears as published FP8 (`fp8_checkpoint`), the dtype the
+    other tensors'; otherwise a source's `quantization_config` is dropped, the weights being unquantized."""
+    from tonpolicy.model.fp8_checkpoint import QUANT_FORMAT, quantization_config, quantize_state_dict, read_fp8_format
+
+    if quant not in ("none", QUANT_FORMAT):
+        raise ValueError(f"save_hf: quant={quant!r} is not a checkpoint format: 'none' or {QUANT_FORMAT!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in state_dict.items()}
+    # The model's own parameter order (any other name after it), so the shards do not depend on the
+    # order a state dict was built or read in: a checkpoint loaded and saved again is the same files.
+    rank = {name: i for i, name in enumerate(param_shapes(cfg))}
+    ordered = sorted(state_dict.items(), key=lambda kv: rank.get(kv[0], len(rank)))
+    tensors = {k: v.detach().contiguous() for k, v in ordered}
     if cfg.tie_word_embeddings:
         tensors.pop(adapter(cfg.family).LM_HEAD, None)
     dtype = dtype_name(next(iter(tensors.values())).dtype)
@@ -70,6 +84,12 @@ def save_hf(
             from tonpolicy.model.tokenizer import save_tokenizer
 
             save_tokenizer(path, cfg.vocab_size)
+    if quant == QUANT_FORMAT:
+        skipped = read_fp8_format(hf, str(source / "config.json")) if "quantization_config" in hf else None
+        tensors = quantize_state_dict(tensors, skipped or ())
+        hf["quantization_config"] = {**hf.get("quantization_config", {}), **quantization_config()}
+    else:
+        hf.pop("quantization_config", None)
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     _save_weights(tensors, path, max_shard_bytes)
     for f in path.iterdir():
@@ -116,7 +136,12 @@ def read_config(path: str | Path) -> ModelConfig:
     return replace(cfg, checkpoint=str(path))
 
 
-def load_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model config and HF-named tensors of a checkpoint directory. A published FP8 checkpoint
+    (`fp8_checkpoint`) is dequantized to master weights in `dtype` (the consumer's: each FP8 weight
+    rounded once); the other tensors come as stored."""
+    from tonpolicy.model.fp8_checkpoint import dequantize_state_dict, read_fp8_format
+
     path = Path(path)
     cfg = read_config(path)
     index = path / "model.safetensors.index.json"
@@ -129,8 +154,13 @@ def load_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     else:
         files = ["model.safetensors"]
     sd: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
     for f in files:
-        sd.update(load_file(str(path / f)))
+        part = load_file(str(path / f))
+        sd.update(part)
+        origin.update(dict.fromkeys(part, f))
+    read_fp8_format(json.loads((path / "config.json").read_text()), str(path / "config.json"))  # refuses others
+    sd = dequantize_state_dict(sd, dtype, origin, str(path))  # FP8 tensors are refused without the format's scales
     if cfg.tie_word_embeddings:
         sd.pop(adapter(cfg.family).LM_HEAD, None)
     return cfg, sd
