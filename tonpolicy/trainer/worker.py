@@ -69,7 +69,7 @@ class TrainerWorker:
         if state_dict is not None:
             self.model_cfg, hf = cfg.model, state_dict
         elif checkpoint is not None:
-            self.model_cfg, hf = load_hf(checkpoint)
+            self.model_cfg, hf = load_hf(checkpoint, self.dtype)  # an FP8 checkpoint dequantized to masters
             check_same_architecture(cfg.model, self.model_cfg, str(checkpoint))
         else:
             self.model_cfg, hf = cfg.model, init_state_dict(cfg.model, self.dtype, cfg.model.init_seed)

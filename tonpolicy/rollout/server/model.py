@@ -23,7 +23,7 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
     kernels = get_kernels(args.kernels, **args.kernel_params)
     dtype = getattr(torch, args.dtype)
     if args.model_path:
-        cfg, state_dict = load_hf(args.model_path)
+        cfg, state_dict = load_hf(args.model_path, dtype)  # an FP8 checkpoint dequantized into the served dtype
         if args.model is not None:  # a wrong --model-path must not serve another model silently
             check_same_architecture(args.model, cfg, args.model_path)
     else:  # the profile's deterministic random init (same seed as the trainer's)
@@ -51,7 +51,7 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ModelConfig]:
 def reload_weights(engine: Engine, path: str, current: ModelConfig) -> None:
     """Load an HF checkpoint into the running model. Everything is checked before the first tensor
     is copied, so a refused checkpoint leaves the served weights untouched."""
-    cfg, state_dict = load_hf(path)
+    cfg, state_dict = load_hf(path, getattr(engine.model, "dtype", torch.float32))
     check_same_architecture(current, cfg, path)
     load_checked(engine, state_dict, current, f"checkpoint {path}")
 
