@@ -50,6 +50,9 @@ class ContractConfig:
     # GEMM, logits rounded to bf16 as stock SGLang and Megatron do; half the bandwidth). Logprobs are
     # fp32 either way, and both engines compute the same bits either way.
     logits_dtype: str = "float32"
+    # "fp8_block": the attention and MLP linears (and MoE experts) in block-scaled e4m3 on both engines,
+    # quantized from the master weights by one function (docs/REDUCTION_RULES.md); "none": v2 as is.
+    quant: str = "none"
     logprob_recipe: str = "fp32_log_softmax_real_vocab_at_sampling_decode"
     supported_cp_types: list[str] = field(default_factory=lambda: ["ulysses", "ring"])
     supported_rollout_backends: list[str] = field(default_factory=lambda: ["embedded", "sglang"])

@@ -23,6 +23,7 @@ KERNEL_PARAM_FIELDS = (
     "row_tile",
     "prefill_row_tile",
     "logits_dtype",
+    "quant",
 )
 # Fields that change the bits. Name/version label the contract; supported_* only gate layouts.
 NUMERICS_FIELDS = (

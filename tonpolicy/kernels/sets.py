@@ -13,7 +13,9 @@ from typing import Any
 CONTRACT_SGLANG_PACKAGE = "tonpolicy.inside_sglang.model"
 LOGITS_DTYPES = ("float32", "bfloat16")
 # Construction parameters `get_kernels` knows; a spec lists the ones its set takes.
-BUILD_PARAMS = ("attention_tile", "canonical_shards", "row_tile", "prefill_row_tile", "logits_dtype")
+BUILD_PARAMS = ("attention_tile", "canonical_shards", "row_tile", "prefill_row_tile", "logits_dtype", "quant")
+# contract.quant: "none", or "fp8_block" (block-scaled e4m3 linears, a choice of a set whose params take it).
+QUANTS = ("none", "fp8_block")
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def kernel_sets() -> tuple[KernelSetSpec, ...]:
     return tuple(_REGISTRY.values())
 
 
-_CONTRACT_PARAMS = BUILD_PARAMS
+_CONTRACT_PARAMS = tuple(p for p in BUILD_PARAMS if p != "quant")
 
 register_kernel_set(
     KernelSetSpec(
@@ -123,8 +125,8 @@ register_kernel_set(
         rope_table=False,
         sglang_attention_backend=None,
         trainer_layer_spec="kernels",
-        builder="tonpolicy.kernels.invariant.ordered:OrderedKernels",
-        params=_CONTRACT_PARAMS,
+        builder="tonpolicy.kernels.invariant.ordered_quant:QuantOrderedKernels",
+        params=BUILD_PARAMS,  # the one set that defines contract.quant=fp8_block
     )
 )
 register_kernel_set(

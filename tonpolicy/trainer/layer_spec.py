@@ -37,7 +37,7 @@ def layer_spec(provider: StockSpecProvider, mlp: ModuleSpec) -> ModuleSpec:
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=provider.column_parallel_linear(),
+                    linear_qkv=provider.qkv_linear(),
                     core_attention=provider.core_attention(),
                     linear_proj=provider.row_parallel_linear(),
                     q_layernorm=qk_norm,

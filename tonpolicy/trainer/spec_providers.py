@@ -16,6 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import ModuleSpec, transformer_block
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
+from tonpolicy.trainer.fp8_qkv import KernelQKVLinear
 from tonpolicy.trainer.kernel_modules import (
     KernelColumnParallelLinear,
     KernelCoreAttention,
@@ -36,6 +37,10 @@ class StockSpecProvider(LocalSpecProvider):
             module=MLP,
             submodules=MLPSubmodules(linear_fc1=self.column_parallel_linear(), linear_fc2=self.row_parallel_linear()),
         )
+
+    def qkv_linear(self) -> Any:
+        """The attention's fused QKV linear (a column-parallel linear)."""
+        return self.column_parallel_linear()
 
     def moe_mlp(self) -> ModuleSpec:
         """megatron's MoELayer: TopKRouter, the all-gather dispatcher, SequentialMLP (trainer.moe_layer)."""
@@ -64,6 +69,9 @@ class KernelSpecProvider(StockSpecProvider):
 
     def row_parallel_linear(self) -> ModuleSpec:  # type: ignore[override]
         return self._spec(KernelRowParallelLinear)
+
+    def qkv_linear(self) -> ModuleSpec:
+        return self._spec(KernelQKVLinear)
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> ModuleSpec:  # type: ignore[override]
         if not rms_norm:

@@ -26,6 +26,7 @@ from tonpolicy.families import ANY_FAMILY, FAMILIES
 from tonpolicy.kernels.sets import LOGITS_DTYPES, KernelSetSpec, kernel_set, kernel_set_names, kernel_sets
 from tonpolicy.rl.task import TASKS
 from tonpolicy.validation.async_rules import check_staleness
+from tonpolicy.validation.quant_rules import check_quant
 from tonpolicy.validation.task_rules import check_task
 
 # Values that were renamed, so an old config is told the new name.
@@ -125,6 +126,7 @@ def validate(cfg: Config, *, check_hf: bool = True, unknown: list[ConfigIssue] |
     if min(m.num_attention_heads, m.num_kv_heads, p.tp, p.pp, p.cp, p.rollout_tp, cfg.trainer.nnodes) >= 1:
         _check_layout(cfg, bad)
     _check_contract(cfg, bad)
+    check_quant(cfg, bad)
     check_moe(cfg, bad)
     _check_router_replay(cfg, bad)
     check_staleness(cfg, bad)

@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--kernels", help="kernel set name (tonpolicy.kernels.get_kernels)")
     for name in KERNEL_PARAM_FIELDS:
-        kind = str if name == "logits_dtype" else int
+        kind = str if name in ("logits_dtype", "quant") else int
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"kernel set parameter {name}")
     p.add_argument("--dtype", choices=list(DTYPES))
     p.add_argument("--contract-name")

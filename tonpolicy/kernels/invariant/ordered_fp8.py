@@ -1,0 +1,132 @@
+"""The block-scaled FP8 linear of contract.quant=fp8_block on the ordered (v2) set, built from the ordered
+chains, so its bits are IEEE's and the source's (docs/REDUCTION_RULES.md, contract.quant=fp8_block).
+
+y[m, n] for x [M, K] against W [N, K], K-groups b = 0 .. KB-1 of 128 (the last may be partial):
+- (qa, sa) = the activation quantization of x (per token, groups of 128), (qw, sw) = the weight's (128 x 128
+  blocks; sw[n, b] is the scale of the block that holds row n);
+- S_b[m, n] = v2's bf16 pair chain over group b of qa[m, k] * qw[n, k] from +0 (e4m3 values are bf16 values
+  exactly, and their products are exact in fp32: the chain rounds only its sums, in the source's order);
+- t_b[m, n] = sa[m, b] * sw[n, b], one fp32 rounding;
+- y = +0, then for b ascending: y = y + S_b[m, n] * t_b[m, n], the product and the sum each one fp32 rounding
+  (no FMA: two IEEE operations, round to nearest even, gradual underflow).
+So a row's bits depend on that row and the weight alone. A row-parallel linear's canonical K-shard c is the
+same expression over that shard alone: its weight blocks, activation groups and group chain start at the
+shard's first column (a shard that is a multiple of 128 wide holds the unsharded linear's own blocks), its
+partials summed as every other set's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from tonpolicy.kernels import weight_cache
+from tonpolicy.kernels.fp8_block import BLOCK, quantize_activation_groups, quantize_weight_blocks
+from tonpolicy.kernels.invariant import ordered_gemm
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight quantized for the GEMM: its e4m3 values as bf16 (exact), one contiguous [N, <=128] tensor per
+    K-group (the ordered GEMM's packed-weight cache keys on each), and per-row scales [N, KB] fp32."""
+
+    groups: list[torch.Tensor]
+    row_scales: torch.Tensor
+
+
+def quantize_weight(w: torch.Tensor) -> QuantizedWeight:
+    q, scale_inv = quantize_weight_blocks(w, BLOCK)
+    values = q.to(torch.bfloat16)
+    groups = [values[:, a : a + BLOCK].contiguous() for a in range(0, w.shape[1], BLOCK)]
+    rows = scale_inv.repeat_interleave(BLOCK, 0)[: w.shape[0]].contiguous()
+    return QuantizedWeight(groups, rows)
+
+
+class _Entry:
+    __slots__ = ("key", "ref", "shards")
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.ref = weakref.ref(w)
+        self.key: tuple | None = None
+        self.shards: dict[int, list[QuantizedWeight]] = {}
+
+
+_cache: dict[int, _Entry] = {}
+
+
+def cached_weight(w: torch.Tensor, num_shards: int) -> list[QuantizedWeight]:
+    """w's canonical K-shards, each quantized on its own, from the cache while w is unchanged (its storage,
+    version and the weights generation)."""
+    e = _cache.get(id(w))
+    if e is None or e.ref() is not w:
+        e = _cache[id(w)] = _Entry(w)
+        for k in [k for k, v in _cache.items() if v.ref() is None]:
+            del _cache[k]
+    key = (w._version, w.data_ptr(), weight_cache.generation(), w.shape, w.stride(), w.dtype)
+    if e.key != key:
+        e.key, e.shards = key, {}
+    got = e.shards.get(num_shards)
+    if got is None:
+        width = w.shape[1] // num_shards
+        d = w.detach()
+        got = e.shards[num_shards] = [quantize_weight(d[:, c * width : (c + 1) * width]) for c in range(num_shards)]
+    return got
+
+
+def _check_shards(k: int, num_shards: int) -> None:
+    if num_shards < 1 or k % num_shards:
+        raise ValueError(f"fp8_block: K={k} does not split into {num_shards} canonical shards")
+
+
+def _group_sums(qa: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """S [KB, M, N]: each K-group's pair chain from +0 (qa: e4m3 values as bf16)."""
+    return torch.stack(
+        [ordered_gemm.linear(qa[:, i * BLOCK : (i + 1) * BLOCK].contiguous(), g) for i, g in enumerate(w.groups)]
+    )
+
+
+def _scaled_chain(sums: torch.Tensor, sa: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """The K-group chain: y = +0; y = y + S_b * (sa_b * sw_b) over b ascending, every operation one IEEE
+    fp32 rounding (separate torch ops: nothing fuses them into an FMA). sums [G, M, N], sa [M, G], sw [N, G]."""
+    y = torch.zeros(sums.shape[1:], dtype=torch.float32)
+    for b in range(sums.shape[0]):
+        y = y + sums[b] * (sa[:, b, None] * sw[None, :, b])
+    return y
+
+
+def fp8_linear_partials(x: torch.Tensor, w: torch.Tensor, num_shards: int) -> torch.Tensor:
+    """fp32 [C, *lead, N]: x [..., K] (bf16/fp32) against the master weight w [N, K], quantized by the
+    contract's rule, per canonical K-shard (each shard its own K-group chain from +0)."""
+    k, n = x.shape[-1], w.shape[0]
+    if w.shape[-1] != k:
+        raise ValueError(f"fp8_block: x [..., {k}] and w {tuple(w.shape)} do not contract")
+    _check_shards(k, num_shards)
+    lead = x.shape[:-1]
+    x2 = x.detach().reshape(-1, k)
+    shards = cached_weight(w, num_shards)
+    out = torch.empty(num_shards, x2.shape[0], n, dtype=torch.float32)
+    width = k // num_shards
+    for c, qw in enumerate(shards):
+        if not (x2.shape[0] and n):
+            break
+        q, sa = quantize_activation_groups(x2[:, c * width : (c + 1) * width], BLOCK)
+        out[c] = _scaled_chain(_group_sums(q.to(torch.bfloat16), qw), sa, qw.row_scales)
+    return out.reshape(num_shards, *lead, n)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 [*lead, N]: the fp8 linear with K whole (column-parallel linears)."""
+    return fp8_linear_partials(x, w, 1)[0]
+
+
+def plain_fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The control: the same quantized operands dequantized and multiplied by torch (fp32 F.linear): close
+    to `fp8_linear`, not its bits (the library's sum order and no K-group chain)."""
+    q, sa = quantize_activation_groups(x, BLOCK)
+    k = x.shape[-1]
+    xd = (q.to(torch.float32) * sa.repeat_interleave(BLOCK, -1)[..., :k]).reshape(x.shape)
+    qw = quantize_weight(w)
+    wd = torch.cat(qw.groups, dim=1).float() * qw.row_scales.repeat_interleave(BLOCK, -1)[:, :k]
+    return torch.nn.functional.linear(xd, wd)
