@@ -172,3 +172,21 @@ def test_an_unquantized_save_from_an_fp8_source_drops_its_quantization_config(
     assert all(t.dtype == torch.bfloat16 for t in _stored(out).values())
     with pytest.raises(ValueError, match="save_hf: quant='fp8' is not a checkpoint format"):
         save_hf(masters, cfg, tmp_path / "x", quant="fp8")
+
+
+def test_transformers_reads_the_saved_format(bf16_dir: tuple[Path, dict]) -> None:
+    # transformers' FP8 loader needs accelerate (not a dependency here) and, on a CPU, dequantizes to
+    # bf16: its weights are then ours. Without accelerate, its parse of our quantization_config.
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    out = bf16_dir[0]
+    qc = AutoQuantizationConfig.from_dict(json.loads((out / "config.json").read_text())["quantization_config"])
+    assert type(qc).__name__ == "FineGrainedFP8Config" and list(qc.weight_block_size) == [128, 128]
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    _, ours = load_hf(out, torch.bfloat16)
+    assert all(
+        torch.equal(theirs[k].to(torch.bfloat16).view(torch.int16), v.view(torch.int16)) for k, v in ours.items()
+    )
