@@ -60,6 +60,7 @@ def test_fingerprint_tracks_every_numerics_field() -> None:
         "prefill_row_tile": 64,
         "canonical_shards": 8,
         "logits_dtype": "bfloat16",
+        "quant": "fp8_block",
         "logprob_recipe": "other",
     }
     assert set(changes) == set(NUMERICS_FIELDS)
