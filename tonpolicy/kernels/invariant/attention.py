@@ -124,13 +124,17 @@ class Products(NamedTuple):
     """The attention's ops under a contract: its two GEMMs, `scores(rows, q_dtype, k, k_dtype)` (rows
     [B, R, D] x k [B, D, N] over the head dim) and `pv(p, v, v_dtype)` (p [B, R, T] x v [B, T, D] over a
     key tile), both fp32 (the dtypes name where the upcast values come from); and its row-local ops on fp32:
-    `exp` (differentiable), `exp_` (in place, nothing differentiated) and `row_sum` over the last dim."""
+    `exp` (differentiable), `exp_` (in place, nothing differentiated) and `row_sum` over the last dim.
+    Optional, for nothing differentiated: `softmax_tiles(s, heads, tile, scale, mask_from, keep)` and
+    `merge_finalize(parts, dtype)`, each the bits of the in-place steps below in one call."""
 
     scores: Callable[[torch.Tensor, torch.dtype, torch.Tensor, torch.dtype], torch.Tensor]
     pv: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
     exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp
     exp_: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.exp_
     row_sum: Callable[[torch.Tensor], torch.Tensor] = lambda p: p.sum(dim=-1)  # noqa: E731
+    softmax_tiles: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    merge_finalize: Callable[[AttnPartial, torch.dtype], torch.Tensor] | None = None
 
 
 # Contract v1's: the exact fixed-point products; torch's exp and sum (probed on each host).
@@ -245,8 +249,12 @@ def _span_partials(
     t, n = keys.tile, sp.b - sp.a
     k, v = keys.span(sp.a, sp.b)
     s = products.scores(rows, q_dtype, k, keys.source_dtype)  # over the head dim
-    s = s.view(-1, keys.heads, r, n, t)  # [B, Hkv, R, n, T]
     j = sp.mask_from
+    if inplace and products.softmax_tiles is not None:
+        p_tiles, m, l = products.softmax_tiles(s, keys.heads, t, scale, j, sp.keep)  # noqa: E741
+        acc = products.pv(p_tiles, v.reshape(n * bh, t, d), keys.source_dtype).view(n, bh, r, d)
+        return AttnPartial(m, l, acc)
+    s = s.view(-1, keys.heads, r, n, t)  # [B, Hkv, R, n, T]
     if not inplace:
         s = s * scale
         if sp.mask is not None:
@@ -329,7 +337,10 @@ def attention(
     for blk in plan.blocks:
         r = rows[:, blk.q0 * g : blk.q1 * g].contiguous()
         parts = _block_partials(r, keys, blk, scale, inplace, q.dtype, products)
-        out.append(finalize(merge_tiles(parts, inplace, products), q.dtype))
+        if inplace and products.merge_finalize is not None:
+            out.append(products.merge_finalize(parts, q.dtype))
+        else:
+            out.append(finalize(merge_tiles(parts, inplace, products), q.dtype))
     o = torch.cat(out, dim=1) if len(out) > 1 else out[0]  # [B*Hkv, Nq'*G, D]: real rows, or all
     nr = o.shape[1] // g
     return o.view(b, heads, nr, g, d).permute(0, 2, 1, 3, 4).reshape(b, nr, hq, d)[:, :nq]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tonpolicy.kernels import moe
-from tonpolicy.kernels.invariant import ordered_gemm, ordered_rowwise
+from tonpolicy.kernels.invariant import ordered_gemm, ordered_rowwise, ordered_rowwise_attention
 from tonpolicy.kernels.invariant.attention import Products
 from tonpolicy.kernels.invariant.kernel_set import InvariantKernels
 
@@ -68,6 +68,8 @@ ORDERED_PRODUCTS = Products(
     exp=_exp,
     exp_=ordered_rowwise.exp_,
     row_sum=_row_sum,
+    softmax_tiles=ordered_rowwise_attention.softmax_tiles,
+    merge_finalize=ordered_rowwise_attention.merge_finalize,
 )
 
 

@@ -830,8 +830,113 @@ void s_rope(const int64_t* pos, int64_t n, int64_t d, double theta, float* cs, f
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The split-KV attention's row-local steps (tonpolicy/kernels/invariant/attention.py states them as torch
+// ops; these compute the same IEEE operations in the same order, so the same bits, with one call instead of
+// dozens of small ones per layer).
+
+// One query row over n key tiles of T scores s [n, T]: x = s * scale, from tile j on plus the mask's
+// bias (keep [n - j, T] is 1 or 0: bias 0 or -inf); m = max x per tile; p = exp(x - safe(m)) (from tile j
+// on: an -inf difference read as 0, the exp times keep); l = the ordered row sum of p. p goes to tile-major
+// rows (tile t at p + t * ldp), m and l to m[t * ldm], l[t * ldm].
+void attn_softmax_row(const float* s, int64_t n, int64_t t_len, float scale, int64_t j, const float* keep,
+                      float* p, int64_t ldp, float* m, float* l, int64_t ldm) {
+  const F vscale = set1(scale);
+  const F ninf = set1(-INFINITY);
+  const F zero = set1(0.0f);
+  for (int64_t t = 0; t < n; t++) {
+    const float* st = s + t * t_len;
+    float* pt = p + t * ldp;
+    const bool masked = keep != nullptr && t >= j;
+    const float* kt = masked ? keep + (t - j) * t_len : nullptr;
+    for (int64_t i = 0; i < t_len; i += LANES) {
+      const int64_t w = std::min<int64_t>(LANES, t_len - i);
+      F x = mul(w == LANES ? load(st + i) : load_tail(st + i, w), vscale);
+      if (masked) {
+        const F k = w == LANES ? load(kt + i) : load_tail(kt + i, w);
+        x = add(x, sel(cmp_eq(k, zero), ninf, zero));
+      }
+      if (w == LANES) {
+        store(pt + i, x);
+      } else {
+        float buf[LANES];
+        store(buf, x);
+        std::memcpy(pt + i, buf, sizeof(float) * w);
+      }
+    }
+    const float mx = v_row_max(pt, t_len);
+    const F ms = set1(mx == -INFINITY ? 0.0f : mx);  // safe_max: -inf -> 0, NaN and +inf kept
+    for (int64_t i = 0; i < t_len; i += LANES) {
+      const int64_t w = std::min<int64_t>(LANES, t_len - i);
+      F d = sub(w == LANES ? load(pt + i) : load_tail(pt + i, w), ms);
+      if (masked) d = sel(cmp_eq(d, ninf), zero, d);
+      F e = vcanon(v_exp(d));
+      if (masked) e = mul(e, w == LANES ? load(kt + i) : load_tail(kt + i, w));
+      if (w == LANES) {
+        store(pt + i, e);
+      } else {
+        float buf[LANES];
+        store(buf, e);
+        std::memcpy(pt + i, buf, sizeof(float) * w);
+      }
+    }
+    m[t * ldm] = mx;
+    l[t * ldm] = canon(v_row_sum(pt, t_len));
+  }
+}
+
+// torch.cummax's step: the new value when it is >= the running one or NaN (a NaN stays).
+inline float cummax_step(float run, float x) { return (x != x || (run == run && x >= run)) ? x : run; }
+
+// One row of the left-to-right merge of kt tile partials (m[t * N], l[t * N], acc[t * N * D]) and its
+// finalisation: run = (l, acc) of tile 0 times exp(m_0 - M_0), then run = run * exp(M_{t-1} - M_t) +
+// (l_t, acc_t) * exp(m_t - M_t) with M the running max (-inf read as 0), each product and sum rounded;
+// out = acc / l (l = 0 read as 1), rounded to the output dtype. One tile is taken as it is.
+template <class TO>
+void attn_merge_row(const float* m, const float* l, const float* acc, int64_t kt, int64_t rows, int64_t d,
+                    TO* out, float* run) {
+  float run_l = l[0];
+  std::memcpy(run, acc, sizeof(float) * d);
+  if (kt > 1) {
+    float run_m = m[0];
+    float cb = canon(s_exp(m[0] - (run_m == -INFINITY ? 0.0f : run_m)));
+    run_l = run_l * cb;
+    for (int64_t i = 0; i < d; i++) run[i] = run[i] * cb;
+    for (int64_t t = 1; t < kt; t++) {
+      const float mt = m[t * rows];
+      const float prev = run_m;
+      run_m = cummax_step(run_m, mt);
+      const float ms = run_m == -INFINITY ? 0.0f : run_m;
+      const float ca = canon(s_exp(prev - ms));
+      cb = canon(s_exp(mt - ms));
+      run_l = run_l * ca + l[t * rows] * cb;
+      const float* at = acc + t * rows * d;
+      for (int64_t i = 0; i < d; i++) run[i] = run[i] * ca + at[i] * cb;
+    }
+  }
+  const float div = run_l == 0.0f ? 1.0f : run_l;
+  for (int64_t i = 0; i < d; i++) {
+    const float y = run[i] / div;
+    if constexpr (sizeof(TO) == 2) {
+      out[i] = bf16_round(y);
+    } else {
+      out[i] = y;
+    }
+  }
+}
+
+template <class TO>
+void attn_merge(const float* m, const float* l, const float* acc, int64_t kt, int64_t rows, int64_t d, TO* out,
+                int nt) {
+  for_rows(rows, kt * d, nt, [&](int64_t r) {
+    float stack[256];
+    std::vector<float> heap(d > 256 ? d : 0);
+    attn_merge_row(m + r, l + r, acc + r * d, kt, rows, d, out + r * d, d > 256 ? heap.data() : stack);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------
 enum Op { EXP = 0, LOG = 1, ROW_SUM = 2, ROW_MAX = 3, RMS_NORM = 4, SWIGLU = 5, LOGPROBS = 6, ROPE = 7, SINCOS = 8,
-          INV_FREQ = 9 };
+          INV_FREQ = 9, ATTN_SOFTMAX = 10, ATTN_MERGE = 11 };
 enum { RC_OK = 0, RC_OP = 1, RC_DTYPE = 2, RC_TOKEN = 3, RC_POSITION = 4, RC_DIM = 5 };
 
 template <class TX, class TW>
@@ -992,6 +1097,37 @@ int rowwise_call(int op, int ref, const int64_t* a, const double* d) {
       if (a[0] < 2 || a[0] % 2) return RC_DIM;
       Mxcsr guard;
       inv_freq(a[0], d[0], (float*)a[1]);
+      return RC_OK;
+    }
+    case ATTN_SOFTMAX: {  // a: s, keep (0: none), p, m, l, B*Hkv, Hkv, R, n, T, j, threads; d: scale
+      if (ref) return RC_OP;  // defined by the torch ops it replaces (attention.py); tested against them
+      const float* s = (const float*)a[0];
+      const float* keep = (const float*)a[1];
+      float* p = (float*)a[2];
+      float* m = (float*)a[3];
+      float* l = (float*)a[4];
+      const int64_t bh = a[5], hkv = a[6], r = a[7], n = a[8], t = a[9], j = a[10];
+      const float scale = (float)d[0];
+      // Row (bh, q) of the scores [B*Hkv, R, n, T]; its mask row keep[b, q] of [B, R, n - j, T].
+      for_rows(bh * r, n * t, (int)a[11], [&](int64_t row) {
+        const int64_t b = row / (hkv * r), q = row % r;
+        const float* kr = keep ? keep + (b * r + q) * (n - j) * t : nullptr;
+        attn_softmax_row(s + row * n * t, n, t, scale, j, kr, p + row * t, bh * r * t, m + row, l + row, bh * r);
+      });
+      return RC_OK;
+    }
+    case ATTN_MERGE: {  // a: m, l, acc, out, out dtype, kt, rows, D, threads
+      if (ref) return RC_OP;
+      const float* m = (const float*)a[0];
+      const float* l = (const float*)a[1];
+      const float* acc = (const float*)a[2];
+      if (a[4] == 0) {
+        attn_merge(m, l, acc, a[5], a[6], a[7], (float*)a[3], (int)a[8]);
+      } else if (a[4] == 1) {
+        attn_merge(m, l, acc, a[5], a[6], a[7], (uint16_t*)a[3], (int)a[8]);
+      } else {
+        return RC_DTYPE;
+      }
       return RC_OK;
     }
     default:

@@ -19,7 +19,7 @@ ISA_IDS = {"avx512": 5, "avx2": 2, PORTABLE: 0}  # what rowwise_isa() answers
 
 _OPS = {
     "exp": 0, "log": 1, "row_sum": 2, "row_max": 3, "rms_norm": 4, "swiglu": 5, "logprobs": 6, "rope": 7,
-    "sincos": 8, "inv_freq": 9,
+    "sincos": 8, "inv_freq": 9, "attn_softmax": 10, "attn_merge": 11,
 }  # fmt: skip
 _RC = {
     1: "unknown op",
