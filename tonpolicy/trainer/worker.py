@@ -374,12 +374,14 @@ class TrainerWorker:
         dist.all_gather_object(built, len(self.module.decoder.layers), group=ps.get_pipeline_model_parallel_group())
         return built
 
-    def save_hf(self, path: str | Path) -> None:
+    def save_hf(self, path: str | Path, quant: str = "none") -> None:
+        """The weights as an HF model directory (a collective; rank 0 writes); `quant="fp8_block"`: in the
+        published FP8 format (tonpolicy.model.fp8_checkpoint)."""
         from tonpolicy.model.checkpoint import save_hf
 
         hf = self.hf_state_dict()
         if hf is not None:
-            save_hf(hf, self.model_cfg, path)
+            save_hf(hf, self.model_cfg, path, quant=quant)
         dist.barrier()
 
     def save_trainer_state(self, path: str | Path, completed_steps: int) -> None:
