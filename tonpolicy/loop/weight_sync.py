@@ -13,6 +13,10 @@
   once when the replacement is needed for a step's samples (it then sends the weights it last pushed,
   kept for that; tonpolicy.rollout.fleet).
 
+Both ways carry the master weights, under contract.quant=fp8_block too: each engine quantizes them with the
+one function (tonpolicy.kernels.fp8_block, per canonical K-shard of a row-parallel linear), so the rollout
+runs the trainer's FP8 weights bit for bit; an FP8 file could not hold per-shard blocks (docs/FP8.md).
+
 Each push names a weight version (`step_<k>`, policy version k; the initial weights are "default",
 version 0); the servers report the version that sampled each token, and `check_versions` holds a
 synchronous step to the version last pushed (an asynchronous one to the last max_staleness + 1).
