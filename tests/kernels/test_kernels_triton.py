@@ -2,7 +2,8 @@
 the interpreter's bf16 `tl.dot` is wrong). Proven here: row/M, N-shard and TP-shard invariance of the
 GEMM (fused and split routes), attention through one kernel for prefill, chunked prefill, paged decode
 and ring-CP tiles, per-row invariance of the row-local ops, closeness to the reference formulas, and
-the reference gradients under autograd. Negative controls: an M-dependent split-K GEMM and a
+the reference gradients under autograd, every member of the GEMM family giving the same bits. Negative
+controls: an M-dependent split-K GEMM, a GEMM family member with another BLOCK_K and a
 misaligned key tiling fail the same checks. On a GPU, experiments/gpu/triton_check.py proves the bits
 of the compiled kernels (bf16 included)."""
 
@@ -29,16 +30,32 @@ def _data(m: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torc
 
 
 def _row_invariant(linear, x: torch.Tensor, w: torch.Tensor) -> bool:  # noqa: ANN001
-    """Rows computed in calls of M = 1, 3, 130 and 520 (split and fused routes) equal one another."""
+    """Rows computed in calls of M = 1, 3, 130 and 520 (one per batch-size bucket: split-K with the fold in
+    the kernel, grouped tiles, persistent TMA tiles) equal one another."""
     full = linear(x, w)
     return all(torch.equal(linear(x[lo:hi], w), full[lo:hi]) for lo, hi in ((0, 1), (5, 8), (390, 520), (0, 130)))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_rows_invariant_to_m_and_route(dtype: torch.dtype) -> None:
+# Row-parallel (canonical shards: split-K for few rows) in fp32, column-parallel (K whole) in fp16; the
+# other two pairs are covered by the family check and by the decode row of the TP test below.
+@pytest.mark.parametrize("dtype,shards", [(torch.float32, 4), (torch.float16, 1)])
+def test_linear_rows_invariant_to_m_and_route(dtype: torch.dtype, shards: int) -> None:
     x, w = _data(520, dtype)
-    assert tlin.triton.cdiv(520, tlin.BLOCK_M) >= tlin.SPLIT_BELOW_ROW_TILES  # the fused route is taken
-    assert _row_invariant(lambda a, b: tlin.linear(a, b, 4, torch.float32), x, w)
+    members = {tlin.tiles_for(m, dtype, torch.device("cpu")) for m in (1, 3, 130, 520)}
+    assert len(members) >= 2 and any(t.persistent for t in members)  # the rows cross bucket members
+    assert dtype == torch.float32 or any(t.tma for t in members)
+    assert _row_invariant(lambda a, b: tlin.linear(a, b, shards, torch.float32), x, w)
+
+
+def test_every_gemm_family_member_gives_the_same_bits() -> None:
+    """The family check run at a GPU's first GEMM, here under the interpreter: every member, K whole and
+    sharded, fold in registers and split-K, agrees. Negative control: a member with another BLOCK_K (a
+    different chain) is refused, with the rule in the error."""
+    cpu = torch.device("cpu")
+    tlin.check_family(cpu, torch.float32)
+    other_k = tlin.Tiles(64, 64, 4, 3, block_k=tlin.BLOCK_K // 2)
+    with pytest.raises(tlin.GemmFamilyMismatch, match=f"BLOCK_K={tlin.BLOCK_K}.*refusing"):
+        tlin.check_family(cpu, torch.float32, (tlin.FAMILY[0], other_k))
 
 
 def test_negative_control_m_dependent_split_breaks_row_invariance() -> None:
@@ -60,6 +77,11 @@ def test_linear_column_shards_and_tp_shards(dtype: torch.dtype) -> None:
     full = tlin.linear(x, w, 4, dtype)
     for lo, hi in ((0, 64), (64, 160), (32, 97)):  # N-shards, aligned to the tile or not
         assert torch.equal(tlin.linear(x, w[lo:hi], 4, dtype), full[:, lo:hi])
+    whole = tlin.linear(x, w, 1, dtype)  # column-parallel: a TP rank's columns are the full GEMM's columns
+    assert torch.equal(tlin.linear(x, w[32:97], 1, dtype), whole[:, 32:97])
+    # A decode row's TP=2 partials fold to the bits of the split-K route (one row) and of the prefill rows.
+    stack = torch.cat([tlin.partials(x[:1, r * 128 : (r + 1) * 128], w[:, r * 128 : (r + 1) * 128], 2) for r in (0, 1)])
+    assert torch.equal(tlin.fold(stack, dtype), full[:1]) and torch.equal(tlin.linear(x[:1], w, 4, dtype), full[:1])
     for tp in (1, 2, 4):  # each rank: its K columns, its share of the canonical shards; rank order
         ks = K // tp
         stack = torch.cat(

@@ -22,8 +22,8 @@ def test_every_triton_kernel_compiles_for_sm90() -> None:
         count >= 20
         and {
             "_attention_kernel",
-            "_fused_kernel",
-            "_partials_kernel",
+            "_gemm_kernel",
+            "_shard_kernel",
             "_fold_kernel",
             "_merge_kernel",
             "_finalize_kernel",

@@ -19,6 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 TYPES = {
     torch.bfloat16: "*bf16",
@@ -42,6 +43,8 @@ def _compile_only(target: GPUTarget):  # noqa: ANN202
                 sig[p.name], consts[p.name] = "constexpr", v
             elif isinstance(v, torch.Tensor):
                 sig[p.name] = TYPES[v.dtype]
+            elif isinstance(v, TensorDescriptor):  # a host-side TMA descriptor
+                sig[p.name] = f"tensordesc<{TYPES[v.base.dtype][1:]}{list(v.block_shape)}>"
             elif isinstance(v, bool):
                 sig[p.name] = "i1"
             elif isinstance(v, int):
@@ -74,6 +77,9 @@ def exercise() -> None:
         w = torch.randn(96, 256).to(dtype)
         kern.linear(x, w)
         kern.combine_partials(kern.linear_partials(x, w, 2), dtype)
+        for m in (1, 100, 600, 1100):  # every batch-size bucket's GEMM member, K whole and sharded
+            kern.linear(x.repeat(2, 1)[:m], w)
+            kern.linear_k_sharded(x.repeat(2, 1)[:m], w)
         q = torch.randn(3, 1, 8, 32).to(dtype)
         pool = torch.zeros(4, 128, 4, 32, dtype=dtype)
         kern.attention_pooled(q, torch.tensor([[5], [9], [70]]), pool, pool, torch.tensor([0, 1, 2]), 71, 0.2)

@@ -69,9 +69,9 @@ class TritonKernels:
             "kernel_set": self.name,
             "triton": triton.__version__,
             "canonical_shards": self.canonical_shards,
-            "linear": f"tl.dot tiles {tlin.BLOCK_M}x{tlin.BLOCK_N}x{tlin.BLOCK_K} ({tlin.NUM_WARPS} warps, "
-            f"{tlin.NUM_STAGES} stages), fp32 accumulation, K walked in order, canonical K-shards folded "
-            "left to right",
+            "linear": f"tl.dot chain per output element, K walked from its start in {tlin.BLOCK_K}-wide steps, "
+            "fp32 accumulation; K whole for column-parallel linears, LM head and router; canonical K-shards "
+            "folded left to right for row-parallel linears; tiles free per batch-size bucket (checked)",
             "attention": f"split-KV {ta.BLOCK_M} rows (queries x GQA heads) x {ta.TILE}-key tiles from "
             "position 0, per-tile (m,l,acc) merged in key order, p rounded to the KV dtype",
             "rms_norm": "fp32 div_rn(sum(x^2), K), div_rn(x, sqrt_rn(var+eps))*w, one rounding",
@@ -90,13 +90,13 @@ class TritonKernels:
         return tlin.fold(partials, out_dtype)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return tlin.linear(x, weight.detach(), self.canonical_shards, x.dtype)
+        return tlin.linear(x, weight.detach(), 1, x.dtype)  # column-parallel: K whole, one chain
 
     def linear_k_sharded(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, weight)  # this set's `linear` always runs over the canonical K-shards
+        return tlin.linear(x, weight.detach(), self.canonical_shards, x.dtype)
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return tlin.linear(x, weight.detach(), self.canonical_shards, torch.float32)
+        return tlin.linear(x, weight.detach(), 1, torch.float32)
 
     # --- norms / activations / rotary ----------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -215,7 +215,7 @@ class TritonKernels:
 
     # --- mixture of experts ---------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return tlin.linear(x, weight.detach(), self.canonical_shards, torch.float32)
+        return tlin.linear(x, weight.detach(), 1, torch.float32)
 
     def route(self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> moe.Routing:
         return moe.contract_route(logits, top_k, norm_topk_prob)
