@@ -190,3 +190,23 @@ def test_transformers_reads_the_saved_format(bf16_dir: tuple[Path, dict]) -> Non
     assert all(
         torch.equal(theirs[k].to(torch.bfloat16).view(torch.int16), v.view(torch.int16)) for k, v in ours.items()
     )
+
+
+def test_moe_experts_are_quantized_and_the_router_and_head_are_not() -> None:
+    from tonpolicy.model.checkpoint import param_shapes
+    from tonpolicy.model.fp8_checkpoint import is_quantized_linear
+
+    moe = replace(
+        CFG,
+        family="qwen3_moe",
+        architecture="Qwen3MoeForCausalLM",
+        tie_word_embeddings=False,
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=128,
+    )
+    quantized = {n for n, shape in param_shapes(moe).items() if is_quantized_linear(n, shape)}
+    layer = "model.layers.0."
+    experts = {f"{layer}mlp.experts.{e}.{p}_proj.weight" for e in range(2) for p in ("gate", "up", "down")}
+    attention = {f"{layer}self_attn.{p}_proj.weight" for p in "qkvo"}
+    assert quantized == experts | attention
