@@ -175,14 +175,13 @@ def test_an_unquantized_save_from_an_fp8_source_drops_its_quantization_config(
 
 
 def test_transformers_reads_the_saved_format(bf16_dir: tuple[Path, dict]) -> None:
-    # transformers' FP8 loader needs accelerate (not a dependency here) and, on a CPU, dequantizes to
-    # bf16: its weights are then ours. Without accelerate, its parse of our quantization_config.
+    # transformers parses our quantization_config as its own and, on a CPU, its FP8 loader (through
+    # accelerate, a test dependency) dequantizes to bf16: its weights are then ours.
     from transformers.quantizers.auto import AutoQuantizationConfig
 
     out = bf16_dir[0]
     qc = AutoQuantizationConfig.from_dict(json.loads((out / "config.json").read_text())["quantization_config"])
     assert type(qc).__name__ == "FineGrainedFP8Config" and list(qc.weight_block_size) == [128, 128]
-    pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
     theirs = AutoModelForCausalLM.from_pretrained(out).state_dict()
