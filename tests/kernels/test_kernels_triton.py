@@ -216,3 +216,26 @@ def test_row_local_ops_backward_is_the_reference_gradient() -> None:
     got = torch.autograd.grad(kern.logprobs(logits, tok, 500, 0.9).sum(), logits)[0]
     want = torch.autograd.grad(ref.logprobs(logits, tok, 500, 0.9).sum(), logits)[0]
     assert torch.equal(got, want)
+
+def test_trainer_flash_backward_agrees_with_the_textbook_backward() -> None:
+    """The trainer's attention with this set: the forward is the contract kernel's bits (logprobs stay
+    exact), the gradients (FlashAttention's recurrence from the saved output and log-sum-exp) agree with
+    the written-out softmax backward to fp32 rounding; gradients are not under the contract, so allclose.
+    Control: the same tolerance tells these gradients from those of attention without the causal mask."""
+    from tonpolicy.trainer.cp_attention import batched_attention
+    from tonpolicy.trainer.kernel_autograd import attention_grads
+
+    kern = get_kernels("triton", attention_tile=64)
+    g = torch.Generator().manual_seed(7)
+    b, n, scale = 2, 70, 0.3
+    q, cot = (torch.randn(b, n, 2, 16, generator=g) for _ in range(2))  # two batch rows, two blocks, GQA 2
+    k, v = (torch.randn(b, n, 1, 16, generator=g) for _ in range(2))
+    pos = torch.arange(n).repeat(b, 1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = batched_attention(kern, *leaves, pos, scale)
+    assert torch.equal(out.detach(), kern.attention_batched(q, k, v, pos, pos, scale))
+    got = torch.autograd.grad(out, leaves, cot)
+    want = attention_grads(q, k, v, pos, cot, scale)
+    assert all(torch.allclose(a, w, rtol=1e-4, atol=1e-5) for a, w in zip(got, want, strict=True))
+    unmasked = attention_grads(q, k, v, torch.zeros_like(pos), cot, scale)
+    assert not any(torch.allclose(a, u, rtol=1e-4, atol=1e-5) for a, u in zip(got, unmasked, strict=True))

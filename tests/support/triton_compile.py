@@ -88,6 +88,10 @@ def exercise() -> None:
         part = kern.attention_tile_partial(qs, ks, ks, pos, pos, 0.2)
         kern.finalize(kern.merge(part, part), dtype)
         kern.logprobs(torch.randn(4, 2048), torch.tensor([1, 2, 3, 4]), 2003, 0.7)
+        qb, kb = torch.randn(2, 70, 8, 32).to(dtype), torch.randn(2, 70, 4, 32).to(dtype)  # the trainer's
+        pos2 = torch.arange(70).repeat(2, 1)
+        out, lse = kern.attention_with_lse(qb, kb, kb, pos2, 0.2)
+        kern.attention_backward(qb, kb, kb, pos2, out, torch.zeros(2, 70, 8), qb, 0.2)
     del Segment
 
 

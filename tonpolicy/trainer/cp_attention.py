@@ -16,7 +16,7 @@ import torch
 from megatron.core import parallel_state
 
 from tonpolicy.trainer.comm import all_to_all
-from tonpolicy.trainer.kernel_autograd import KernelAttention
+from tonpolicy.trainer.kernel_autograd import FlashKernelAttention, KernelAttention
 from tonpolicy.trainer.ring_attention import RingAttention
 
 
@@ -43,7 +43,7 @@ def batched_attention(
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return kernels.attention_batched(q, k, v, positions, positions, scale)
 
-    return KernelAttention.apply(q, k, v, positions, scale, fwd)
+    return _autograd(kernels, q, k, v, positions, scale, fwd)
 
 
 def _attention(
@@ -54,6 +54,17 @@ def _attention(
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return kernels.attention(q, k, v, positions, positions, scale)
 
+    return _autograd(kernels, q, k, v, positions, scale, fwd)
+
+
+def _autograd(
+    kernels: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, fwd: Any
+) -> torch.Tensor:
+    """The set's FlashAttention backward where it has one (the forward then also keeps its log-sum-exp:
+    only when a gradient is wanted), else the textbook backward."""
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if wants_grad and hasattr(kernels, "attention_backward"):
+        return FlashKernelAttention.apply(q, k, v, positions, scale, kernels)
     return KernelAttention.apply(q, k, v, positions, scale, fwd)
 
 

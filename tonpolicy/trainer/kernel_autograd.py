@@ -180,3 +180,28 @@ class KernelAttention(torch.autograd.Function):
         args = (t[None] if one else t for t in (q, k, v, positions, grad))
         dq, dk, dv = (t[0] if one else t for t in attention_grads(*args, ctx.scale))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+class FlashKernelAttention(torch.autograd.Function):
+    """Causal attention of whole sequences ([s, ...] or a batch [B, s, ...]) for a kernel set with a
+    FlashAttention backward: the forward is the set's contract kernel returning its log-sum-exp too
+    (`kernels.attention_with_lse`), the backward `kernels.attention_backward` from that output and
+    log-sum-exp (no probability blocks written out; gradients are not under the contract)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, kernels: Any
+    ) -> torch.Tensor:
+        one = q.dim() == 3  # a single sequence [s, H, D]
+        args = [t[None] if one else t for t in (q, k, v, positions)]
+        out, lse = kernels.attention_with_lse(*args, scale)
+        ctx.save_for_backward(*args, out, lse)
+        ctx.scale, ctx.kernels, ctx.one = scale, kernels, one
+        return out[0] if one else out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, positions, out, lse = ctx.saved_tensors
+        grads = ctx.kernels.attention_backward(q, k, v, positions, out, lse, grad[None] if ctx.one else grad, ctx.scale)
+        dq, dk, dv = (t[0] if ctx.one else t for t in grads)
+        return dq, dk, dv, None, None, None

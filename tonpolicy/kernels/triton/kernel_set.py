@@ -9,8 +9,9 @@ call it: the embedded engine and the SGLang model package through `KernelSet`, t
 spec through the same functions.
 
 Only the forward is under the contract. With autograd on, each row-local op runs the kernel forward
-and the gradient of its textbook fp32 formula (`pointwise`), like the linears and attention
-of `trainer.kernel_autograd`. Runs on CPU only under TRITON_INTERPRET=1 (tests; slow).
+and the gradient of its textbook fp32 formula (`pointwise`), like the linears of
+`trainer.kernel_autograd`; attention's backward is FlashAttention's (`attention_backward`). Runs on
+CPU only under TRITON_INTERPRET=1 (tests; slow).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tonpolicy.kernels import moe
 from tonpolicy.kernels import pointwise as ref
 from tonpolicy.kernels.base import AttnPartial
 from tonpolicy.kernels.triton import attention as ta
+from tonpolicy.kernels.triton import attention_backward as tab
 from tonpolicy.kernels.triton import linear as tlin
 from tonpolicy.kernels.triton import rowwise as trow
 
@@ -175,6 +177,25 @@ class TritonKernels:
             torch.full((b,), num_keys, device=q.device),
             scale,
         )
+
+    # --- the trainer's attention: forward with its log-sum-exp, FlashAttention's backward ----------------
+    def attention_with_lse(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return tab.forward_with_lse(q, k, v, positions, scale)
+
+    def attention_backward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        grad: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tab.backward(q, k, v, positions, out, lse, grad, scale)
 
     kv_pool_layout = "token"
 
