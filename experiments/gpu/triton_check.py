@@ -3,8 +3,10 @@
 Stages (each reported on its own; a failing stage does not stop the others), all bf16 unless named:
   linear     row invariance across M = 1..4096 (split and fused routes, row offsets), N-shard and
              TP-shard (1, 2, 4) invariance; fp32 operands too; cuBLAS's M-dependence as the control;
-  attention  prefill == chunked prefill == paged decode (batched with other sequences) == ring-CP tiles
-             merged; SDPA prefill vs decode as the control;
+  attention  prefill == chunked prefill == paged decode (split-KV, batched with other sequences) == ring-CP
+             chunks merged; SDPA prefill vs decode as the control;
+  attention_speed  the attention rows of the speed table (gpu/attention_speed.py): decode 32 x 4096 and
+             1 x 1024, prefill 4096, against SDPA and FlashAttention, each with its target;
   model      embedded engine on CUDA: decode logprobs == a full prefill; Megatron trainer TP1 on CUDA ==
              the engine bit for bit (stock spec as the control); trainer step contract / stock;
   timing     contract kernels / plain cuBLAS and SDPA in bf16 (prefill and decode shapes of Qwen3-4B).
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (1, 2)]  # experiments/ (shared helpers), repo root
 
+from attention_speed import attention_rows  # noqa: E402
 from op_timing import bench, graph_bench, op_ratios  # noqa: E402
 from shapes import WIDE_4L  # noqa: E402
 
@@ -47,7 +50,7 @@ FULL = {
     "ms": (1, 2, 3, 7, 16, 64, 100, 128, 255, 256, 511, 512, 1000, 2048, 4096),
     "offsets": (1, 333, 3000),
     "attn": (2048, 32, 8, 128),
-    "decode_at": (0, 1, 63, 64, 65, 1023, 2047),
+    "decode_at": (0, 1, 63, 64, 65, 127, 128, 129, 1023, 2047),
     "dtype": torch.bfloat16,
 }
 SMALL = {
@@ -57,7 +60,7 @@ SMALL = {
     "ms": (1, 3, 130, 300),
     "offsets": (1, 33),
     "attn": (200, 4, 2, 32),
-    "decode_at": (0, 64, 199),
+    "decode_at": (0, 64, 128, 199),
     "dtype": torch.float32,
 }
 S = FULL
@@ -166,14 +169,15 @@ def attention() -> dict:
     out["batched_rows_differing"] = _rows_equal(
         kern.attention_batched(qb, kb, vb, torch.stack([p512, p512]), torch.stack([p512, p512]), scale)[0], full[:nb]
     )
+    c = kern.attention_chunk  # ring CP's unit: whole chunks, merged in key order
     parts = [
-        kern.attention_tile_partial(q[:nb], k[t : t + 64], v[t : t + 64], p512, pos[t : t + 64], scale)
-        for t in range(0, nb, 64)
+        kern.attention_chunk_partial(q[:nb], k[t : t + c], v[t : t + c], p512, pos[t : t + c], scale)
+        for t in range(0, nb, c)
     ]
     acc = parts[0]
     for p in parts[1:]:
         acc = kern.merge(acc, p)
-    out["ring_tiles_rows_differing"] = _rows_equal(kern.finalize(acc, q.dtype), full[:nb])
+    out["ring_chunks_rows_differing"] = _rows_equal(kern.finalize(acc, q.dtype), full[:nb])
     # Control: SDPA (flash) prefill vs decode rows.
     sq, sk, sv = (t.transpose(0, 1)[None] for t in (q, k, v))
     sfull = F.scaled_dot_product_attention(sq, sk, sv, is_causal=True, scale=scale, enable_gqa=True)
@@ -192,7 +196,7 @@ def attention() -> dict:
         out["chunked_rows_differing"]
         or any(dec.values())
         or out["batched_rows_differing"]
-        or out["ring_tiles_rows_differing"]
+        or out["ring_chunks_rows_differing"]
     )
     return out
 
@@ -243,6 +247,11 @@ def model(root: Path) -> dict:
             w.close()
         out[f"{dtype_name}_step_ratio"] = out[f"{dtype_name}_kernels_step_s"] / out[f"{dtype_name}_stock_step_s"]
     return out
+
+
+@stage
+def attention_speed() -> dict:
+    return attention_rows(DEV, SMOKE)
 
 
 @stage
@@ -346,7 +355,7 @@ def main() -> None:
     global OUT, SMOKE, S, DEV
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_triton.json")
-    ap.add_argument("--stages", default="linear,attention,timing,graph_timing,model,tune")
+    ap.add_argument("--stages", default="linear,attention,attention_speed,timing,graph_timing,model,tune")
     ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny shapes (script check)")
     a = ap.parse_args()
     OUT, SMOKE = Path(a.out), a.smoke
@@ -366,6 +375,7 @@ def main() -> None:
     stages = a.stages.split(",")
     root = Path(tempfile.mkdtemp())
     by_name = {"linear": linear, "attention": attention, "timing": timing, "graph_timing": graph_timing}
+    by_name["attention_speed"] = attention_speed
     by_name |= {"model": lambda: model(root), "tune": tune}
     for name in stages:  # timing before model: a timeout then costs the slower stage
         by_name[name]()

@@ -17,6 +17,8 @@ from tonpolicy.kernels import pointwise as ref
 from tonpolicy.kernels.invariant.linear import tree_sum
 from tonpolicy.kernels.triton import attention as ta
 from tonpolicy.kernels.triton import linear as tlin
+from tonpolicy.trainer.cp_layout import local_positions
+from tonpolicy.trainer.ring_chunks import ChunkAssembler
 
 # Triton 3.6's interpreter converts 1-element arrays to Python ints the way NumPy deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -106,8 +108,11 @@ def _reference_attention(q, k, v, scale):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_prefill_chunked_decode_one_structure(dtype: torch.dtype) -> None:
+    """150 keys: two chunks, three tiles. Prefill (one program walks the chunks), chunked prefill, decode
+    at batch 1, 3 and 8 (split-KV: a program per chunk, then the fold) and batched sequences agree."""
     kern = get_kernels("triton", attention_tile=64)
     n, scale = 150, 0.2
+    assert ta.CHUNK < n <= 2 * ta.CHUNK and ta.TILES_PER_CHUNK > 1
     q, k, v = _attn_data(n, dtype)
     pos = torch.arange(n)
     full = kern.attention(q, k, v, pos, pos, scale)
@@ -117,36 +122,57 @@ def test_attention_prefill_chunked_decode_one_structure(dtype: torch.dtype) -> N
     # Chunked prefill: queries [100, 150) over every key.
     assert torch.equal(kern.attention(q[100:], k, v, pos[100:], pos, scale), full[100:])
     # Paged decode from a 2-slot pool (slot 1 holds this sequence; stale NaN rows past its end), batched
-    # with another sequence of a different length.
-    cap = 256
-    kp = torch.full((2, cap, 2, 32), float("nan")).to(dtype)
+    # with another sequence of a different length (slot 0, 40 keys, its query at 39).
+    kp = torch.full((2, 256, 2, 32), float("nan")).to(dtype)
     vp = kp.clone()
     kp[1, :n], vp[1, :n] = k, v
     kp[0, :40], vp[0, :40] = k[:40] * 2, v[:40]
-    for i in (0, 63, 64, 127, 149):
-        q2 = torch.stack([q[39], q[i]])[:, None]
-        out = kern.attention_pooled(q2, torch.tensor([[39], [i]]), kp, vp, torch.tensor([0, 1]), max(i + 1, 40), scale)
-        assert torch.equal(out[1, 0], full[i]), i
+    other = {}
+    for at in ([149], [-1, 127, 64], [0, -1, 63, 64, 127, 128, 149, 100]):  # batch 1, 3, 8; -1: slot 0
+        slots = torch.tensor([0 if i < 0 else 1 for i in at])
+        qpos = torch.tensor([[39] if i < 0 else [i] for i in at])
+        q2 = torch.stack([q[39] if i < 0 else q[i] for i in at])[:, None]
+        out = kern.attention_pooled(q2, qpos, kp, vp, slots, n, scale)
+        for row, i in enumerate(at):
+            if i < 0:
+                other.setdefault("slot0", out[row, 0])
+                assert torch.equal(out[row, 0], other["slot0"]), len(at)
+            else:
+                assert torch.equal(out[row, 0], full[i]), (len(at), i)
     # Batched sequences: the same rows whatever the batch holds.
     qb, kb, vb = (torch.stack([t, t.flip(0)]) for t in (q, k, v))
     out = kern.attention_batched(qb, kb, vb, torch.stack([pos, pos]), torch.stack([pos, pos]), scale)
     assert torch.equal(out[0], full)
 
 
-def test_attention_ring_tiles_merge_to_the_single_device_result() -> None:
+def test_attention_ring_chunks_merge_to_the_single_device_result() -> None:
+    """CP2 zigzag (blocks of 64 keys): rank 0's queries get its blocks, then rank 1's; each 128-key
+    chunk straddles two blocks of two ranks and is computed once whole. Negative control: the same keys
+    merged per 64-key tile (a split size other than the contract's) give other bits."""
     kern = get_kernels("triton", attention_tile=64)
-    n, scale = 192, 0.3
+    n, scale, cp = 256, 0.3, 2
     q, k, v = _attn_data(n, torch.float32)
     pos = torch.arange(n)
-    full = kern.attention(q, k, v, pos, pos, scale)
-    parts = [
-        kern.attention_tile_partial(q, k[t : t + 64], v[t : t + 64], pos, pos[t : t + 64], scale)
+    mine = local_positions(n, cp, 0, "ring")[56:72]  # a few of rank 0's queries, from both its blocks
+    want = kern.attention(q[mine], k, v, mine, pos, scale)
+    chunks = ChunkAssembler(kern.attention_chunk, n, int(mine.max()))
+    parts = {}
+    for src in (0, 1):  # ring order at rank 0: its own blocks, then rank 1's
+        kpos = local_positions(n, cp, src, "ring")
+        for c, kc, vc, pc in chunks.add(k[kpos], v[kpos], kpos):
+            parts[c] = kern.attention_chunk_partial(q[mine], kc, vc, mine, pc, scale)
+    chunks.check_complete()
+    assert sorted(parts) == [0, 1]
+    assert torch.equal(kern.finalize(kern.merge(parts[0], parts[1]), q.dtype), want)
+    tiles = [
+        kern.attention_tile_partial(q[mine], k[t : t + 64], v[t : t + 64], mine, pos[t : t + 64], scale)
         for t in range(0, n, 64)
     ]
-    acc = parts[0]
-    for p in parts[1:]:
+    acc = tiles[0]
+    for p in tiles[1:]:
         acc = kern.merge(acc, p)
-    assert torch.equal(kern.finalize(acc, q.dtype), full)
+    per_tile = kern.finalize(acc, q.dtype)
+    assert torch.allclose(per_tile, want, atol=1e-5) and not torch.equal(per_tile, want)
 
 
 def test_negative_control_misaligned_key_tiles_change_bits() -> None:
@@ -216,6 +242,7 @@ def test_row_local_ops_backward_is_the_reference_gradient() -> None:
     got = torch.autograd.grad(kern.logprobs(logits, tok, 500, 0.9).sum(), logits)[0]
     want = torch.autograd.grad(ref.logprobs(logits, tok, 500, 0.9).sum(), logits)[0]
     assert torch.equal(got, want)
+
 
 def test_trainer_flash_backward_agrees_with_the_textbook_backward() -> None:
     """The trainer's attention with this set: the forward is the contract kernel's bits (logprobs stay

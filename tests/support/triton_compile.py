@@ -83,6 +83,11 @@ def exercise() -> None:
         q = torch.randn(3, 1, 8, 32).to(dtype)
         pool = torch.zeros(4, 128, 4, 32, dtype=dtype)
         kern.attention_pooled(q, torch.tensor([[5], [9], [70]]), pool, pool, torch.tensor([0, 1, 2]), 71, 0.2)
+        wide = torch.zeros(2, 256, 4, 32, dtype=dtype)  # keys past one chunk: split-KV and its fold
+        kern.attention_pooled(q[:2], torch.tensor([[5], [200]]), wide, wide, torch.tensor([0, 1]), 201, 0.2)
+        kern.attention_chunk_partial(
+            q[:, 0], wide[0, :128], wide[0, :128], torch.tensor([5, 9, 70]), torch.arange(128), 0.2
+        )
         qs, ks = torch.randn(64, 8, 32).to(dtype), torch.randn(64, 4, 32).to(dtype)
         pos = torch.arange(64)
         part = kern.attention_tile_partial(qs, ks, ks, pos, pos, 0.2)

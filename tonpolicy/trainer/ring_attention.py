@@ -1,9 +1,10 @@
 """Zigzag ring context-parallel attention: exact contract forward, flash-style ring backward.
 
-Forward: K/V blocks travel round the CP ring; for every key tile that reaches this rank, the partial of
-the local queries is `kernels.attention_tile`; at the end the partials are merged in ascending key order
-with `kernels.merge` and finalized, exactly the single-device fold (tiles entirely after every local
-query are skipped: the contract makes a fully masked merge an exact no-op).
+Forward: K/V blocks travel round the CP ring; every key chunk (the set's split size: its
+`attention_chunk`, else its tile) is computed whole once its keys have reached this rank
+(`ring_chunks`), its partial of the local queries by the kernel set; at the end the partials are merged
+in ascending key order with `kernels.merge` and finalized, exactly the single-device fold (chunks
+entirely after every local query are skipped: the contract makes a fully masked merge an exact no-op).
 
 Backward (not under the contract): the textbook softmax-attention gradient from the saved output and
 log-sum-exp, block by block as K/V travel the ring again, their gradients travelling with them and
@@ -19,6 +20,7 @@ from megatron.core import parallel_state
 
 from tonpolicy.trainer import cp_layout
 from tonpolicy.trainer.comm import shift
+from tonpolicy.trainer.ring_chunks import ChunkAssembler
 
 
 def _block_positions(seq_len: int, cp: int, src: int, device: torch.device) -> torch.Tensor:
@@ -36,23 +38,24 @@ class RingAttention(torch.autograd.Function):
         seq_len = positions.shape[0] * cp
         if seq_len % (2 * cp * tile):
             raise ValueError(f"ring CP needs the sequence ({seq_len}) padded to a multiple of 2*CP*tile")
-        last_query = int(positions.max())
+        # The unit whose partials merge by the merge formula: a set's chunk (the triton set's split size),
+        # else its tile. Chunks are computed whole wherever the ring's blocks cut them.
+        chunk = getattr(kernels, "attention_chunk", tile)
+        partial_of = kernels.attention_chunk_partial if chunk != tile else kernels.attention_tile_partial
+        chunks = ChunkAssembler(chunk, seq_len, int(positions.max()))
         partials: dict[int, Any] = {}
         kv = torch.cat([k, v], dim=1)
         for step in range(cp):
             k_pos = _block_positions(seq_len, cp, (rank - step) % cp, q.device)
             kb, vb = kv.split([k.shape[1], v.shape[1]], dim=1)
-            for start in range(0, kb.shape[0], tile):
-                first = int(k_pos[start])
-                if first > last_query:  # fully masked for every local query: an exact no-op
-                    continue
-                sl = slice(start, start + tile)
-                partials[first // tile] = kernels.attention_tile_partial(q, kb[sl], vb[sl], positions, k_pos[sl], scale)
+            for c, kc, vc, pc in chunks.add(kb, vb, k_pos):
+                partials[c] = partial_of(q, kc, vc, positions, pc, scale)
             if step + 1 < cp:
                 kv = shift(kv, group, 1)
+        chunks.check_complete()
         order = sorted(partials)
         if order != list(range(len(order))):
-            raise RuntimeError(f"ring CP missed key tiles: {order}")
+            raise RuntimeError(f"ring CP missed key chunks: {order}")
         acc = partials[order[0]]
         for t in order[1:]:
             acc = kernels.merge(acc, partials[t])

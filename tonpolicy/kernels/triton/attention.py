@@ -1,16 +1,24 @@
-"""Split-KV causal attention of the `triton` kernel set: one kernel for prefill, chunked prefill, decode,
-the trainer's forward and ring-CP tiles.
+"""Causal attention of the `triton` kernel set as one two-level merge tree: one definition for prefill,
+chunked prefill, decode, the trainer's forward and ring-CP chunks (docs/REDUCTION_RULES.md, "Triton
+attention").
+
+Keys are cut into chunks of CHUNK keys aligned to key index 0 (= position 0), each chunk into TILE-key
+tiles. Inside a chunk the tiles are folded in key order by FlashAttention's online recurrence (one
+running max per row, one exp per row per tile for the rescale, one accumulator that the p.v dot
+accumulates into); the chunk states are then merged in key order by the one `merge` formula. Prefill
+and the trainer walk the chunks in one program (`_attention_kernel`, SPLIT off); decode runs one
+program per (chunk, query block, KV head, sequence) and then `_fold_chunks_kernel` folds each row's
+chunk states in key order (split-KV with a fixed split size, CHUNK). Both compute the same chunk states
+and the same merges, so the path never changes a bit.
 
 A program owns BLOCK_M rows: up to BLOCK_M // G queries of one sequence times the G query heads that
 share a KV head (GQA heads packed as rows; the rest padded). Keys are read through an index table (a
 token row per key), so contiguous keys, the embedded engine's KV pool and SGLang's paged pool all go
-through the same code. Key tiles hold TILE keys aligned to key index 0 (= position 0) and are visited
-in key order; per tile: s = (q . k) * scale (fp32 accumulation), masked keys -inf, m_t = rowmax,
-p = exp(s - m_t), l_t = rowsum(p), acc_t = p @ v (p rounded to the KV dtype, fp32 accumulation), then
-merged into the running state with the one `merge` formula below (also `merge_kernel`, which ring CP
-uses to fold tiles that arrive from other ranks). A tile no query of the block can see is skipped,
-and a fully masked tile is an exact no-op for a row, so a query's bits never depend on the other
-queries of its block, on how the sequence was chunked, or on how many keys the cache holds beyond it.
+through the same code. A tile no query of the block can see is skipped; a tile fully masked for a row
+leaves that row's state as it was (rescale by exp(0) = 1, p = 0), and merging an empty chunk state is
+an exact no-op, so a query's bits never depend on the other queries of its block, on how the sequence
+was chunked, or on how many keys the cache holds beyond it. A tile every row of the block sees whole
+skips the mask.
 """
 
 from __future__ import annotations
@@ -25,23 +33,95 @@ from tonpolicy.kernels.triton.interpreter import use_torch_dot
 use_torch_dot()  # in Triton's interpreter (tests on a CPU): tl.dot as a fixed-order tile GEMM
 
 BLOCK_M = 64
+# The fixed split size: part of the definition (another value gives other bits), not a schedule knob.
+CHUNK = 2 * TILE
+TILES_PER_CHUNK = CHUNK // TILE
 # 3 pipeline stages: faster than 2 on an H200 at prefill and decode, with the same bits
 # (experiments/results/gpu_triton_h200.json, "tune").
 NUM_WARPS, NUM_STAGES = 4, 3
+# Rows per program of split-KV's fold: few, so a decode batch's fold spreads over many SMs (the fold is
+# elementwise per row: any count gives the same bits).
+FOLD_ROWS = 16
 QUERY_PAD_POS = tl.constexpr(-1)
+NO_QUERY_POS = tl.constexpr(2**62)  # a padding row's position for the block's smallest query position
 
 
 @triton.jit
 def _merge(m, den, acc, mt, lt, at):
-    """The one merge formula: (m, l, acc) covers keys before (mt, lt, at)."""
+    """The one merge formula: (m, l, acc) covers keys before (mt, lt, at); an empty right state
+    (mt = -inf) leaves the left one exactly."""
     mn = tl.maximum(m, mt)
     ms = tl.where(mn == float("-inf"), 0.0, mn)
     ca = tl.exp(m - ms)
     cb = tl.exp(mt - ms)
-    return mn, den * ca + lt * cb, acc * ca[:, None] + at * cb[:, None]
+    empty = mt == float("-inf")
+    den = tl.where(empty, den, den * ca + lt * cb)
+    acc = tl.where(empty[:, None], acc, acc * ca[:, None] + at * cb[:, None])
+    return mn, den, acc
 
 
-@triton.jit(do_not_specialize=["nq", "k_rows"])
+@triton.jit
+def _chunk_state(
+    q,
+    qpos,
+    qmin,
+    last,
+    c,
+    n_tiles,
+    nk,
+    k_ptr,
+    v_ptr,
+    kidx_ptr,
+    kpos_ptr,
+    kvh,
+    scale,
+    s_kt,
+    s_kh,
+    s_vt,
+    s_vh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE: tl.constexpr,
+    TILES_PER_CHUNK: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """(m, l, acc) of chunk c: its tiles in key order by FlashAttention's online recurrence. kidx_ptr and
+    kpos_ptr already point at this sequence's index and position rows."""
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    den = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    t_end = tl.minimum(c * TILES_PER_CHUNK + TILES_PER_CHUNK, n_tiles)
+    for t in range(c * TILES_PER_CHUNK, t_end):
+        kj = t * TILE + tl.arange(0, TILE)
+        kpos = tl.load(kpos_ptr + kj, mask=kj < nk, other=0)
+        # Keys no query of the block can see are never read (a pool may hold stale rows there).
+        kread = (kj < nk) & (kpos <= last)
+        krow = tl.load(kidx_ptr + kj, mask=kread, other=0)
+        k = tl.load(k_ptr + krow[:, None] * s_kt + kvh * s_kh + d[None, :], mask=kread[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        # Positions ascend, so a whole tile below every row's position is visible to all: no mask.
+        if (t * TILE + TILE > nk) | (tl.max(kpos, axis=0) > qmin):
+            s = tl.where(kread[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
+        mn = tl.maximum(m, tl.max(s, axis=1))
+        ms = tl.where(mn == float("-inf"), 0.0, mn)
+        alpha = tl.exp(m - ms)
+        p = tl.exp(s - ms[:, None])
+        den = den * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + krow[:, None] * s_vt + kvh * s_vh + d[None, :], mask=kread[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m = mn
+    return m, den, acc
+
+
+@triton.jit(do_not_specialize=["nq", "k_rows", "n_chunks"])
 def _attention_kernel(
     q_ptr,
     qpos_ptr,
@@ -56,6 +136,7 @@ def _attention_kernel(
     scale,
     nq,
     k_rows,
+    n_chunks,
     group,
     s_qb,
     s_qn,
@@ -68,71 +149,134 @@ def _attention_kernel(
     s_ib,
     s_kpb,
     s_ob,
+    s_oc,
     s_on,
     s_oh,
     s_mb,
+    s_mc,
     s_mn,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE: tl.constexpr,
+    TILES_PER_CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr,
     PARTIAL: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    """SPLIT: the program for chunk program_id(0) % n_chunks writes that chunk's state (fp32) at
+    [b, chunk, query, head]. Otherwise the program walks every chunk and merges them in key order,
+    writing the output (or with PARTIAL the merged fp32 state)."""
     pid_q, kvh, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if SPLIT:
+        c = pid_q % n_chunks
+        pid_q = pid_q // n_chunks
     rows = tl.arange(0, BLOCK_M)
     per_block = BLOCK_M // group
     qi = pid_q * per_block + rows // group
     hi = kvh * group + rows % group
     row_ok = (rows < per_block * group) & (qi < nq)
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + b * s_qb + qi[:, None] * s_qn + hi[:, None] * s_qh + d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
+    q_at = q_ptr + b * s_qb + qi[:, None] * s_qn + hi[:, None] * s_qh + d[None, :]
     qpos = tl.load(qpos_ptr + b * s_pb + qi, mask=row_ok, other=QUERY_PAD_POS)
     last = tl.max(qpos, axis=0)
+    qmin = tl.min(tl.where(row_ok, qpos, NO_QUERY_POS), axis=0)
     nk = tl.load(nkeys_ptr + b)
+    # Key positions are ascending, distinct and >= 0, so key j sits at position >= j: tiles past the
+    # block's last query position hold no visible key and are skipped (an exact no-op).
+    n_tiles = tl.minimum(tl.cdiv(nk, TILE), (last + TILE) // TILE)  # last >= -1 (padding rows)
+    kidx_row = kidx_ptr + b * s_ib
+    kpos_row = kpos_ptr + b * s_kpb
+    if SPLIT:
+        # Only chunks some row of the block reaches run (and are stored); the fold reads no other.
+        if c * TILES_PER_CHUNK < n_tiles:
+            q = tl.load(q_at, mask=row_ok[:, None], other=0.0)
+            m, den, acc = _chunk_state(
+                q, qpos, qmin, last, c, n_tiles, nk, k_ptr, v_ptr, kidx_row, kpos_row, kvh, scale,
+                s_kt, s_kh, s_vt, s_vh, HEAD_DIM, BLOCK_M, TILE, TILES_PER_CHUNK, IEEE,
+            )  # fmt: skip
+            mrow = b * s_mb + c * s_mc + qi * s_mn + hi
+            tl.store(m_ptr + mrow, m, mask=row_ok)
+            tl.store(l_ptr + mrow, den, mask=row_ok)
+            o_rows = b * s_ob + c * s_oc + qi * s_on + hi * s_oh
+            tl.store(out_ptr + o_rows[:, None] + d[None, :], acc, mask=row_ok[:, None])
+    else:
+        q = tl.load(q_at, mask=row_ok[:, None], other=0.0)
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        den = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        for ci in range(0, tl.cdiv(n_tiles, TILES_PER_CHUNK)):
+            mc, lc, ac = _chunk_state(
+                q, qpos, qmin, last, ci, n_tiles, nk, k_ptr, v_ptr, kidx_row, kpos_row, kvh, scale,
+                s_kt, s_kh, s_vt, s_vh, HEAD_DIM, BLOCK_M, TILE, TILES_PER_CHUNK, IEEE,
+            )  # fmt: skip
+            m, den, acc = _merge(m, den, acc, mc, lc, ac)
+        o_rows = b * s_ob + qi * s_on + hi * s_oh
+        if PARTIAL:
+            mrow = b * s_mb + qi * s_mn + hi
+            tl.store(m_ptr + mrow, m, mask=row_ok)
+            tl.store(l_ptr + mrow, den, mask=row_ok)
+            tl.store(out_ptr + o_rows[:, None] + d[None, :], acc, mask=row_ok[:, None])
+        else:
+            # A row that sees no key (padding) has l = 0 and acc = 0: it returns 0, not NaN.
+            out = tl.math.div_rn(acc, tl.where(den == 0.0, 1.0, den)[:, None])
+            tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["rows", "per_seq", "n_chunks"])
+def _fold_chunks_kernel(
+    pm_ptr,
+    pl_ptr,
+    pacc_ptr,
+    qpos_ptr,
+    nkeys_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    rows,
+    per_seq,
+    n_chunks,
+    nq,
+    s_pb,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
+    """Split-KV's second stage: each (sequence, query, head) row folds its chunk states [B, C, Nq, Hq]
+    in key order with `_merge`, as the one-program path does, then normalises (or with PARTIAL keeps
+    the fp32 state). A row folds the chunks that hold keys up to its position; merging a chunk it
+    cannot see would be an exact no-op anyway."""
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = r < rows
+    b = r // per_seq
+    within = r % per_seq
+    hq = per_seq // nq
+    qpos = tl.load(qpos_ptr + b * s_pb + within // hq, mask=ok, other=QUERY_PAD_POS)
+    nk = tl.load(nkeys_ptr + b, mask=ok, other=0)
+    mine = tl.minimum(tl.cdiv(nk, CHUNK), (qpos + CHUNK) // CHUNK)
+    d = tl.arange(0, HEAD_DIM)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     den = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    # Key positions are ascending, distinct and >= 0, so key j sits at position >= j: tiles past the
-    # block's last query position hold no visible key and are skipped (an exact no-op). A plain loop
-    # bound, not a branch per tile, keeps the loop software-pipelined.
-    n_tiles = tl.minimum(tl.cdiv(nk, TILE), (last + TILE) // TILE)  # last >= -1 (padding rows)
-    for t in range(0, n_tiles):
-        kj = t * TILE + tl.arange(0, TILE)
-        kpos = tl.load(kpos_ptr + b * s_kpb + kj, mask=kj < nk, other=0)
-        # Keys no query of the block can see are never read (a pool may hold stale rows there).
-        kread = (kj < nk) & (kpos <= last)
-        krow = tl.load(kidx_ptr + b * s_ib + kj, mask=kread, other=0)
-        k = tl.load(k_ptr + krow[:, None] * s_kt + kvh * s_kh + d[None, :], mask=kread[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        visible = kread[None, :] & (kpos[None, :] <= qpos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        mt = tl.max(s, axis=1)
-        p = tl.exp(s - tl.where(mt == float("-inf"), 0.0, mt)[:, None])
-        lt = tl.sum(p, axis=1)
-        v = tl.load(v_ptr + krow[:, None] * s_vt + kvh * s_vh + d[None, :], mask=kread[:, None], other=0.0)
-        if IEEE:
-            at = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            at = tl.dot(p.to(v.dtype), v)
-        m, den, acc = _merge(m, den, acc, mt, lt, at)
-    o_rows = b * s_ob + qi * s_on + hi * s_oh
+    for c in range(0, tl.max(tl.where(ok, mine, 0), axis=0)):
+        take = ok & (c < mine)
+        at = (b * n_chunks + c) * per_seq + within
+        m, den, acc = _merge(
+            m,
+            den,
+            acc,
+            tl.load(pm_ptr + at, mask=take, other=float("-inf")),
+            tl.load(pl_ptr + at, mask=take, other=0.0),
+            tl.load(pacc_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=take[:, None], other=0.0),
+        )
+    idx = r[:, None] * HEAD_DIM + d[None, :]
     if PARTIAL:
-        mrow = b * s_mb + qi * s_mn + hi
-        tl.store(m_ptr + mrow, m, mask=row_ok)
-        tl.store(l_ptr + mrow, den, mask=row_ok)
-        tl.store(out_ptr + o_rows[:, None] + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(m_ptr + r, m, mask=ok)
+        tl.store(l_ptr + r, den, mask=ok)
+        tl.store(out_ptr + idx, acc, mask=ok[:, None])
     else:
-        # A row that sees no key (padding) has l = 0 and acc = 0: it returns 0, not NaN.
         out = tl.math.div_rn(acc, tl.where(den == 0.0, 1.0, den)[:, None])
-        tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
@@ -189,10 +333,13 @@ def attention_indexed(
     num_keys: torch.Tensor,
     scale: float,
     partial: bool = False,
+    split: bool | None = None,
 ):
     """q [B, Nq, Hq, D] at q_pos [B, Nq] over keys k_buf/v_buf [T, Hkv, D]; batch row b's key j is token
-    row kv_index[b, j] at position k_pos[b, j] (ascending), j < num_keys[b]. Returns [B, Nq, Hq, D] in
-    q.dtype, or with `partial` the unnormalised fp32 state (m, l [B, Nq, Hq], acc [B, Nq, Hq, D])."""
+    row kv_index[b, j] at position k_pos[b, j] (ascending), j < num_keys[b] <= kv_index.shape[1]. Returns
+    [B, Nq, Hq, D] in q.dtype, or with `partial` the unnormalised fp32 state (m, l [B, Nq, Hq], acc
+    [B, Nq, Hq, D]). `split` picks split-KV (one program per chunk, then the fold) or one program per
+    query block; None: split when every sequence's queries fit one block (decode). Same bits either way."""
     b, nq, hq, d = q.shape
     hkv = k_buf.shape[1]
     if hq % hkv or d & (d - 1) or d < 16:
@@ -206,16 +353,40 @@ def attention_indexed(
     q_pos, k_pos = q_pos.to(torch.int64).contiguous(), k_pos.to(torch.int64).contiguous()
     kv_index = kv_index.to(torch.int64).contiguous()
     num_keys = num_keys.to(torch.int32).contiguous()
+    per_block = BLOCK_M // group
+    # The index table's width bounds every sequence's keys: a fixed grid, also inside a CUDA graph.
+    n_chunks = max(triton.cdiv(kv_index.shape[1], CHUNK), 1)
+    if split is None:
+        split = nq <= per_block and n_chunks > 1
+    dev = q.device
     if partial:
-        out = torch.empty(b, nq, hq, d, dtype=torch.float32, device=q.device)
-        m = torch.empty(b, nq, hq, dtype=torch.float32, device=q.device)
+        out = torch.empty(b, nq, hq, d, dtype=torch.float32, device=dev)
+        m = torch.empty(b, nq, hq, dtype=torch.float32, device=dev)
         den = torch.empty_like(m)
     else:
-        out = torch.empty(b, nq, hq, d, dtype=q.dtype, device=q.device)
+        out = torch.empty(b, nq, hq, d, dtype=q.dtype, device=dev)
         m = den = out  # unused
     if b * nq == 0:
         return (m, den, out) if partial else out
-    grid = (triton.cdiv(nq, BLOCK_M // group), hkv, b)
+    if split:
+        st_acc = torch.empty(b, n_chunks, nq, hq, d, dtype=torch.float32, device=dev)
+        st_m = torch.empty(b, n_chunks, nq, hq, dtype=torch.float32, device=dev)
+        st_l = torch.empty_like(st_m)
+        target, tm, tl_ = st_acc, st_m, st_l
+        grid = (triton.cdiv(nq, per_block) * n_chunks, hkv, b)
+    else:
+        target, tm, tl_ = out, m, den
+        grid = (triton.cdiv(nq, per_block), hkv, b)
+    o_strides = (
+        (target.stride(0), target.stride(1), target.stride(-3), target.stride(-2))
+        if split
+        else (out.stride(0), 0, out.stride(1), out.stride(2))
+    )
+    m_strides = (
+        (tm.stride(0), tm.stride(1), tm.stride(2))
+        if split
+        else ((m.stride(0), 0, m.stride(1)) if partial else (0, 0, 0))
+    )
     _attention_kernel[grid](
         q,
         q_pos,
@@ -224,12 +395,13 @@ def attention_indexed(
         kv_index,
         k_pos,
         num_keys,
-        out,
-        m,
-        den,
+        target,
+        tm,
+        tl_,
         float(scale),
         nq,
         k_buf.shape[0],
+        n_chunks,
         group,
         q.stride(0),
         q.stride(1),
@@ -241,20 +413,41 @@ def attention_indexed(
         v_buf.stride(1),
         kv_index.stride(0),
         k_pos.stride(0),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        m.stride(0) if partial else 0,
-        m.stride(1) if partial else 0,
+        *o_strides,
+        *m_strides,
         HEAD_DIM=d,
         BLOCK_M=BLOCK_M,
         TILE=TILE,
+        TILES_PER_CHUNK=TILES_PER_CHUNK,
+        SPLIT=split,
         PARTIAL=partial,
         IEEE=q.dtype == torch.float32,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
         enable_fp_fusion=False,
     )
+    if split:
+        rows = b * nq * hq
+        _fold_chunks_kernel[(triton.cdiv(rows, FOLD_ROWS),)](
+            st_m,
+            st_l,
+            st_acc,
+            q_pos,
+            num_keys,
+            out,
+            m,
+            den,
+            rows,
+            nq * hq,
+            n_chunks,
+            nq,
+            q_pos.stride(0),
+            HEAD_DIM=d,
+            BLOCK_M=FOLD_ROWS,
+            CHUNK=CHUNK,
+            PARTIAL=partial,
+            enable_fp_fusion=False,
+        )
     return (m, den, out) if partial else out
 
 

@@ -63,6 +63,8 @@ class TritonKernels:
 
     def __init__(self, *, canonical_shards: int = 4) -> None:
         self.attention_tile = ta.TILE
+        # The split size at which attention partials merge by the merge formula (ring CP's unit).
+        self.attention_chunk = ta.CHUNK
         self.canonical_shards = canonical_shards
 
     def describe(self) -> dict[str, Any]:
@@ -74,8 +76,9 @@ class TritonKernels:
             "linear": f"tl.dot chain per output element, K walked from its start in {tlin.BLOCK_K}-wide steps, "
             "fp32 accumulation; K whole for column-parallel linears, LM head and router; canonical K-shards "
             "folded left to right for row-parallel linears; tiles free per batch-size bucket (checked)",
-            "attention": f"split-KV {ta.BLOCK_M} rows (queries x GQA heads) x {ta.TILE}-key tiles from "
-            "position 0, per-tile (m,l,acc) merged in key order, p rounded to the KV dtype",
+            "attention": f"two-level merge tree: {ta.CHUNK}-key chunks from position 0, inside a chunk "
+            f"{ta.TILE}-key tiles by FlashAttention's online recurrence (one accumulator, {ta.BLOCK_M} rows of "
+            "queries x GQA heads), chunk states (m,l,acc) merged in key order; p rounded to the KV dtype",
             "rms_norm": "fp32 div_rn(sum(x^2), K), div_rn(x, sqrt_rn(var+eps))*w, one rounding",
             "swiglu": "fp32 div_rn(g, 1+exp(-g))*u, one rounding",
             "rope": "fp32 x*cos + rotate_half(x)*sin, cos/sin tables of the contract set (CPU-built)",
@@ -212,17 +215,33 @@ class TritonKernels:
         k_pos: torch.Tensor,
         scale: float,
     ) -> AttnPartial:
+        """The state of one tile: a chunk's state when the chunk holds that one tile."""
         if k.shape[0] != self.attention_tile:
             raise ValueError(f"attention_tile_partial takes exactly {self.attention_tile} keys, got {k.shape[0]}")
-        index = torch.arange(self.attention_tile, device=q.device)[None]
+        return self.attention_chunk_partial(q, k, v, q_pos, k_pos, scale)
+
+    def attention_chunk_partial(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        scale: float,
+    ) -> AttnPartial:
+        """The (m, l, acc) state of one chunk: k/v [n, Hkv, D] are its keys from its first, n <= attention_chunk
+        (fewer only for the sequence's last chunk), merged with `merge` in key order (ring CP)."""
+        n = k.shape[0]
+        if not 0 < n <= self.attention_chunk:
+            raise ValueError(f"attention_chunk_partial takes 1 to {self.attention_chunk} keys, got {n}")
         m, den, acc = ta.attention_indexed(
             q[None],
             q_pos[None],
             k,
             v,
-            index,
-            k_pos[None],  # noqa: E741
-            torch.full((1,), self.attention_tile, device=q.device),
+            torch.arange(n, device=q.device)[None],
+            k_pos[None],
+            torch.full((1,), n, device=q.device),
             scale,
             partial=True,
         )
