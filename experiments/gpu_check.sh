@@ -10,7 +10,8 @@
 #   .venv/bin/pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # it has no wheel on PyPI
 # Parts run most-informative first, each under min(its own limit, what is left of GPU_CHECK_BUDGET_S), so
 # the whole fits one device call. Results: $OUT/gpu_check.log (summary, jobs), gpu_check.json, gpu_triton.json
-# (+.log), gpu_graph.json (+.log), gpu_sglang.json; experiments/results/ keeps the ones recorded so far.
+# (+.log), gpu_graph.json (+.log), gpu_sglang.json, gpu_speed.json; experiments/results/ keeps the ones recorded
+# so far.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -38,6 +39,12 @@ exec 3>&1  # part's own lines bypass the pipes that filter a part's output
 torchrun1=(python3 -m torch.distributed.run --standalone --nproc-per-node 1)
 quiet() { grep -v "Unknown MLP\|warn"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$log"
+# First, the speed table (gpu/speed_table.py): linears vs cuBLAS at 4096 rows and at 1-128 rows in a CUDA
+# graph, attention vs SDPA/FlashAttention, trainer step vs the stock spec; target, measured, met per row.
+# `bash experiments/gpu_check.sh speed` runs this part alone (one device call of at most 5 minutes).
+part speed_table 300 "${torchrun1[@]}" experiments/gpu/speed_table.py --out "$dest/gpu_speed.json" 2>&1 | quiet \
+  | tail -30 | tee -a "$log"
+[[ "${1:-}" == speed ]] && exit 0
 # The embedded engine's decode in CUDA graphs: per batch-size bucket, graph replay ==
 # eager == the Megatron trainer's full forward (bf16, fp32), plain control, capture time, tokens/s on/off.
 part graph_check 200 "${torchrun1[@]}" experiments/gpu/graph_check.py --out "$dest/gpu_graph.json" 2>&1 | quiet \
