@@ -61,13 +61,15 @@ def _merge(m, den, acc, mt, lt, at):
 
 
 @triton.jit
-def _chunk_state(
+def _tile_step(
+    m,
+    den,
+    acc,
+    t,
     q,
     qpos,
     qmin,
     last,
-    c,
-    n_tiles,
     nk,
     k_ptr,
     v_ptr,
@@ -80,45 +82,37 @@ def _chunk_state(
     s_vt,
     s_vh,
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
     TILE: tl.constexpr,
-    TILES_PER_CHUNK: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """(m, l, acc) of chunk c: its tiles in key order by FlashAttention's online recurrence. kidx_ptr and
-    kpos_ptr already point at this sequence's index and position rows."""
+    """Tile t folded into a chunk's running (m, l, acc) by FlashAttention's online recurrence. kidx_ptr
+    and kpos_ptr already point at this sequence's index and position rows."""
     d = tl.arange(0, HEAD_DIM)
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    den = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    t_end = tl.minimum(c * TILES_PER_CHUNK + TILES_PER_CHUNK, n_tiles)
-    for t in range(c * TILES_PER_CHUNK, t_end):
-        kj = t * TILE + tl.arange(0, TILE)
-        kpos = tl.load(kpos_ptr + kj, mask=kj < nk, other=0)
-        # Keys no query of the block can see are never read (a pool may hold stale rows there).
-        kread = (kj < nk) & (kpos <= last)
-        krow = tl.load(kidx_ptr + kj, mask=kread, other=0)
-        k = tl.load(k_ptr + krow[:, None] * s_kt + kvh * s_kh + d[None, :], mask=kread[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        # Positions ascend, so a whole tile below every row's position is visible to all: no mask.
-        if (t * TILE + TILE > nk) | (tl.max(kpos, axis=0) > qmin):
-            s = tl.where(kread[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
-        mn = tl.maximum(m, tl.max(s, axis=1))
-        ms = tl.where(mn == float("-inf"), 0.0, mn)
-        alpha = tl.exp(m - ms)
-        p = tl.exp(s - ms[:, None])
-        den = den * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + krow[:, None] * s_vt + kvh * s_vh + d[None, :], mask=kread[:, None], other=0.0)
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m = mn
-    return m, den, acc
+    kj = t * TILE + tl.arange(0, TILE)
+    kpos = tl.load(kpos_ptr + kj, mask=kj < nk, other=0)
+    # Keys no query of the block can see are never read (a pool may hold stale rows there).
+    kread = (kj < nk) & (kpos <= last)
+    krow = tl.load(kidx_ptr + kj, mask=kread, other=0)
+    k = tl.load(k_ptr + krow[:, None] * s_kt + kvh * s_kh + d[None, :], mask=kread[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale
+    # Positions ascend, so a whole tile below every row's position is visible to all: no mask.
+    if (t * TILE + TILE > nk) | (tl.max(kpos, axis=0) > qmin):
+        s = tl.where(kread[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
+    mn = tl.maximum(m, tl.max(s, axis=1))
+    ms = tl.where(mn == float("-inf"), 0.0, mn)
+    alpha = tl.exp(m - ms)
+    p = tl.exp(s - ms[:, None])
+    den = den * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + krow[:, None] * s_vt + kvh * s_vh + d[None, :], mask=kread[:, None], other=0.0)
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return mn, den, acc
 
 
 @triton.jit(do_not_specialize=["nq", "k_rows", "n_chunks"])
@@ -190,10 +184,14 @@ def _attention_kernel(
         # Only chunks some row of the block reaches run (and are stored); the fold reads no other.
         if c * TILES_PER_CHUNK < n_tiles:
             q = tl.load(q_at, mask=row_ok[:, None], other=0.0)
-            m, den, acc = _chunk_state(
-                q, qpos, qmin, last, c, n_tiles, nk, k_ptr, v_ptr, kidx_row, kpos_row, kvh, scale,
-                s_kt, s_kh, s_vt, s_vh, HEAD_DIM, BLOCK_M, TILE, TILES_PER_CHUNK, IEEE,
-            )  # fmt: skip
+            m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            den = tl.zeros((BLOCK_M,), tl.float32)
+            acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+            for t in range(c * TILES_PER_CHUNK, tl.minimum(c * TILES_PER_CHUNK + TILES_PER_CHUNK, n_tiles)):
+                m, den, acc = _tile_step(
+                    m, den, acc, t, q, qpos, qmin, last, nk, k_ptr, v_ptr, kidx_row, kpos_row, kvh, scale,
+                    s_kt, s_kh, s_vt, s_vh, HEAD_DIM, TILE, IEEE,
+                )  # fmt: skip
             mrow = b * s_mb + c * s_mc + qi * s_mn + hi
             tl.store(m_ptr + mrow, m, mask=row_ok)
             tl.store(l_ptr + mrow, den, mask=row_ok)
@@ -204,12 +202,21 @@ def _attention_kernel(
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         den = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-        for ci in range(0, tl.cdiv(n_tiles, TILES_PER_CHUNK)):
-            mc, lc, ac = _chunk_state(
-                q, qpos, qmin, last, ci, n_tiles, nk, k_ptr, v_ptr, kidx_row, kpos_row, kvh, scale,
-                s_kt, s_kh, s_vt, s_vh, HEAD_DIM, BLOCK_M, TILE, TILES_PER_CHUNK, IEEE,
+        mc = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        lc = tl.zeros((BLOCK_M,), tl.float32)
+        ac = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        # One flat loop over the tiles (so it software-pipelines across chunks); at a chunk's last tile
+        # its state is merged into (m, l, acc) and restarts empty.
+        for t in range(0, n_tiles):
+            mc, lc, ac = _tile_step(
+                mc, lc, ac, t, q, qpos, qmin, last, nk, k_ptr, v_ptr, kidx_row, kpos_row, kvh, scale,
+                s_kt, s_kh, s_vt, s_vh, HEAD_DIM, TILE, IEEE,
             )  # fmt: skip
-            m, den, acc = _merge(m, den, acc, mc, lc, ac)
+            if (t % TILES_PER_CHUNK == TILES_PER_CHUNK - 1) | (t == n_tiles - 1):
+                m, den, acc = _merge(m, den, acc, mc, lc, ac)
+                mc = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                lc = tl.zeros((BLOCK_M,), tl.float32)
+                ac = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         o_rows = b * s_ob + qi * s_on + hi * s_oh
         if PARTIAL:
             mrow = b * s_mb + qi * s_mn + hi
