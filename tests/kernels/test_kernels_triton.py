@@ -266,3 +266,28 @@ def test_trainer_flash_backward_agrees_with_the_textbook_backward() -> None:
     assert all(torch.allclose(a, w, rtol=1e-4, atol=1e-5) for a, w in zip(got, want, strict=True))
     unmasked = attention_grads(q, k, v, torch.zeros_like(pos), cot, scale)
     assert not any(torch.allclose(a, u, rtol=1e-4, atol=1e-5) for a, u in zip(got, unmasked, strict=True))
+
+def test_trainer_row_local_fused_backward_agrees_with_the_textbook_backward() -> None:
+    """The trainer's RMSNorm and SwiGLU with this set: one fused backward launch each, gradients allclose
+    to kernel_autograd's textbook formulas (not under the contract); the forward is the kernel's either way.
+    Control: the same tolerance tells the RMSNorm gradient from the one with eps changed."""
+    from tonpolicy.trainer.kernel_autograd import KernelRMSNorm, KernelSwiGLU
+
+    kern = get_kernels("triton", attention_tile=64)
+    g = torch.Generator().manual_seed(9)
+    x, cot = torch.randn(19, 96, generator=g), torch.randn(19, 96, generator=g)
+    w = 1 + torch.randn(96, generator=g) / 10
+
+    def grads(fn, eps: float = 1e-6):  # noqa: ANN001, ANN202
+        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+        return torch.autograd.grad(KernelRMSNorm.apply(*leaves, eps, fn), leaves, cot)
+
+    fused, text = grads(kern.rms_norm), grads(lambda a, b, e: kern.rms_norm(a, b, e))  # a lambda: no fused one
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(fused, text, strict=True))
+    assert not torch.allclose(grads(lambda a, b, e: kern.rms_norm(a, b, e), 0.5)[0], fused[0], rtol=1e-5, atol=1e-5)
+    inter = torch.randn(7, 2 * 80, generator=g)
+    gate, up = (t.clone().requires_grad_() for t in inter.chunk(2, dim=-1))
+    cot2 = torch.randn(7, 80, generator=g)
+    fused = torch.autograd.grad(KernelSwiGLU.apply(gate, up, kern.swiglu), (gate, up), cot2)
+    text = torch.autograd.grad(KernelSwiGLU.apply(gate, up, lambda a, b: kern.swiglu(a, b)), (gate, up), cot2)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(fused, text, strict=True))

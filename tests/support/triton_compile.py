@@ -97,6 +97,9 @@ def exercise() -> None:
         pos2 = torch.arange(70).repeat(2, 1)
         out, lse = kern.attention_with_lse(qb, kb, kb, pos2, 0.2)
         kern.attention_backward(qb, kb, kb, pos2, out, torch.zeros(2, 70, 8), qb, 0.2)
+        xr = torch.randn(20, 256).to(dtype)
+        kern.rms_norm_backward(xr, xr[0], 1e-6, xr, True)
+        kern.swiglu_backward(xr, xr, xr)
     del Segment
 
 

@@ -51,6 +51,12 @@ class KernelLinear(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def _fused_backward(fn: Any, name: str) -> Any:
+    """The kernel set's own fused backward of a row-local op (`fn` is the set's bound method), or None:
+    the textbook formula below (the same gradient, one launch instead of a dozen)."""
+    return getattr(getattr(fn, "__self__", None), name, None)
+
+
 class KernelRMSNorm(torch.autograd.Function):
     """y = kernels.rms_norm(x, w, eps) with RMSNorm's textbook backward in fp32 (no graph of the
     forward's elementwise ops: a fraction of the calls)."""
@@ -59,11 +65,15 @@ class KernelRMSNorm(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, eps: float, fn: Any) -> torch.Tensor:
         ctx.save_for_backward(x, w)
         ctx.eps = eps
+        ctx.fused = _fused_backward(fn, "rms_norm_backward")
         return fn(x, w, eps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, w = ctx.saved_tensors
+        if ctx.fused is not None:
+            dx, dw = ctx.fused(x, w, ctx.eps, grad, ctx.needs_input_grad[1])
+            return dx, dw, None, None
         xf = x.float()
         # IEEE ops only (sqrt, division), as the forward: an element's bits never depend on the tensor's length
         r = torch.sqrt((xf * xf).mean(dim=-1, keepdim=True) + ctx.eps).reciprocal_()
@@ -83,11 +93,14 @@ class KernelSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, fn: Any) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
+        ctx.fused = _fused_backward(fn, "swiglu_backward")
         return fn(gate, up)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         gate, up = ctx.saved_tensors
+        if ctx.fused is not None:
+            return (*ctx.fused(gate, up, grad), None)
         gf, g = gate.float(), grad.float()
         # exp, not torch.sigmoid: sigmoid's scalar-tail and vector paths differ, so a tensor's length
         # (a CP rank's share of the sequence) would change an element's bits

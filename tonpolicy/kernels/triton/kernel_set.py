@@ -29,6 +29,7 @@ from tonpolicy.kernels.triton import attention as ta
 from tonpolicy.kernels.triton import attention_backward as tab
 from tonpolicy.kernels.triton import linear as tlin
 from tonpolicy.kernels.triton import rowwise as trow
+from tonpolicy.kernels.triton import rowwise_backward as trow_bwd
 
 
 class _KernelForward(torch.autograd.Function):
@@ -109,6 +110,17 @@ class TritonKernels:
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return _run(trow.swiglu, ref.swiglu, gate, up)
+
+    # The trainer's fused backward of the two (trainer.kernel_autograd finds them on the bound forward).
+    def rms_norm_backward(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor, need_dw: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return trow_bwd.rms_norm_backward(x, weight, eps, grad, need_dw)
+
+    def swiglu_backward(
+        self, gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return trow_bwd.swiglu_backward(gate, up, grad)
 
     def rope_cos_sin(self, positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
         return ref.rope_cos_sin(positions, head_dim, theta)
