@@ -8,8 +8,11 @@ engines fuse q/k/v and gate/up per TP rank, so each weight's rows on a rank must
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+from tonpolicy.config.errors import ConfigIssue
 from tonpolicy.config.schema import Config
 from tonpolicy.kernels.sets import QUANTS, kernel_set, kernel_set_names
 
@@ -50,3 +53,25 @@ def check_quant(cfg: Config, bad: Any) -> None:
                 f"weight must be whole {BLOCK}-row weight blocks",
             )
             break
+
+
+def sglang_fp8_checkpoint_issues(cfg: Config, config_json: Path) -> list[ConfigIssue]:
+    """Released SGLang reads a published FP8 checkpoint (`quantization_config` in config.json) into its
+    Fp8Config, which it refuses to run in float32 (its FP8 method takes bf16/fp16 activations only)."""
+    if cfg.rollout.backend != "sglang" or cfg.contract.dtype != "float32":
+        return []
+    try:
+        qc = json.loads(config_json.read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return []  # an unreadable config.json is reported by the checkpoint's own rules
+    if not qc:
+        return []
+    return [
+        ConfigIssue(
+            "contract.dtype",
+            cfg.contract.dtype,
+            f"model.checkpoint={cfg.model.checkpoint} is an FP8 checkpoint (quantization_config in its "
+            "config.json), which released SGLang refuses to serve in float32: use contract.dtype=bfloat16, or "
+            "an unquantized checkpoint (e.g. one saved by tonpolicy without quant) for float32",
+        )
+    ]

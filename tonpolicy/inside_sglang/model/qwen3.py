@@ -25,6 +25,7 @@ from tonpolicy.config.dtypes import dtype_name
 from tonpolicy.config.hf_qwen3 import EMBED, FINAL_NORM, LAYER_PARAMS, LM_HEAD, SHARD_DIM, VOCAB
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.inside_sglang.model.attention import pooled_attention
+from tonpolicy.inside_sglang.model.fp8_load import check_quant_config, dequantized
 from tonpolicy.inside_sglang.model.heads import ContractLogitsProcessor, contract_sampler_active
 from tonpolicy.inside_sglang.model.report import contract_from_env, write_report
 from tonpolicy.kernels import get_kernels, padded_vocab_size
@@ -60,8 +61,9 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __init__(self, config, quant_config=None, prefix: str = "", **_: object) -> None:  # noqa: ANN001
         super().__init__()
-        if quant_config is not None:
-            raise ValueError("the tonpolicy contract model runs unquantized weights only")
+        # SGLang's Fp8Config (a published FP8 checkpoint) builds nothing here: load_weights reads its pairs
+        # back into master weights; contract.quant decides whether the linears run FP8.
+        check_quant_config(quant_config, _checkpoint_config(config))
         if not contract_sampler_active():
             raise RuntimeError(
                 "the contract model needs the contract sampler, which tonpolicy's SGLang plugin registers: "
@@ -205,9 +207,11 @@ class Qwen3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF-named full tensors in; each rank keeps its shard (also on /update_weights_from_disk)."""
+        """HF-named full tensors in; each rank keeps its shard (also on /update_weights_from_disk). FP8 pairs
+        of a published checkpoint come in as master weights (`fp8_load.dequantized`)."""
         cfg = self.cfg
-        for name, w in weights:
+        where = getattr(self.config, "_name_or_path", "") or "SGLang's weight stream"
+        for name, w in dequantized(weights, self.embed_tokens.dtype, where):
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name == EMBED:
