@@ -29,19 +29,23 @@ from tonpolicy.kernels.invariant import ordered_gemm
 
 @dataclass
 class QuantizedWeight:
-    """A weight quantized for the GEMM: its e4m3 values as bf16 (exact), one contiguous [N, <=128] tensor per
-    K-group (the ordered GEMM's packed-weight cache keys on each), and per-row scales [N, KB] fp32."""
+    """A weight quantized for the GEMM: its e4m3 values as bf16 (exact) in the whole K-groups `full` [N, 128 g]
+    and the partial last group `tail` [N, K mod 128] (each contiguous, None when empty: the ordered GEMM's
+    packed-weight cache keys on them), and per-row scales [N, KB] fp32."""
 
-    groups: list[torch.Tensor]
+    full: torch.Tensor | None
+    tail: torch.Tensor | None
     row_scales: torch.Tensor
 
 
 def quantize_weight(w: torch.Tensor) -> QuantizedWeight:
     q, scale_inv = quantize_weight_blocks(w, BLOCK)
     values = q.to(torch.bfloat16)
-    groups = [values[:, a : a + BLOCK].contiguous() for a in range(0, w.shape[1], BLOCK)]
+    cut = w.shape[1] // BLOCK * BLOCK
+    full = values[:, :cut].contiguous() if cut else None
+    tail = values[:, cut:].contiguous() if cut < w.shape[1] else None
     rows = scale_inv.repeat_interleave(BLOCK, 0)[: w.shape[0]].contiguous()
-    return QuantizedWeight(groups, rows)
+    return QuantizedWeight(full, tail, rows)
 
 
 class _Entry:
@@ -81,18 +85,24 @@ def _check_shards(k: int, num_shards: int) -> None:
 
 
 def _group_sums(qa: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """S [KB, M, N]: each K-group's pair chain from +0 (qa: e4m3 values as bf16)."""
-    return torch.stack(
-        [ordered_gemm.linear(qa[:, i * BLOCK : (i + 1) * BLOCK].contiguous(), g) for i, g in enumerate(w.groups)]
-    )
+    """S [KB, M, N]: each K-group's pair chain from +0 (qa: e4m3 values as bf16). The whole groups are one
+    call's K-shards (the ordered GEMM starts each shard's chain at +0), the partial group its own call."""
+    parts = []
+    if w.full is not None:
+        cut = w.full.shape[1]
+        parts.append(ordered_gemm.linear_partials(qa[:, :cut].contiguous(), w.full, cut // BLOCK))
+    if w.tail is not None:
+        parts.append(ordered_gemm.linear(qa[:, qa.shape[1] - w.tail.shape[1] :].contiguous(), w.tail)[None])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _scaled_chain(sums: torch.Tensor, sa: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
     """The K-group chain: y = +0; y = y + S_b * (sa_b * sw_b) over b ascending, every operation one IEEE
     fp32 rounding (separate torch ops: nothing fuses them into an FMA). sums [G, M, N], sa [M, G], sw [N, G]."""
+    terms = sums * (sa.t()[:, :, None] * sw.t()[:, None, :])  # every group's S_b * t_b at once: same roundings
     y = torch.zeros(sums.shape[1:], dtype=torch.float32)
     for b in range(sums.shape[0]):
-        y = y + sums[b] * (sa[:, b, None] * sw[None, :, b])
+        y = y + terms[b]
     return y
 
 
@@ -128,5 +138,6 @@ def plain_fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     xd = (q.to(torch.float32) * sa.repeat_interleave(BLOCK, -1)[..., :k]).reshape(x.shape)
     qw = quantize_weight(w)
-    wd = torch.cat(qw.groups, dim=1).float() * qw.row_scales.repeat_interleave(BLOCK, -1)[:, :k]
+    values = torch.cat([v for v in (qw.full, qw.tail) if v is not None], dim=1)
+    wd = values.float() * qw.row_scales.repeat_interleave(BLOCK, -1)[:, :k]
     return torch.nn.functional.linear(xd, wd)
