@@ -432,6 +432,11 @@ def ensure_family(device: torch.device, dtype: torch.dtype) -> None:
     key = (_device_key(device), dtype)
     if device.type != "cuda" or key in _verified:
         return
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"the triton GEMM family check for {dtype} on {_describe(device)} cannot run inside a CUDA graph "
+            "capture: run one eager forward (a warm-up) before capturing"
+        )
     _verified.add(key)  # the probe's own GEMMs pass through here
     try:
         check_family(device, dtype)
