@@ -126,7 +126,9 @@ class Products(NamedTuple):
     key tile), both fp32 (the dtypes name where the upcast values come from); and its row-local ops on fp32:
     `exp` (differentiable), `exp_` (in place, nothing differentiated) and `row_sum` over the last dim.
     Optional, for nothing differentiated: `softmax_tiles(s, heads, tile, scale, mask_from, keep)` and
-    `merge_finalize(parts, dtype)`, each the bits of the in-place steps below in one call."""
+    `merge_finalize(parts, dtype)`, each the bits of the in-place steps below in one call.
+    `upcasts_operands`: both GEMMs take bf16 key tiles as they are and upcast them exactly themselves (so a
+    pooled span is copied in its own dtype)."""
 
     scores: Callable[[torch.Tensor, torch.dtype, torch.Tensor, torch.dtype], torch.Tensor]
     pv: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
@@ -135,6 +137,7 @@ class Products(NamedTuple):
     row_sum: Callable[[torch.Tensor], torch.Tensor] = lambda p: p.sum(dim=-1)  # noqa: E731
     softmax_tiles: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     merge_finalize: Callable[[AttnPartial, torch.dtype], torch.Tensor] | None = None
+    upcasts_operands: bool = False
 
 
 # Contract v1's: the exact fixed-point products; torch's exp and sum (probed on each host).
@@ -247,7 +250,7 @@ def _span_partials(
     p @ v of the same rows (the contract GEMM gives a row the same bits at any row count: no padding)."""
     bh, r, d = rows.shape
     t, n = keys.tile, sp.b - sp.a
-    k, v = keys.span(sp.a, sp.b)
+    k, v = keys.span(sp.a, sp.b, upcast=not products.upcasts_operands)
     s = products.scores(rows, q_dtype, k, keys.source_dtype)  # over the head dim
     j = sp.mask_from
     if inplace and products.softmax_tiles is not None:

@@ -35,8 +35,9 @@ class KeyTiles:
         self.tiles, self.tile = pos.shape[1], pos.shape[2]
         self.requires_grad = k.requires_grad or v.requires_grad
 
-    def span(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tiles [a, b) (contiguous: a GEMM reading a strided operand may take another path)."""
+    def span(self, a: int, b: int, upcast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tiles [a, b) (contiguous: a GEMM reading a strided operand may take another path); already fp32,
+        whatever `upcast` says."""
         if (a, b) == (0, self.tiles):
             return self.k, self.v
         t = self.tile
@@ -78,17 +79,20 @@ class PooledKeyTiles:
         other.k_pool, other.v_pool = k_pool, v_pool
         return other
 
-    def span(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def span(self, a: int, b: int, upcast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tiles [a, b) in the GEMM layouts, fp32, or with `upcast` False in the pool's dtype (for GEMMs that
+        upcast their operands themselves: half the bytes copied and read for a bf16 pool, the same values)."""
         hkv, d, t, n = self.heads, self.k_pool.shape[2], self.tile, b - a
-        ks = torch.empty(len(self.slots), hkv, d, n * t, device=self.k_pool.device)
-        vs = torch.empty(n, len(self.slots), hkv, t, d, device=self.v_pool.device)
+        dtype = torch.float32 if upcast else self.k_pool.dtype
+        ks = torch.empty(len(self.slots), hkv, d, n * t, dtype=dtype, device=self.k_pool.device)
+        vs = torch.empty(n, len(self.slots), hkv, t, d, dtype=dtype, device=self.v_pool.device)
         k, v = self.k_pool[..., a * t : b * t], self.v_pool[:, :, a * t : b * t]
         if self.run:  # a run of slots: a view, no gather
             first = self.slots[0]
             k, v = k[first : first + len(self.slots)], v[first : first + len(self.slots)]
         else:
             k, v = k.index_select(0, self.slot_index), v.index_select(0, self.slot_index)
-        ks.copy_(k.contiguous() if n * t >= STAGE_KEYS else k)
+        ks.copy_(k.contiguous() if upcast and n * t >= STAGE_KEYS else k)
         vs.copy_(v.view(-1, hkv, n, t, d).permute(2, 0, 1, 3, 4))
         return ks.view(-1, d, n * t), vs.view(n, -1, t, d)
 

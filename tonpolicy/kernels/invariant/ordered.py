@@ -70,6 +70,7 @@ ORDERED_PRODUCTS = Products(
     row_sum=_row_sum,
     softmax_tiles=ordered_rowwise_attention.softmax_tiles,
     merge_finalize=ordered_rowwise_attention.merge_finalize,
+    upcasts_operands=True,
 )
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from tonpolicy.kernels.base import AttnPartial
-from tonpolicy.kernels.invariant.ordered_rowwise_lib import library, run
+from tonpolicy.kernels.invariant import ordered_rowwise
+from tonpolicy.kernels.invariant.ordered_rowwise_lib import run
 
 # Output dtypes of the merge (codes of the library's stores).
 MERGE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -33,7 +34,7 @@ def softmax_tiles(
     l = torch.empty(n, bh, r, dtype=torch.float32)  # noqa: E741
     keep_ptr = 0 if keep is None else keep.data_ptr()
     ints = (s.data_ptr(), keep_ptr, p.data_ptr(), m.data_ptr(), l.data_ptr(), bh, heads, r, n, tile, mask_from)
-    run(library(), "attn_softmax", False, (*ints, torch.get_num_threads()), (scale,))
+    run(ordered_rowwise.functions().lib, "attn_softmax", False, (*ints, torch.get_num_threads()), (scale,))
     return p, m, l
 
 
@@ -49,5 +50,5 @@ def merge_finalize(parts: AttnPartial, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(acc.shape[1:], dtype=dtype)
     if out.numel():
         ints = (m.data_ptr(), l.data_ptr(), acc.data_ptr(), out.data_ptr(), code, kt, rows, d)
-        run(library(), "attn_merge", False, (*ints, torch.get_num_threads()))
+        run(ordered_rowwise.functions().lib, "attn_merge", False, (*ints, torch.get_num_threads()))
     return out
