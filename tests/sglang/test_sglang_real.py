@@ -19,14 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 from support.e2e_common import records, run_job, samples, summary
-from support.sglang_proc import SGLangServer, check_parity, save_checkpoint
+from support.sglang_proc import SGLangServer, check_parity
 
 from tonpolicy.config.compose import compose_config
+from tonpolicy.config.model import ModelConfig
 from tonpolicy.contract.handshake import handshake
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.families import family, resolve
 from tonpolicy.kernels import get_kernels
-from tonpolicy.model.checkpoint import load_hf
+from tonpolicy.model.checkpoint import init_state_dict, load_hf, save_hf
 
 
 @pytest.fixture
@@ -55,13 +56,24 @@ def test_model_package_gives_the_contract_bits_fp32_tp1(fp32_server: tuple[SGLan
 
 def test_model_package_gives_the_contract_bits_bf16_tp2(tmp_path: Path) -> None:
     """Scored under .venv's torch build (the CPU 2.13.0) against the server's (SGLang's 2.14.1): v2's bits
-    are its definition's, whatever torch build (and whatever CPU vector path) computes them."""
-    ckpt = save_checkpoint(tmp_path / "ckpt", "bfloat16")
+    are its definition's, whatever torch build (and whatever CPU vector path) computes them.
+    The checkpoint is in the published FP8 format (weight + weight_scale_inv, quantization_config fp8):
+    SGLang hands the package its own Fp8Config, which must select none of SGLang's kernels, and the
+    package reads the pairs back into the master weights tonpolicy's loader (the scorer's) reads.
+    Control: the masters the FP8 pairs came from score the same server's tokens with mismatches."""
+    cfg = ModelConfig()
+    masters = init_state_dict(cfg, torch.bfloat16, 0)
+    save_hf(masters, cfg, tmp_path / "masters")
+    ckpt = tmp_path / "ckpt"
+    save_hf(masters, cfg, ckpt, quant="fp8_block")
+    assert json.loads((ckpt / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
     overrides = ["contract.dtype=bfloat16", "parallel.rollout_tp=2", "rollout.chunked_prefill_size=64"]
     server = SGLangServer(tmp_path, "contract", ckpt, overrides)
     try:
         server.start_healthy()
         _package_gives_the_contract_bits(sys.executable, server, ckpt, "bfloat16", 2, 0.7)
+        control = check_parity(sys.executable, server, tmp_path / "masters", "ordered", 0.7, small=True)
+        assert control["tokens"] > 0 and control["mismatched"] > 0, control
     finally:
         server.stop()
 
