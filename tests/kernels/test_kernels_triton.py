@@ -267,6 +267,7 @@ def test_trainer_flash_backward_agrees_with_the_textbook_backward() -> None:
     unmasked = attention_grads(q, k, v, torch.zeros_like(pos), cot, scale)
     assert not any(torch.allclose(a, u, rtol=1e-4, atol=1e-5) for a, u in zip(got, unmasked, strict=True))
 
+
 def test_trainer_row_local_fused_backward_agrees_with_the_textbook_backward() -> None:
     """The trainer's RMSNorm and SwiGLU with this set: one fused backward launch each, gradients allclose
     to kernel_autograd's textbook formulas (not under the contract); the forward is the kernel's either way.
