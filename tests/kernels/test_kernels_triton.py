@@ -116,6 +116,7 @@ def test_attention_prefill_chunked_decode_one_structure(dtype: torch.dtype) -> N
     q, k, v = _attn_data(n, dtype)
     pos = torch.arange(n)
     full = kern.attention(q, k, v, pos, pos, scale)
+    assert not ta.split_kv(1, n, 4, 2, 32, n)
     assert torch.allclose(
         full.float(), _reference_attention(q, k, v, scale), atol=2e-3 if dtype == torch.float16 else 1e-5
     )
@@ -129,6 +130,7 @@ def test_attention_prefill_chunked_decode_one_structure(dtype: torch.dtype) -> N
     kp[0, :40], vp[0, :40] = k[:40] * 2, v[:40]
     other = {}
     for at in ([149], [-1, 127, 64], [0, -1, 63, 64, 127, 128, 149, 100]):  # batch 1, 3, 8; -1: slot 0
+        assert ta.split_kv(len(at), 1, 4, 2, 32, n)  # decode takes split-KV, prefill above does not
         slots = torch.tensor([0 if i < 0 else 1 for i in at])
         qpos = torch.tensor([[39] if i < 0 else [i] for i in at])
         q2 = torch.stack([q[39] if i < 0 else q[i] for i in at])[:, None]

@@ -42,6 +42,11 @@ NUM_WARPS, NUM_STAGES = 4, 3
 # Rows per program of split-KV's fold: few, so a decode batch's fold spreads over many SMs (the fold is
 # elementwise per row: any count gives the same bits).
 FOLD_ROWS = 16
+# Split-KV pays where one program per (query block, KV head, sequence) would leave SMs idle (small decode
+# batches), and its chunk states take memory in proportion to the index table's width: it is used below
+# this many programs and this many bytes of states. The path never changes a bit.
+SPLIT_BELOW_PROGRAMS = 512
+SPLIT_STATE_BYTES = 128 << 20
 QUERY_PAD_POS = tl.constexpr(-1)
 NO_QUERY_POS = tl.constexpr(2**62)  # a padding row's position for the block's smallest query position
 
@@ -330,6 +335,14 @@ def _finalize_kernel(l_ptr, acc_ptr, out_ptr, rows, HEAD_DIM: tl.constexpr, BLOC
     tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
+def split_kv(b: int, nq: int, hq: int, hkv: int, d: int, width: int) -> bool:
+    """Whether `attention_indexed` runs split-KV for these shapes (width: the index table's)."""
+    n_chunks = triton.cdiv(width, CHUNK)
+    state_bytes = b * n_chunks * nq * hq * (d + 2) * 4
+    one_block = nq <= BLOCK_M // (hq // hkv)
+    return one_block and n_chunks > 1 and b * hkv < SPLIT_BELOW_PROGRAMS and state_bytes <= SPLIT_STATE_BYTES
+
+
 def attention_indexed(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -346,7 +359,8 @@ def attention_indexed(
     row kv_index[b, j] at position k_pos[b, j] (ascending), j < num_keys[b] <= kv_index.shape[1]. Returns
     [B, Nq, Hq, D] in q.dtype, or with `partial` the unnormalised fp32 state (m, l [B, Nq, Hq], acc
     [B, Nq, Hq, D]). `split` picks split-KV (one program per chunk, then the fold) or one program per
-    query block; None: split when every sequence's queries fit one block (decode). Same bits either way."""
+    query block; None: split when every sequence's queries fit one block (decode) and the batch is small
+    (SPLIT_BELOW_PROGRAMS, SPLIT_STATE_BYTES). Same bits either way."""
     b, nq, hq, d = q.shape
     hkv = k_buf.shape[1]
     if hq % hkv or d & (d - 1) or d < 16:
@@ -364,7 +378,7 @@ def attention_indexed(
     # The index table's width bounds every sequence's keys: a fixed grid, also inside a CUDA graph.
     n_chunks = max(triton.cdiv(kv_index.shape[1], CHUNK), 1)
     if split is None:
-        split = nq <= per_block and n_chunks > 1
+        split = split_kv(b, nq, hq, hkv, d, kv_index.shape[1])
     dev = q.device
     if partial:
         out = torch.empty(b, nq, hq, d, dtype=torch.float32, device=dev)
