@@ -10,7 +10,7 @@ from typing import Any
 
 from tonpolicy.config.names import layout_label
 from tonpolicy.config.schema import Config
-from tonpolicy.trainer.optimizer_state import TRAINER_STATE
+from tonpolicy.trainer.optimizer_state import TRAINER_STATE, read_trainer_state
 
 
 def saved_steps(run_dir: Path) -> list[Path]:
@@ -21,8 +21,6 @@ def saved_steps(run_dir: Path) -> list[Path]:
 
 def resume_dir(cfg: Config, run_dir: Path) -> tuple[Path | None, str | None]:
     """The step directory to resume from (None: start fresh), or the reason it cannot be resumed."""
-    from safetensors import safe_open
-
     want = cfg.checkpoint.resume
     if want is None:
         return None, None
@@ -37,8 +35,7 @@ def resume_dir(cfg: Config, run_dir: Path) -> tuple[Path | None, str | None]:
             return None, f"no {TRAINER_STATE} in {path}: give a step_<k> directory a run saved"
     if cfg.experiment.max_staleness:
         return None, "asynchronous steps (experiment.max_staleness > 0) cannot be resumed bit for bit yet"
-    with safe_open(str(path / TRAINER_STATE), framework="pt") as f:
-        meta = f.metadata()
+    meta = read_trainer_state(path)
     saved, here = meta.get("layout"), layout_label(cfg.parallel)
     if saved != here:
         return None, (

@@ -50,6 +50,9 @@ PATCHED_MODULES = (
     "megatron.core.transformer.moe.experts",
     "megatron.core.transformer.moe.moe_layer",
     "megatron.core.utils",
+    # The trainer state's distributed checkpoint: its save agrees on failures with a flag tensor on the
+    # current CUDA device.
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 
 _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "zeros_like", "ones_like", "empty_like")

@@ -1,112 +1,89 @@
-"""The optimizer's state in HF parameter names, so that a run resumes it at any layout.
+"""The trainer's state beside a saved checkpoint's weights, from which checkpoint.resume continues a run.
 
-Megatron's Adam keeps, per parameter, an fp32 main copy (a bf16 model's master weights; an fp32
-model's parameter itself) and its exp_avg and exp_avg_sq. Each is a tensor of the parameter's shape,
-so the weights' own gather (megatron_to_hf) and split (hf_to_megatron) move them between layouts:
-the saved file holds whole tensors, `main/<hf name>`, `exp_avg/<hf name>` and `exp_avg_sq/<hf name>`,
-and the Adam step count. Padded vocabulary rows never get a gradient, so their state is zero and is
-rebuilt as zero.
+`trainer_state/` is the optimizer's state in megatron-core's distributed checkpoint format (Adam's
+exp_avg and exp_avg_sq, a bf16 model's fp32 main parameters, the Adam step): each tensor saved as the
+shards of its global tensor, so a run at any TP/PP layout loads its own shards of it. The weights are
+the checkpoint's HF files. `trainer_state.json`, written last, marks the step resumable and says what
+resume checks before start (the steps completed, the layout that saved it). The data position and the
+policy versions follow from the steps completed (the prompt order is a pure function of seed, epoch and
+position; a step's version is its number); the trainer draws no random numbers of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-KINDS = ("main", "exp_avg", "exp_avg_sq")
-TRAINER_STATE = "trainer_state.safetensors"  # beside a saved checkpoint's weights
+TRAINER_STATE = "trainer_state.json"  # beside a saved checkpoint's weights, written last
+OPTIMIZER_DIR = "trainer_state"  # megatron's distributed checkpoint of the optimizer, beside it
 
 
-def main_params(optimizer: Any) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, torch.optim.Optimizer]]:
-    """(model parameter, its fp32 main parameter, the torch optimizer holding its state) for each."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if hasattr(opt, "float16_groups"):  # a bf16 model: fp32 master copies
-            for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
-                yield from ((p, m, opt.optimizer) for p, m in zip(model_group, main_group, strict=True))
-            for group in opt.fp32_from_fp32_groups:
-                yield from ((p, p, opt.optimizer) for p in group)
-        else:
-            for group in opt.optimizer.param_groups:
-                yield from ((p, p, opt.optimizer) for p in group["params"])
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """What `save_trainer_state` recorded about the saved step in `path`."""
+    return json.loads((path / TRAINER_STATE).read_text())
 
 
-def local_state(module: torch.nn.Module, optimizer: Any) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
-    """This rank's state by Megatron parameter name, per kind, and the Adam step count."""
-    names = {id(p): name for name, p in module.named_parameters()}
-    out: dict[str, dict[str, torch.Tensor]] = {k: {} for k in KINDS}
-    step = 0
-    for p, main, opt in main_params(optimizer):
-        state = opt.state.get(main, {})
-        name = names[id(p)]
-        out["main"][name] = main.detach().float().cpu().clone()
-        for k in ("exp_avg", "exp_avg_sq"):
-            out[k][name] = state[k].detach().cpu().clone() if k in state else torch.zeros_like(out["main"][name])
-        if "step" in state:
-            step = int(state["step"])
-    return out, step
+def _chained(optimizer: Any) -> list[Any]:
+    # a MoE model's experts have an optimizer of their own (how many depends on the layout)
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def load_local_state(
-    module: torch.nn.Module, optimizer: Any, state: dict[str, dict[str, torch.Tensor]], step: int
-) -> None:
-    """Set this rank's main parameters and Adam state from Megatron-named tensors (`local_state`'s form)."""
-    names = {id(p): name for name, p in module.named_parameters()}
-    for p, main, opt in main_params(optimizer):
-        name = names[id(p)]
-        with torch.no_grad():
-            main.copy_(state["main"][name].to(main.dtype))
-        opt.state[main] = {
-            "step": torch.tensor(float(step)),
-            "exp_avg": state["exp_avg"][name].to(main.dtype).clone(),
-            "exp_avg_sq": state["exp_avg_sq"][name].to(main.dtype).clone(),
-        }
+def _tensors_only(entry: Any) -> Any:
+    """A megatron optimizer's sharded state dict with only its ShardedTensors saved: the rest (the
+    param groups' hyperparameters, the per-layout optimizer nesting) is the run's own, restored from
+    the running optimizer, so that any layout's optimizers load the same tensors."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+
+    if isinstance(entry, dict):
+        return {k: _tensors_only(v) for k, v in entry.items() if k != "common_step"}  # the step: TRAINER_STATE
+    if isinstance(entry, list):
+        return [_tensors_only(v) for v in entry]
+    return entry if isinstance(entry, ShardedBase | LocalNonpersistentObject) else LocalNonpersistentObject(entry)
+
+
+def _optimizer_sharded(worker: Any, is_loading: bool) -> dict[str, Any]:
+    # is_loading gives a fresh optimizer zero Adam state first, so that it names the tensors to load
+    model = worker.module.sharded_state_dict()
+    return {"optimizer": [_tensors_only(o.sharded_state_dict(model, is_loading)) for o in _chained(worker.optimizer)]}
+
+
+def _adam_step(optimizer: Any) -> float:
+    """The Adam step count (megatron keeps one for all parameters); 0 before the first update."""
+    return next((float(s["step"]) for o in _chained(optimizer) for s in o.optimizer.state.values() if "step" in s), 0.0)
 
 
 def save_trainer_state(worker: Any, path: Path, completed_steps: int) -> None:
-    """`worker`'s optimizer state, merged to HF names on rank 0, into `path`/TRAINER_STATE (a collective)."""
-    from safetensors.torch import save_file
-
+    """`worker`'s optimizer state into `path`/OPTIMIZER_DIR, then `path`/TRAINER_STATE (a collective)."""
     from tonpolicy.config.names import layout_label
+    from tonpolicy.trainer import dist_checkpoint
 
     if worker.optimizer is None:
         worker._setup_optimizer()
-    local, adam_step = local_state(worker.module, worker.optimizer)
-    merged = {kind: worker.hf_state_dict(tensors) for kind, tensors in local.items()}
+    step = _adam_step(worker.optimizer)  # 0: every update so far refused, no Adam state yet
+    dist_checkpoint.save(_optimizer_sharded(worker, is_loading=False), path / OPTIMIZER_DIR)
     if dist.get_rank() == 0:
-        flat = {f"{kind}/{name}": t.contiguous() for kind, sd in merged.items() for name, t in sd.items()}
-        meta = {
-            "completed_steps": str(completed_steps),
-            "adam_step": str(adam_step),
-            "layout": layout_label(worker.cfg.parallel),
-        }
-        save_file(flat, str(path / TRAINER_STATE), metadata=meta)
+        layout = layout_label(worker.cfg.parallel)
+        meta = {"completed_steps": completed_steps, "layout": layout, "adam_step": step}
+        (path / TRAINER_STATE).write_text(json.dumps(meta) + "\n")
     dist.barrier()
 
 
 def load_trainer_state(worker: Any, path: Path, optimizer: bool = True) -> int:
-    """Restore the state `save_trainer_state` wrote, split for this rank's layout; returns the steps the
-    run had completed. `optimizer=False`: that count only (a test's control)."""
-    from safetensors import safe_open
+    """Restore the state `save_trainer_state` wrote, resharded to this rank's layout; returns the steps
+    the run had completed. `optimizer=False`: that count only (a test's control)."""
+    from tonpolicy.trainer import dist_checkpoint
 
-    from tonpolicy.families import megatron_weights
-    from tonpolicy.kernels import weights_updated
-
+    meta = read_trainer_state(path)
     if worker.optimizer is None:
         worker._setup_optimizer()
-    with safe_open(str(path / TRAINER_STATE), framework="pt") as f:
-        meta = f.metadata()
-        flat = {k: f.get_tensor(k) for k in f.keys()} if optimizer else {}  # noqa: SIM118 - no __iter__
-    if optimizer:
-        local = {}
-        for kind in KINDS:
-            hf = {k.partition("/")[2]: t for k, t in flat.items() if k.startswith(kind + "/")}
-            local[kind] = megatron_weights(worker.model_cfg.family).megatron_state(
-                hf, worker.model_cfg, worker.vocab_padded, worker.layout.pp_layers
-            )
-        load_local_state(worker.module, worker.optimizer, local, int(meta["adam_step"]))
-        weights_updated()  # an fp32 model's main parameters are its weights
+    if optimizer and meta["adam_step"] > 0:
+        loaded = dist_checkpoint.load(_optimizer_sharded(worker, is_loading=True), path / OPTIMIZER_DIR)
+        for opt, state in zip(_chained(worker.optimizer), loaded["optimizer"], strict=True):
+            torch_state = state.get("optimizer", state)  # a bf16 model's holds it beside its main params
+            torch_state["state"]["common_step"] = torch.tensor(meta["adam_step"], dtype=torch.float32)
+            opt.load_state_dict(state)
     return int(meta["completed_steps"])
