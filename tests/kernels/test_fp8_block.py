@@ -17,7 +17,13 @@ from tonpolicy.kernels.fp8_block import (
     quantize_weight_blocks,
 )
 from tonpolicy.kernels.invariant import ordered_gemm
-from tonpolicy.kernels.invariant.ordered_fp8 import fp8_linear, fp8_linear_partials, plain_fp8_linear, quantize_weight
+from tonpolicy.kernels.invariant.ordered_fp8 import (
+    RowParts,
+    fp8_linear,
+    fp8_linear_partials,
+    plain_fp8_linear,
+    quantize_weight,
+)
 from tonpolicy.validation.validate import ConfigError, validate
 
 
@@ -114,11 +120,58 @@ def test_kernel_set_linears_and_straight_through_gradient() -> None:
         get_kernels("plain", quant="fp8_block")
 
 
+def test_fused_weights_quantize_per_hf_weight_with_partial_blocks() -> None:
+    x = _randn(3, 200, seed=12).to(torch.bfloat16)
+    gate, up = _randn(96, 200, seed=13, std=0.05), _randn(96, 200, seed=14, std=0.5)
+    gate, up = gate.to(torch.bfloat16), up.to(torch.bfloat16)
+    fused = torch.cat([gate, up])
+    y = fp8_linear(x, fused, RowParts.whole(96, 96))
+    assert torch.equal(y, torch.cat([fp8_linear(x, gate), fp8_linear(x, up)], dim=-1))
+    assert not torch.equal(y, fp8_linear(x, fused))  # control: blocks straddling gate and up
+
+
+def _tp_ranks(x: torch.Tensor, hf: list[torch.Tensor], tp: int, reduce: bool) -> list[torch.Tensor]:
+    """Each rank's fp8 linear on its slice of every HF weight (fused in order), the amax all-reduce MAX done
+    by a stand-in that takes the max of every rank's grid (gathered in a first pass)."""
+    sizes = [w.shape[0] for w in hf]
+    ranks = [(torch.cat([w.chunk(tp)[r] for w in hf]), RowParts.tp_shard(sizes, r, tp)) for r in range(tp)]
+    grids: list[torch.Tensor] = []
+    for w, parts in ranks:  # first pass: every rank's partial amax grid, as the all-reduce would see it
+        fp8_linear(x, w.clone(), parts, lambda t: grids.append(t.clone()))
+    most = torch.stack(grids).amax(0)
+    out = []
+    for w, parts in ranks:
+        out.append(fp8_linear(x, w.clone(), parts, (lambda t: most.clone()) if reduce else None))
+    return out
+
+
+def test_blocks_split_across_tp_ranks_take_the_whole_blocks_amax() -> None:
+    x = _randn(4, 128, seed=15).to(torch.bfloat16)
+    q, k, v = (
+        _randn(n, 128, seed=16 + i, std=0.05 * (i + 1)).to(torch.bfloat16) for i, n in enumerate((256, 128, 128))
+    )
+    k[100, 3] = 2.0  # the largest k value on rank 1's half: rank 0's half of the block scales by it too
+    whole = fp8_linear(x, torch.cat([q, k, v]), RowParts.whole(256, 128, 128)).split([256, 128, 128], dim=-1)
+    for tp in (2, 4):
+        got = [y.split([256 // tp, 128 // tp, 128 // tp], dim=-1) for y in _tp_ranks(x, [q, k, v], tp, True)]
+        for part in range(3):
+            assert torch.equal(torch.cat([g[part] for g in got], dim=-1), whole[part]), (tp, part)
+    alone = _tp_ranks(x, [q, k, v], 2, False)[0].split([128, 64, 64], dim=-1)
+    assert torch.equal(alone[0], whole[0][:, :128])  # q's blocks are whole on each rank
+    assert not torch.equal(alone[1], whole[1][:, :64])  # control: k's block scaled by rank 0's half alone
+
+
 def test_config_refuses_where_fp8_cannot_hold() -> None:
     cases = [
         (["contract=off_policy", "contract.quant=fp8"], "contract.quant='fp8': must be one of"),
-        (["parallel=tp2", "contract.quant=fp8_block"], "parallel.tp=2: contract.quant=fp8_block: k_proj and v_proj"),
-        (["contract.kernels=invariant", "contract.quant=fp8_block", "model.intermediate_size=320"], None),
+        (
+            ["rollout=sglang", "parallel.rollout_tp=2", "contract.quant=fp8_block"],
+            "parallel.rollout_tp=2: contract.quant=fp8_block with rollout=sglang: k_proj and v_proj",
+        ),
+        (
+            ["contract.kernels=invariant", "contract.quant=fp8_block", "rollout=sglang", "model.intermediate_size=320"],
+            None,
+        ),
     ]
     for overrides, message in cases[:2]:
         with pytest.raises(ConfigError, match=message):
@@ -127,5 +180,7 @@ def test_config_refuses_where_fp8_cannot_hold() -> None:
         validate(compose_config(cases[2][0]), check_hf=False)
     text = str(refused.value)
     assert "contract.quant='fp8_block': fp8_block is defined on the ordered (v2) kernel set" in text
-    assert "model.intermediate_size=320: contract.quant=fp8_block: gate_proj and up_proj rows" in text
-    validate(compose_config(["contract.quant=fp8_block"]), check_hf=False)  # the tiny model at TP 1 holds
+    assert "model.intermediate_size=320: contract.quant=fp8_block with rollout=sglang: gate_proj and up_proj" in text
+    # The embedded engine and the trainer hold at every layout: split blocks reduced, partial blocks allowed.
+    for overrides in (["parallel=tp2"], ["parallel=tp4"], ["model=qwen3_moe_tiny", "parallel=tp2_ep2"]):
+        validate(compose_config([*overrides, "contract.quant=fp8_block"]), check_hf=False)

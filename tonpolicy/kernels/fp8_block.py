@@ -49,27 +49,62 @@ def _refuse_non_finite(x: torch.Tensor, what: str) -> None:
         raise ValueError(f"fp8_block: {what} holds a non-finite value (NaN or inf); it cannot be quantized")
 
 
-def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """x [r, c] zero-padded at the end to [rows, cols]: zeros never raise an amax."""
-    r, c = x.shape
-    if (r, c) == (rows, cols):
-        return x
-    return torch.nn.functional.pad(x, (0, cols - c, 0, rows - r))
+def touched_blocks(rows: int, row_offset: int, block: int = BLOCK) -> tuple[int, int]:
+    """(first, count): the row blocks of an HF weight that its rows [row_offset, row_offset + rows) touch
+    (blocks start at the HF weight's multiples of `block`)."""
+    if rows == 0:
+        return row_offset // block, 0
+    first = row_offset // block
+    return first, (row_offset + rows - 1) // block - first + 1
 
 
-def quantize_weight_blocks(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def _tiles(w32: torch.Tensor, row_offset: int, block: int) -> torch.Tensor:
+    """w's rows placed at their offset inside their HF weight's blocks, zero-padded to whole blocks:
+    [blocks touched, block, KB, block]."""
+    n, k = w32.shape
+    _, nb = touched_blocks(n, row_offset, block)
+    kb, lead = _blocks(k, block), row_offset % block
+    padded = torch.nn.functional.pad(w32, (0, kb * block - k, lead, nb * block - n - lead))
+    return padded.reshape(nb, block, kb, block)
+
+
+def weight_block_amax(w: torch.Tensor, block: int = BLOCK, row_offset: int = 0) -> torch.Tensor:
+    """The amax of each block that w's rows touch, over those rows only: [blocks touched, ceil(K/block)] fp32.
+    w [n, K] are rows [row_offset, row_offset + n) of an HF weight (a TP rank's part). The whole block's
+    amax is the max of its parts' (exact, in any order): what a rank holding part of a block reduces."""
+    _check_block(block)
+    w32 = w.detach().to(torch.float32)
+    _refuse_non_finite(w32, "weight")
+    return _tiles(w32, row_offset, block).abs().amax(dim=(1, 3))
+
+
+def quantize_weight_blocks(
+    w: torch.Tensor, block: int = BLOCK, *, row_offset: int = 0, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] float -> (q [N, K] float8_e4m3fn, scale_inv [ceil(N/block), ceil(K/block)] fp32), with
-    W ~ q.float() * scale_inv broadcast over each block. The rule is the module's docstring's."""
+    W ~ q.float() * scale_inv broadcast over each block. The rule is the module's docstring's.
+
+    A part of an HF weight (rows [row_offset, row_offset + N) of it, e.g. a TP rank's) takes its blocks
+    where the HF weight has them: scale_inv holds the blocks it touches (`touched_blocks`), and `amax`
+    (that shape) gives each block's amax over the whole block, where the block extends past the part (the
+    max of every part's `weight_block_amax`). Without it, the part's own rows are the block."""
     _check_block(block)
     if w.dim() != 2:
         raise ValueError(f"fp8_block: a weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    if row_offset < 0:
+        raise ValueError(f"fp8_block: row_offset must be >= 0, got {row_offset}")
     w32 = w.detach().to(torch.float32)
     _refuse_non_finite(w32, "weight")
     n, k = w32.shape
-    nb, kb = _blocks(n, block), _blocks(k, block)
-    tiles = _padded(w32, nb * block, kb * block).reshape(nb, block, kb, block)
-    scale = _scale_of(tiles.abs().amax(dim=(1, 3)))
-    q = _cast(tiles / scale[:, None, :, None]).reshape(nb * block, kb * block)[:n, :k]
+    tiles = _tiles(w32, row_offset, block)
+    nb, kb = tiles.shape[0], tiles.shape[2]
+    if amax is None:
+        amax = tiles.abs().amax(dim=(1, 3))
+    elif tuple(amax.shape) != (nb, kb):
+        raise ValueError(f"fp8_block: amax shape {tuple(amax.shape)} is not the touched blocks' {(nb, kb)}")
+    scale = _scale_of(amax.to(torch.float32))
+    lead = row_offset % block
+    q = _cast(tiles / scale[:, None, :, None]).reshape(nb * block, kb * block)[lead : lead + n, :k]
     return q.contiguous(), scale.contiguous()
 
 

@@ -116,9 +116,9 @@ class Qwen3(nn.Module):
     def _mlp(self, li: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The dense SwiGLU block: fused gate/up (column), down over the canonical K-shards (row)."""
         f = self.cfg.intermediate_size
-        gate, up = self.kernels.linear(
-            x, self.fused(f"{li}.gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight])
-        ).split([f, f], dim=-1)
+        gate, up = self.fused_linear(x, f"{li}.gate_up", [mlp.gate_proj.weight, mlp.up_proj.weight]).split(
+            [f, f], dim=-1
+        )
         return self.kernels.linear_k_sharded(self.kernels.swiglu(gate, up), mlp.down_proj.weight)
 
     @torch.no_grad()
@@ -153,6 +153,16 @@ class Qwen3(nn.Module):
             self._fused[name] = hit
         return hit[1]
 
+    def fused_linear(self, x: torch.Tensor, name: str, weights: list[torch.Tensor]) -> torch.Tensor:
+        """The column linear of the fused weights; a quantizing set (fp8_block) is told which rows are
+        which weight, since it quantizes each weight on its own."""
+        w = self.fused(name, weights)
+        if getattr(self.kernels, "fp8", False):
+            from tonpolicy.kernels.invariant.ordered_fp8 import RowParts
+
+            return self.kernels.linear(x, w, RowParts.whole(*(t.shape[0] for t in weights)))
+        return self.kernels.linear(x, w)
+
     # --- forward --------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -186,8 +196,8 @@ class Qwen3(nn.Module):
         for li, layer in enumerate(self.model.layers):
             a = layer.self_attn
             x = kern.rms_norm(h, layer.input_layernorm.weight, cfg.rms_norm_eps)
-            qkv_w = self.fused(f"{li}.qkv", [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            q, k, v = kern.linear(x, qkv_w).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            qkv = self.fused_linear(x, f"{li}.qkv", [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.reshape(n, cfg.num_attention_heads, cfg.head_dim)
             k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -229,8 +239,8 @@ class Qwen3(nn.Module):
         for li, layer in enumerate(self.model.layers):
             a = layer.self_attn
             x = kern.rms_norm(h, layer.input_layernorm.weight, cfg.rms_norm_eps)
-            qkv_w = self.fused(f"{li}.qkv", [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            q, k, v = kern.linear(x, qkv_w).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            qkv = self.fused_linear(x, f"{li}.qkv", [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q, k = kern.apply_rope_qk(
                 kern.rms_norm(q.reshape(n, cfg.num_attention_heads, cfg.head_dim), a.q_norm.weight, cfg.rms_norm_eps),
                 kern.rms_norm(k.reshape(n, cfg.num_kv_heads, cfg.head_dim), a.k_norm.weight, cfg.rms_norm_eps),

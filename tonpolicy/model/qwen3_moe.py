@@ -46,8 +46,8 @@ class Qwen3Moe(Qwen3):
         for e in torch.unique(r.experts).tolist():
             rows, slots = torch.nonzero(r.experts == e, as_tuple=True)
             ex = mlp.experts[e]
-            gate_up = self.fused(f"{li}.{e}.gate_up", [ex.gate_proj.weight, ex.up_proj.weight])
-            gate, up = kern.linear(x.index_select(0, rows), gate_up).split([f, f], dim=-1)
+            gate_up = [ex.gate_proj.weight, ex.up_proj.weight]
+            gate, up = self.fused_linear(x.index_select(0, rows), f"{li}.{e}.gate_up", gate_up).split([f, f], dim=-1)
             # Left in fp32 (the K-shard partials summed, not rounded): the combine rounds once.
             partials = kern.linear_partials(kern.swiglu(gate, up), ex.down_proj.weight, kern.canonical_shards)
             outputs[rows, slots] = kern.combine_partials(partials, torch.float32)

@@ -2,10 +2,12 @@
 
 Megatron stores the fused QKV weight interleaved per query group ([q heads, k, v] per group); the fp8
 weight blocks are 128-row blocks of the Hugging Face q, k and v weights, which the rollout engine fuses as
-[q; k; v]. So the kernel runs on this rank's rows reordered to [q; k; v] (whose 128-row blocks are then the
-HF weights' own, the layout rules in tonpolicy.validation.quant_rules guarantee it) and its output columns
+[q; k; v]. So the kernel runs on this rank's rows reordered to [q; k; v] (each part quantized in its HF
+weight's own blocks) and its output columns
 are put back in Megatron's order. Each output column's bits depend only on its row and that row's block,
-so the reorder changes no bit. Without fp8 it is the plain kernel column-parallel linear."""
+so the reorder changes no bit. At TP > 1 the rank's q, k and v rows are its slices of the HF weights, a
+block cut by the split scaled by the whole block's amax (trainer.fp8_gate_up).
+Without fp8 it is the plain kernel column-parallel linear."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from megatron.core import parallel_state
 
 from tonpolicy.kernels import weight_cache
+from tonpolicy.trainer.fp8_gate_up import fp8_parts
 from tonpolicy.trainer.kernel_autograd import KernelLinear
 from tonpolicy.trainer.kernel_modules import KernelColumnParallelLinear, tp_dgrad_group
 
@@ -52,8 +55,11 @@ class KernelQKVLinear(KernelColumnParallelLinear):
             return super().forward(input_, weight, runtime_gather_output)
         w = self.weight if weight is None else weight
         order, back = self._order()
+        c = self.config
+        q, kv = c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels
+        rows, reduce = fp8_parts([q, kv, kv], tp_dgrad_group())
 
         def fn(x: torch.Tensor, w_: Any) -> torch.Tensor:
-            return self.kernels.linear(x, self._hf_rows(w_, order)).index_select(-1, back)
+            return self.kernels.linear(x, self._hf_rows(w_, order), rows, reduce).index_select(-1, back)
 
         return KernelLinear.apply(input_, w, fn, tp_dgrad_group()), None

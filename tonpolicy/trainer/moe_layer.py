@@ -28,9 +28,9 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from tonpolicy.kernels.moe import Routing
 from tonpolicy.kernels.row_parallel import combine_row_parallel
 from tonpolicy.trainer import ep_exchange
+from tonpolicy.trainer.fp8_gate_up import KernelGateUpLinear
 from tonpolicy.trainer.kernel_autograd import KernelLinear
 from tonpolicy.trainer.kernel_modules import (
-    KernelColumnParallelLinear,
     KernelMLP,
     KernelRowParallelLinear,
     _TakesKernels,
@@ -46,14 +46,12 @@ def _own_group(module: Any) -> Any:
     return group if group is not None and group.size() > 1 else None
 
 
-class KernelExpertColumnParallelLinear(KernelColumnParallelLinear):
-    """An expert's fc1: its input gradient is summed over the expert-TP group."""
+class KernelExpertColumnParallelLinear(KernelGateUpLinear):
+    """An expert's fc1 ([gate; up]): its input gradient summed, and its split fp8 blocks reduced, over the
+    expert-TP group."""
 
-    def forward(
-        self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
-    ) -> tuple[torch.Tensor, None]:
-        w = self.weight if weight is None else weight
-        return KernelLinear.apply(input_, w, self.kernels.linear, _own_group(self)), None
+    def _group(self) -> Any:
+        return _own_group(self)
 
 
 class KernelExpertRowParallelLinear(KernelRowParallelLinear):

@@ -16,6 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import ModuleSpec, transformer_block
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
+from tonpolicy.trainer.fp8_gate_up import KernelGateUpLinear
 from tonpolicy.trainer.fp8_qkv import KernelQKVLinear
 from tonpolicy.trainer.kernel_modules import (
     KernelColumnParallelLinear,
@@ -82,8 +83,8 @@ class KernelSpecProvider(StockSpecProvider):
         return self._spec(KernelCoreAttention, rope_theta=self.rope_theta, cp_type=self.cp_type)
 
     def dense_mlp(self) -> ModuleSpec:
-        spec = super().dense_mlp()
-        return ModuleSpec(module=KernelMLP, params={"kernels": self.kernels}, submodules=spec.submodules)
+        fc1_fc2 = MLPSubmodules(linear_fc1=self._spec(KernelGateUpLinear), linear_fc2=self.row_parallel_linear())
+        return ModuleSpec(module=KernelMLP, params={"kernels": self.kernels}, submodules=fc1_fc2)
 
     def moe_mlp(self) -> ModuleSpec:
         """The contract's MoE layer on the kernel set, EP by tonpolicy's own exchange (trainer.moe_layer)."""

@@ -2,9 +2,10 @@
 `bad(key, rule)` reporter.
 
 fp8_block's weight blocks are 128 rows x 128 columns of each Hugging Face weight (of each canonical K-shard
-of a row-parallel one): the definition holds at a layout only where the layout moves whole blocks. The
-engines fuse q/k/v and gate/up per TP rank, so each weight's rows on a rank must be whole 128-row blocks
-(the trainer reorders Megatron's per-group QKV interleave to [q; k; v] itself)."""
+of a row-parallel one), the last of a dimension partial. The embedded engine quantizes each HF weight
+whole; the trainer quantizes its rank's slice of each (a block cut by TP takes the all-reduced amax), so
+every trainer layout holds. Released SGLang's contract package quantizes its rank's fused q/k/v and gate/up
+rows as one weight, so there each HF weight's rows on a rank must be whole 128-row blocks."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def check_quant(cfg: Config, bad: Any) -> None:
         )
     if not c.exact_zero:
         bad("contract.quant", "fp8_block is a contract of exact zero: contract.exact_zero must be true")
+    if cfg.rollout.backend != "sglang":
+        return
     sizes = [
         ("model.num_attention_heads", "q_proj", m.num_attention_heads * m.head_dim),
         ("model.num_kv_heads", "k_proj and v_proj", m.num_kv_heads * m.head_dim),
@@ -40,19 +43,18 @@ def check_quant(cfg: Config, bad: Any) -> None:
     ]
     if m.num_experts:
         sizes.append(("model.moe_intermediate_size", "the experts' gate_proj and up_proj", m.moe_intermediate_size))
-    p = cfg.parallel
+    tp = cfg.parallel.rollout_tp
     for model_key, names, size in sizes:
-        for key, tp in sorted({("parallel.tp", p.tp), ("parallel.rollout_tp", p.rollout_tp)}, key=lambda e: e[1]):
-            if tp < 1 or size % tp or (size // tp) % BLOCK == 0:
-                continue
-            where = model_key if tp == 1 else key
-            bad(
-                where,
-                f"contract.quant=fp8_block: {names} rows per rank ({size} / TP {tp} = {size // tp}) must be a "
-                f"multiple of {BLOCK}: the engines fuse q/k/v and gate/up per rank, so a rank's rows of each "
-                f"weight must be whole {BLOCK}-row weight blocks",
-            )
-            break
+        if tp < 1 or size % tp or (size // tp) % BLOCK == 0:
+            continue
+        bad(
+            model_key if tp == 1 else "parallel.rollout_tp",
+            f"contract.quant=fp8_block with rollout=sglang: {names} rows per SGLang rank ({size} / TP {tp} = "
+            f"{size // tp}) must be a multiple of {BLOCK}: the SGLang package quantizes a rank's fused q/k/v "
+            f"and gate/up rows as one weight, so each weight's rows there must be whole {BLOCK}-row blocks "
+            "(the embedded engine has no such rule: rollout=embedded)",
+        )
+        break
 
 
 def sglang_fp8_checkpoint_issues(cfg: Config, config_json: Path) -> list[ConfigIssue]:

@@ -19,8 +19,10 @@ from tonpolicy.kernels.invariant.exact_gemm import _TextbookGrad
 from tonpolicy.kernels.invariant.ordered import OrderedKernels
 
 FP8_DESCRIPTION = {
-    "weights": f"per HF weight [N, K], blocks of {BLOCK} x {BLOCK}: amax |w| fp32; scale_inv = amax/448 (fp32, RNE), "
-    "below 2^-126 -> 1.0; q = e4m3 RNE of clamp(w/scale_inv, -448, 448)",
+    "weights": f"per HF weight [N, K] (fused q/k/v and gate/up quantized per HF weight), blocks of {BLOCK} x "
+    f"{BLOCK}, the last of a dimension partial: amax |w| fp32 over the whole block (a block split across TP "
+    "ranks: the max of the ranks' amaxes); scale_inv = amax/448 (fp32, RNE), below 2^-126 -> 1.0; "
+    "q = e4m3 RNE of clamp(w/scale_inv, -448, 448)",
     "activations": f"per token, groups of {BLOCK} along K: the weights' rule",
     "gemm": f"per K-group of {BLOCK}: S = the bf16 pair chain of the e4m3 values (exact products) from +0; "
     "y = +0, y = y + S * (sa * sw) over groups ascending, each op one IEEE fp32 rounding, no FMA",
@@ -68,7 +70,16 @@ class QuantOrderedKernels(OrderedKernels):
             return super().linear_partials(x, weight, num_shards)
         return _ste(x, weight, lambda a, w: ordered_fp8.fp8_linear_partials(a, w, num_shards))
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        rows: ordered_fp8.RowParts | None = None,
+        reduce_amax: ordered_fp8.AmaxReduce | None = None,
+    ) -> torch.Tensor:
+        """`rows`: the HF weights weight's rows come from (a fused or TP-sharded weight), `reduce_amax`: the
+        max over the ranks holding the other parts of its blocks (ordered_fp8). Without fp8 they change
+        nothing: a fused linear's columns are the separate ones'."""
         if not self.fp8:
             return super().linear(x, weight)
-        return _ste(x, weight, ordered_fp8.fp8_linear).to(x.dtype)
+        return _ste(x, weight, lambda a, w: ordered_fp8.fp8_linear(a, w, rows, reduce_amax)).to(x.dtype)
