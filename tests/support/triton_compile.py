@@ -77,7 +77,7 @@ def exercise() -> None:
         w = torch.randn(96, 256).to(dtype)
         kern.linear(x, w)
         kern.combine_partials(kern.linear_partials(x, w, 2), dtype)
-        for m in (1, 100, 600, 1100):  # every batch-size bucket's GEMM member, K whole and sharded
+        for m in (1, 1100):  # with the model's 70 rows and the 600 above: every bucket's GEMM member
             kern.linear(x.repeat(2, 1)[:m], w)
             kern.linear_k_sharded(x.repeat(2, 1)[:m], w)
         q = torch.randn(3, 1, 8, 32).to(dtype)
@@ -97,9 +97,10 @@ def exercise() -> None:
         pos2 = torch.arange(70).repeat(2, 1)
         out, lse = kern.attention_with_lse(qb, kb, kb, pos2, 0.2)
         kern.attention_backward(qb, kb, kb, pos2, out, torch.zeros(2, 70, 8), qb, 0.2)
-        xr = torch.randn(20, 256).to(dtype)
-        kern.rms_norm_backward(xr, xr[0], 1e-6, xr, True)
-        kern.swiglu_backward(xr, xr, xr)
+        if dtype == torch.bfloat16:  # the fused row-local backward: fp32 differs only in its loads and stores
+            xr = torch.randn(20, 256).to(dtype)
+            kern.rms_norm_backward(xr, xr[0], 1e-6, xr, True)
+            kern.swiglu_backward(xr, xr, xr)
     del Segment
 
 
