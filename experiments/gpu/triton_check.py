@@ -295,25 +295,20 @@ def tune() -> dict:
     w = (torch.randn(n, k, device=DEV, generator=g) / 50).bfloat16()
     base = {m: tlin.linear(x, w, 4, torch.bfloat16) for m, x in xs.items()}
     plain = {m: bench(F.linear, x, w) for m, x in xs.items()}
-    for bm, bn, bk, nw, ns, split in (
-        (128, 128, 64, 8, 3, 4),
-        (128, 128, 64, 8, 4, 0),
-        (128, 128, 64, 8, 4, 1),
-        (64, 128, 64, 4, 4, 4),
-        (128, 128, 128, 8, 4, 4),
-    ):
-        name = f"linear_{bm}x{bn}x{bk}_w{nw}_s{ns}_split{split}"
-        try:
-            with _Patched(
-                tlin, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_WARPS=nw, NUM_STAGES=ns, SPLIT_BELOW_ROW_TILES=split
-            ):
-                same = all(torch.equal(tlin.linear(x, w, 4, torch.bfloat16), base[m]) for m, x in xs.items())
+    # Every member of the GEMM family at every M, fused and split-K (which member serves which M is
+    # tlin.tiles_for's choice: this is the table to tune it by).
+    for t in tlin.FAMILY:
+        for split in (False, True):
+            name = f"linear_{t.block_m}x{t.block_n}_w{t.num_warps}_s{t.num_stages}_g{t.group_m}"
+            name += ("_persistent" if t.persistent else "") + ("_tma" if t.tma else "") + ("_splitk" if split else "")
+            try:
+                run = lambda x, t=t, split=split: tlin.linear(x, w, 4, torch.bfloat16, tiles=t, split_k=split)  # noqa: E731
                 out[name] = {
-                    "bits_equal_contract": same,
-                    **{f"m{m}_ratio": bench(tlin.linear, x, w, 4, torch.bfloat16) / plain[m] for m, x in xs.items()},
+                    "bits_equal_contract": all(torch.equal(run(x), base[m]) for m, x in xs.items()),
+                    **{f"m{m}_ratio": bench(run, x) / plain[m] for m, x in xs.items()},
                 }
-        except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
-            out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            except Exception as e:  # noqa: BLE001 - a member that does not compile is a result too
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     hq, hkv, d = 32, 8, 128
     scale = d**-0.5
     q, kk, v = (torch.randn(4096, h, d, device=DEV, generator=g).bfloat16() for h in (hq, hkv, hkv))
