@@ -2,7 +2,10 @@
 step-2 checkpoint, resumed with checkpoint.resume=auto, writes the same step records (apart from times)
 and ends with the same weights, bit for bit, as a run that was never interrupted. Control (tp1):
 resumed with the weights but a fresh optimizer (TONPOLICY_FAULT=resume_without_optimizer_state), the
-same gradient makes other weights."""
+same gradient makes other weights. The TP x PP run's saved trainer state (megatron's distributed checkpoint)
+loads into a tp1 trainer, resharded bit for bit; a run is still resumed only at the layout that saved it
+(another layout's gradients are reduced in another order: tp1 and tp2_pp2 runs differ from step 0's
+grad norm on)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from support.e2e_common import records, tonpolicy_argv
+
+from tonpolicy.trainer.process_groups import spawn
 
 JOB = ("experiment.steps=3", "checkpoint.save_every=2")
 LAYOUTS = {"tp1": True, "tp2_pp2": False}  # layout -> whether its runs include the control
@@ -81,3 +87,66 @@ def test_without_the_optimizer_state_the_resumed_run_differs(runs: dict[str, Pat
 
 def _final(run_dir: Path) -> dict:
     return load_file(run_dir / "checkpoints" / "step_3" / "model.safetensors")
+
+
+@pytest.mark.parametrize("runs", ["tp2_pp2"], indirect=True)
+def test_a_saved_state_loads_at_another_layout(runs: dict[str, Path]) -> None:
+    """tp2_pp2's step-2 state in a tp1 trainer: every tensor of its optimizer is the saved global tensor's
+    slice, bit for bit, with the Adam step; the bf16 weights the HF files hold are its fp32 main weights
+    rounded, and these hold more bits than the weights (they came from the trainer state). Control: the
+    same trainer before loading (a fresh optimizer) has neither the state nor those bits."""
+    fresh, loaded = spawn(_checks_at_tp1, 1, str(runs["resumed"] / "checkpoints" / "step_2"))
+    assert fresh["main_beyond_weights"] == 0 and fresh["adam_step"] == set(), fresh
+    assert loaded["tensors"] > 0 and loaded["differ_from_saved"] == 0, loaded
+    assert loaded["main_not_rounding_to_weights"] == 0 and loaded["main_beyond_weights"] > 0, loaded
+    assert loaded["adam_step"] == {
+        json.loads((runs["resumed"] / "checkpoints/step_2/trainer_state.json").read_text())["adam_step"]
+    }
+
+
+def _checks_at_tp1(step_dir: str) -> tuple[dict, dict]:
+    """A tp1 trainer on `step_dir`'s weights, checked before and after loading its trainer state."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.serialization import load_plain_tensors
+
+    from tonpolicy.config.compose import compose_config
+    from tonpolicy.trainer.optimizer_state import OPTIMIZER_DIR, sharded_optimizer_state
+    from tonpolicy.trainer.worker import TrainerWorker
+
+    worker = TrainerWorker(compose_config(["parallel=tp1", *JOB]), step_dir)
+    worker._setup_optimizer()
+    fresh = _main_weight_checks(worker)
+    worker.load_trainer_state(Path(step_dir))
+    saved = load_plain_tensors(str(Path(step_dir) / OPTIMIZER_DIR))  # each global tensor whole
+    sharded = sharded_optimizer_state(worker, is_loading=False)
+    apply_factories(sharded)
+    shards = [t for t in nested_values(sharded) if isinstance(t, ShardedTensor)]
+    differ = sum(not _bits(t.data).equal(_bits(saved[t.key][_where(t)])) for t in shards)
+    return fresh, {**_main_weight_checks(worker), "tensors": len(shards), "differ_from_saved": differ}
+
+
+def _main_weight_checks(worker: object) -> dict:
+    opts = getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
+    groups = [
+        zip(ps, ms, strict=True)
+        for o in opts
+        for ps, ms in zip(o.float16_groups, o.fp32_from_float16_groups, strict=True)
+    ]
+    pairs = [pair for group in groups for pair in group]
+    return {
+        "main_not_rounding_to_weights": sum(not m.bfloat16().equal(p) for p, m in pairs),
+        "main_beyond_weights": sum(not m.equal(p.float()) for p, m in pairs),
+        "adam_step": {float(s["step"]) for o in opts for s in o.optimizer.state.values() if "step" in s},
+    }
+
+
+def _where(shard: object) -> tuple:
+    """The shard's place in its global tensor (leading axes prepended by megatron: one index each)."""
+    lead = shard.prepend_axis_num
+    offsets = shard.global_offset
+    return (*offsets[:lead], *(slice(o, o + n) for o, n in zip(offsets[lead:], shard.local_shape, strict=True)))
+
+
+def _bits(t: object) -> object:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t

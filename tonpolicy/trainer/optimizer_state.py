@@ -45,8 +45,9 @@ def _tensors_only(entry: Any) -> Any:
     return entry if isinstance(entry, ShardedBase | LocalNonpersistentObject) else LocalNonpersistentObject(entry)
 
 
-def _optimizer_sharded(worker: Any, is_loading: bool) -> dict[str, Any]:
-    # is_loading gives a fresh optimizer zero Adam state first, so that it names the tensors to load
+def sharded_optimizer_state(worker: Any, is_loading: bool) -> dict[str, Any]:
+    """`worker`'s optimizer state as megatron ShardedTensors (what is saved, or what is loaded into:
+    is_loading gives a fresh optimizer zero Adam state first, so that it names the tensors to load)."""
     model = worker.module.sharded_state_dict()
     return {"optimizer": [_tensors_only(o.sharded_state_dict(model, is_loading)) for o in _chained(worker.optimizer)]}
 
@@ -64,7 +65,7 @@ def save_trainer_state(worker: Any, path: Path, completed_steps: int) -> None:
     if worker.optimizer is None:
         worker._setup_optimizer()
     step = _adam_step(worker.optimizer)  # 0: every update so far refused, no Adam state yet
-    dist_checkpoint.save(_optimizer_sharded(worker, is_loading=False), path / OPTIMIZER_DIR)
+    dist_checkpoint.save(sharded_optimizer_state(worker, is_loading=False), path / OPTIMIZER_DIR)
     if dist.get_rank() == 0:
         layout = layout_label(worker.cfg.parallel)
         meta = {"completed_steps": completed_steps, "layout": layout, "adam_step": step}
@@ -81,7 +82,7 @@ def load_trainer_state(worker: Any, path: Path, optimizer: bool = True) -> int:
     if worker.optimizer is None:
         worker._setup_optimizer()
     if optimizer and meta["adam_step"] > 0:
-        loaded = dist_checkpoint.load(_optimizer_sharded(worker, is_loading=True), path / OPTIMIZER_DIR)
+        loaded = dist_checkpoint.load(sharded_optimizer_state(worker, is_loading=True), path / OPTIMIZER_DIR)
         for opt, state in zip(_chained(worker.optimizer), loaded["optimizer"], strict=True):
             torch_state = state.get("optimizer", state)  # a bf16 model's holds it beside its main params
             torch_state["state"]["common_step"] = torch.tensor(meta["adam_step"], dtype=torch.float32)
