@@ -8,6 +8,7 @@ experts (96 rows) have partial blocks: exact zero there too (the kernel tests ho
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,20 +38,24 @@ def fp8_rollout(checkpoint: str) -> dict:
     return {"prompts": prompts, "responses": [r.output_ids for r in res], "logprobs": [r.output_logprobs for r in res]}
 
 
-def trainer_logprobs(checkpoint: str, rollout: dict, tp: int = 1, quants: tuple = ("fp8_block", "none")) -> dict:
+def trainer_logprobs(checkpoint: str, rollout: dict, layout: Any = None, quants: tuple = ("fp8_block", "none")) -> dict:
     from tonpolicy.align import harness
     from tonpolicy.trainer.process_groups import Layout, reset_model_parallel
     from tonpolicy.trainer.worker import TrainerWorker
 
     out = {}
     for quant in quants:
-        cfg = harness.make_config(Layout(tp=tp), "bfloat16", "exact", TEMPERATURE, checkpoint)
+        cfg = harness.make_config(layout or Layout(), "bfloat16", "exact", TEMPERATURE, checkpoint)
         cfg.contract.quant = quant
         worker = TrainerWorker(cfg, checkpoint)
         out[quant] = harness.compare(worker.logprobs(rollout["prompts"], rollout["responses"]), rollout["logprobs"])
         worker.close()
         reset_model_parallel()
     return out
+
+
+def _jobs(jobs: list[tuple]) -> list[dict]:
+    return [trainer_logprobs(*job) for job in jobs]
 
 
 def test_fp8_trainer_forward_equals_fp8_rollout(tmp_path: Path) -> None:
@@ -64,13 +69,19 @@ def test_fp8_trainer_forward_equals_fp8_rollout(tmp_path: Path) -> None:
     assert got["none"]["mismatched"] > 0 and 0 < got["none"]["max_abs_diff"] < 1.0, got
 
 
-def test_fp8_trainer_tp2_and_moe_equal_fp8_rollout(tmp_path: Path) -> None:
+def test_fp8_trainer_tp2_and_moe_ep2_equal_fp8_rollout(tmp_path: Path) -> None:
+    from tonpolicy.config.layout import Layout
+
     dense = ModelConfig(num_layers=1)  # qwen3_tiny's sizes: k/v 128 rows, 64 per TP 2 rank
-    save_hf(init_state_dict(dense, torch.bfloat16, 6), dense, tmp_path / "dense")
-    got = spawn(trainer_logprobs, 2, str(tmp_path / "dense"), fp8_rollout(str(tmp_path / "dense")), 2, ("fp8_block",))
-    assert got["fp8_block"]["tokens"] == 8 and got["fp8_block"]["max_abs_diff"] == 0.0, got
     moe = compose_config(["model=qwen3_moe_tiny", "model.num_layers=1"]).model  # experts of 96 rows
-    save_hf(init_state_dict(moe, torch.bfloat16, 7), moe, tmp_path / "moe")
-    got = spawn(trainer_logprobs, 1, str(tmp_path / "moe"), fp8_rollout(str(tmp_path / "moe")))
-    assert got["fp8_block"]["tokens"] == 8 and got["fp8_block"]["max_abs_diff"] == 0.0, got
-    assert got["none"]["mismatched"] > 0, got  # control: the unquantized trainer
+    jobs = []
+    for name, cfg, layout, quants in (
+        ("dense", dense, Layout(tp=2), ("fp8_block",)),
+        ("moe", moe, Layout(dp=2, ep=2), ("fp8_block", "none")),
+    ):
+        save_hf(init_state_dict(cfg, torch.bfloat16, 6), cfg, tmp_path / name)
+        jobs.append((str(tmp_path / name), fp8_rollout(str(tmp_path / name)), layout, quants))
+    tp2, ep2 = spawn(_jobs, 2, jobs)
+    for got in (tp2, ep2):
+        assert got["fp8_block"]["tokens"] == 8 and got["fp8_block"]["max_abs_diff"] == 0.0, got
+    assert ep2["none"]["mismatched"] > 0, ep2  # control: the unquantized trainer
