@@ -4,7 +4,7 @@ contract kernel.
 - cp == 1: `kernels.attention` directly.
 - Ulysses: all-to-all scatters heads and gathers the (contiguous) sequence chunks, so each rank runs
   the single-device kernel on whole sequences for H/CP heads (heads are independent), then back.
-- ring (zigzag): `ring_attention.RingAttention` (K/V travel the ring; remote split-KV partials merged
+- ring (zigzag): `ring_attention.RingAttention` (K/V travel the ring; remote chunk partials merged
   in the single-device key order).
 """
 
