@@ -3,7 +3,7 @@ linears vs cuBLAS (gemm_speed.py), attention vs SDPA/FlashAttention (attention_s
 trainer step kernels vs stock spec. Prints one line per row (target, measured, met) and writes the JSON.
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 1 experiments/gpu/speed_table.py \
-        --out experiments/results/gpu_speed.json
+        --out "$RESULTS/gpu_speed.json"    # RESULTS=experiments/results
     python3 experiments/gpu/speed_table.py --smoke    # CPU, Triton's interpreter: checks the script only
 
 Without CUDA (and without --smoke) it exits 2 with a message, having measured nothing.
