@@ -15,7 +15,5 @@ print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo")
 
 
 def test_the_trainer_imports_megatron_without_dynamo() -> None:
-    out = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", PROBE], capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", PROBE], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "no dynamo", out.stdout + out.stderr
