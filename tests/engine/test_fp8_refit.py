@@ -43,7 +43,10 @@ def _quantized(name: str, w: torch.Tensor) -> list[QuantizedWeight]:
 def _same(a: list[QuantizedWeight], b: list[QuantizedWeight]) -> bool:
     return all(
         torch.equal(_bits(x.row_scales), _bits(y.row_scales))
-        and all(torch.equal(_bits(g), _bits(h)) for g, h in zip(x.groups, y.groups, strict=True))
+        and all(
+            (g is None and h is None) or (g is not None and h is not None and torch.equal(_bits(g), _bits(h)))
+            for g, h in ((x.full, y.full), (x.tail, y.tail))
+        )
         for x, y in zip(a, b, strict=True)
     )
 
