@@ -385,7 +385,8 @@ class TrainerWorker:
         dist.barrier()
 
     def save_trainer_state(self, path: str | Path, completed_steps: int) -> None:
-        """The optimizer's state beside the weights (a collective; rank 0 writes)."""
+        """The optimizer's state beside the weights, in megatron's distributed checkpoint format (a collective:
+        each rank writes the shards it owns)."""
         from tonpolicy.trainer.optimizer_state import save_trainer_state
 
         save_trainer_state(self, Path(path), completed_steps)
