@@ -26,6 +26,7 @@ from tonpolicy.config.hf_qwen3 import EMBED, FINAL_NORM, LAYER_PARAMS, LM_HEAD, 
 from tonpolicy.contract.identity import runtime_identity
 from tonpolicy.inside_sglang.model.attention import pooled_attention
 from tonpolicy.inside_sglang.model.fp8_load import check_quant_config, dequantized
+from tonpolicy.inside_sglang.model.fp8_rows import fused_column_linear
 from tonpolicy.inside_sglang.model.heads import ContractLogitsProcessor, contract_sampler_active
 from tonpolicy.inside_sglang.model.report import contract_from_env, write_report
 from tonpolicy.kernels import get_kernels, padded_vocab_size
@@ -84,6 +85,9 @@ class Qwen3ForCausalLM(nn.Module):
             self.tp_rank * kv_heads // self.tp_size if kv_heads < self.tp_size else self.tp_rank * self.kv_heads
         )
         self.inter = cfg.intermediate_size // self.tp_size
+        # This rank's rows of q, k and v in their HF weights (KV heads replicated past their number).
+        q_rows, kv_part = self.q_heads * d, (self.kv_heads * d, self.kv_first * d, kv_heads * d)
+        self._qkv_parts = ((q_rows, self.tp_rank * q_rows, heads * d), kv_part, kv_part)
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, self.kernels.canonical_shards)
         self.embed_tokens = _empty(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
@@ -130,6 +134,10 @@ class Qwen3ForCausalLM(nn.Module):
         partials = k.linear_partials(x, weight, k.canonical_shards // self.tp_size)
         return combine_row_parallel(k, partials, x.dtype, self.tp_group if self.tp_size > 1 else None)
 
+    def _column(self, x: torch.Tensor, weight: torch.Tensor, parts: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
+        """A column-parallel fused linear: `parts` say which HF weights its rows are (fp8_block)."""
+        return fused_column_linear(self.kernels, x, weight, parts, self.tp_group if self.tp_size > 1 else None)
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._gather(self.kernels.lm_head(hidden, self.lm_head.weight), -1)
 
@@ -141,7 +149,9 @@ class Qwen3ForCausalLM(nn.Module):
         )
 
     def _mlp(self, li: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.kernels.linear(x, layer.gate_up).split([self.inter, self.inter], dim=-1)
+        full, rank = self.cfg.intermediate_size, self.tp_rank * self.inter
+        parts = ((self.inter, rank, full), (self.inter, rank, full))
+        gate, up = self._column(x, layer.gate_up, parts).split([self.inter, self.inter], dim=-1)
         return self._row_linear(self.kernels.swiglu(gate, up), layer.down_proj)
 
     def _load_layer(self, li: int, suffix: str, w: torch.Tensor) -> None:
@@ -170,7 +180,7 @@ class Qwen3ForCausalLM(nn.Module):
         q_size, kv_size = self.q_heads * d, self.kv_heads * d
         for li, layer in enumerate(self.layers):
             x = kern.rms_norm(h, layer.input_layernorm, cfg.rms_norm_eps)
-            q, k, v = kern.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = self._column(x, layer.qkv, self._qkv_parts).split([q_size, kv_size, kv_size], dim=-1)
             q, k = kern.apply_rope_qk(
                 kern.rms_norm(q.reshape(n, self.q_heads, d), layer.q_norm, cfg.rms_norm_eps),
                 kern.rms_norm(k.reshape(n, self.kv_heads, d), layer.k_norm, cfg.rms_norm_eps),

@@ -27,6 +27,7 @@ from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
 
 from tonpolicy.config import hf_qwen3_moe
 from tonpolicy.config.hf_qwen3 import SHARD_DIM
+from tonpolicy.inside_sglang.model.fp8_rows import fused_column_linear
 from tonpolicy.inside_sglang.model.qwen3 import Qwen3ForCausalLM, _empty, _Layer
 from tonpolicy.kernels.row_parallel import combine_row_parallel, gather_in_rank_order
 
@@ -67,6 +68,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if capturer is not None:
             capturer.capture(li, r.experts.to(torch.int32))
         f, shards = self.moe_inter, kern.canonical_shards // self.moe_tp_size
+        # Each expert's [gate; up] rows on this rank: its moe-TP slice of the two HF weights (fp8_block).
+        full, at = cfg.moe_intermediate_size, self.moe_tp_rank * f
+        parts, group = ((f, at, full), (f, at, full)), self.moe_tp_group if self.moe_tp_size > 1 else None
         first = self.ep_rank * self.local_experts
         picks, partials = [], []
         # Every rank sees the same tokens and routes, so a moe-TP group's ranks meet the same experts
@@ -75,7 +79,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             if not first <= e < first + self.local_experts:
                 continue
             rows, slots = torch.nonzero(r.experts == e, as_tuple=True)
-            gate, up = kern.linear(x.index_select(0, rows), layer.experts_gate_up[e - first]).split([f, f], dim=-1)
+            gate_up = fused_column_linear(kern, x.index_select(0, rows), layer.experts_gate_up[e - first], parts, group)
+            gate, up = gate_up.split([f, f], dim=-1)
             partials.append(kern.linear_partials(kern.swiglu(gate, up), layer.experts_down[e - first], shards))
             picks.append((rows, slots))
         outputs = torch.zeros((*r.experts.shape, x.shape[-1]), dtype=torch.float32, device=x.device)
