@@ -4,8 +4,9 @@
 fp8_block's weight blocks are 128 rows x 128 columns of each Hugging Face weight (of each canonical K-shard
 of a row-parallel one), the last of a dimension partial. The embedded engine quantizes each HF weight
 whole; the trainer quantizes its rank's slice of each (a block cut by TP takes the all-reduced amax), so
-every trainer layout holds. Released SGLang's contract package quantizes its rank's fused q/k/v and gate/up
-rows as one weight, so there each HF weight's rows on a rank must be whole 128-row blocks."""
+every trainer layout holds. Released SGLang's contract package does the same over its TP group, but no test
+runs it at a layout that cuts or shares blocks yet: there each HF weight's rows on a rank stay whole 128-row
+blocks until one does."""
 
 from __future__ import annotations
 
@@ -50,9 +51,8 @@ def check_quant(cfg: Config, bad: Any) -> None:
         bad(
             model_key if tp == 1 else "parallel.rollout_tp",
             f"contract.quant=fp8_block with rollout=sglang: {names} rows per SGLang rank ({size} / TP {tp} = "
-            f"{size // tp}) must be a multiple of {BLOCK}: the SGLang package quantizes a rank's fused q/k/v "
-            f"and gate/up rows as one weight, so each weight's rows there must be whole {BLOCK}-row blocks "
-            "(the embedded engine has no such rule: rollout=embedded)",
+            f"{size // tp}) must be a multiple of {BLOCK}: the SGLang package's partial and TP-cut weight "
+            "blocks are not yet proven by a test (the embedded engine has no such rule: rollout=embedded)",
         )
         break
 
