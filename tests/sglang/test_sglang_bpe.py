@@ -7,12 +7,22 @@ negative control is tests/sglang/test_sglang_real.py::test_off_policy_through_re
 The job runs FP8 rollouts (contract.quant=fp8_block): the contract package inside SGLang quantizes the
 master weights it loads and is synced by the one rule, so the fp8 trainer's gate finds 0 mismatched tokens.
 Control: step 0's rollout logprobs, scored here on the initial weights, are the fp8 set's bits and not
-the unquantized v2 set's (a package that ignored contract.quant would have sampled the latter)."""
+the unquantized v2 set's (a package that ignored contract.quant would have sampled the latter).
+
+The same job resumed through SGLang (checkpoint.resume) from its step-1 checkpoint, in a copy of its run
+folder: SGLang starts from the saved weights and labels the resumed step's samples with the saved step's
+version, and the trainer, on the saved weights and optimizer state, finds 0 mismatched tokens. The samples
+are not the uninterrupted run's: SGLang 0.5.23 honours a request's sampling_seed only under
+--enable-deterministic-inference (sampling_batch_info.py; otherwise torch.multinomial on the server's
+generator), which needs an accelerator. Bit for bit resume is proven on the embedded engine
+(tests/e2e/test_e2e_resume.py, with its control)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from support.e2e_common import records, run_job, samples, summary
 
@@ -20,22 +30,28 @@ from tonpolicy.families import family, resolve
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model.checkpoint import load_hf
 
+SHORT = ("experiment.steps=2", "experiment.prompts_per_step=2", "experiment.max_new_tokens=3")
+SMALL = (*SHORT, "experiment.max_prompt_len=24", "experiment.top_k=16", "task.graded_tokens=1")
+JOB = (
+    "experiment=bpe_chat",
+    "rollout=sglang",
+    "trainer.device=cpu",
+    *SMALL,
+    "rollout.skip_tokenizer_init=false",
+    "contract.quant=fp8_block",
+    "checkpoint.save_every=1",  # step 1's checkpoint: what the resume starts from
+)
 
-def test_bpe_chat_through_real_sglang_is_exact(tmp_path: Path, sglang_py: str) -> None:
-    """Exact zero on every step and every token; the rewards read the decoded answers without error."""
-    short = ("experiment.steps=2", "experiment.prompts_per_step=2", "experiment.max_new_tokens=3")
-    small = (*short, "experiment.max_prompt_len=24", "experiment.top_k=16", "task.graded_tokens=1")
-    proc, run_dir = run_job(
-        tmp_path,
-        "experiment=bpe_chat",
-        "rollout=sglang",
-        "trainer.device=cpu",
-        *small,
-        "rollout.skip_tokenizer_init=false",
-        "contract.quant=fp8_block",
-        timeout=900,
-    )
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, sglang_py: str) -> Path:
+    proc, run_dir = run_job(tmp_path_factory.mktemp("bpe_sglang"), *JOB, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return run_dir
+
+
+def test_bpe_chat_through_real_sglang_is_exact(run_dir: Path) -> None:
+    """Exact zero on every step and every token; the rewards read the decoded answers without error."""
     recs = records(run_dir)
     assert summary(run_dir)["status"] == "ok" and [r["step"] for r in recs] == [0, 1]
     for r in recs:
@@ -45,6 +61,22 @@ def test_bpe_chat_through_real_sglang_is_exact(tmp_path: Path, sglang_py: str) -
     assert texts and all(t.startswith("<|im_start|>user\nIs ") for t in texts), texts[:2]
     fp8, v2 = (_mismatched(run_dir, quant) for quant in ("fp8_block", "none"))
     assert fp8[0] == v2[0] > 0 and fp8[1] == 0 and v2[1] > 0, (fp8, v2)
+
+
+def test_resumed_through_sglang_from_step_1_is_exact_on_the_saved_version(run_dir: Path, tmp_path: Path) -> None:
+    again = tmp_path / "run"
+    shutil.copytree(run_dir, again)
+    proc, _ = run_job(tmp_path, *JOB, f"checkpoint.resume={again / 'checkpoints' / 'step_1'}", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resuming after step 0" in proc.stderr
+    recs = records(again)
+    assert [r["step"] for r in recs] == [0, 1] and recs[0] == records(run_dir)[0]
+    assert recs[1]["gate"] == "passed" and recs[1]["mismatched_tokens"] == 0 and recs[1]["tokens_scored"] > 0
+    assert recs[1]["max_abs_logprob_diff"] == 0.0, recs[1]
+    # a server started on the saved weights reports "default" until it is told their version
+    versions = {v for sample in samples(again)[1]["weight_versions"] for v in sample}
+    assert versions == {"step_1"}, versions
+    assert (again / "checkpoints" / "step_2" / "trainer_state.json").is_file()
 
 
 def _mismatched(run_dir: Path, quant: str, sequences: int = 8) -> tuple[int, int]:
