@@ -2,13 +2,13 @@
 <run dir>/checkpoints/step_<k> (k: steps completed, the weight version the servers report), every
 checkpoint.save_every steps and after the last step, the newest checkpoint.keep_last of them kept.
 
-With rollout.weight_sync=disk every step already writes such a directory for the servers to load: a
-saved step keeps it, any other is deleted once the next step's weights are loaded. With the
-distributed sync the saved steps are written here (every rank takes part in the gather). A saved
-step also holds the trainer's state (the optimizer's, in HF names), from which checkpoint.resume
-continues the run. Under contract.quant=fp8_block a saved step also holds, in `fp8/`, the same policy in
-the published FP8 format (e4m3 linears with their `weight_scale_inv`), what an FP8 server loads; the step
-directory itself keeps the master weights that training and resuming continue from."""
+With rollout.weight_sync=disk every step already writes such a directory for the servers to load: a saved
+step keeps it, any other is deleted once the next step's weights are loaded. With the distributed sync the
+saved steps are written here (every rank takes part in the gather). A saved step also holds the trainer's
+state (the optimizer's, in megatron's distributed checkpoint format), from which checkpoint.resume continues
+the run. Under contract.quant=fp8_block a saved step also holds, in `fp8/`, the same policy in the published
+FP8 format (e4m3 linears with their `weight_scale_inv`), what an FP8 server loads; the step directory itself
+keeps the master weights that training and resuming continue from."""
 
 from __future__ import annotations
 
