@@ -165,8 +165,8 @@ def test_config_refuses_where_fp8_cannot_hold() -> None:
     cases = [
         (["contract=off_policy", "contract.quant=fp8"], "contract.quant='fp8': must be one of"),
         (
-            ["rollout=sglang", "parallel.rollout_tp=2", "contract.quant=fp8_block"],
-            "parallel.rollout_tp=2: contract.quant=fp8_block with rollout=sglang: k_proj and v_proj",
+            ["model=qwen3_moe_tiny", "rollout=sglang", "contract.quant=fp8_block"],
+            "model.moe_intermediate_size=96: contract.quant=fp8_block with rollout=sglang: the experts' gate_proj",
         ),
         (
             ["contract.kernels=invariant", "contract.quant=fp8_block", "rollout=sglang", "model.intermediate_size=320"],
@@ -181,6 +181,12 @@ def test_config_refuses_where_fp8_cannot_hold() -> None:
     text = str(refused.value)
     assert "contract.quant='fp8_block': fp8_block is defined on the ordered (v2) kernel set" in text
     assert "model.intermediate_size=320: contract.quant=fp8_block with rollout=sglang: gate_proj and up_proj" in text
-    # The embedded engine and the trainer hold at every layout: split blocks reduced, partial blocks allowed.
-    for overrides in (["parallel=tp2"], ["parallel=tp4"], ["model=qwen3_moe_tiny", "parallel=tp2_ep2"]):
+    # The embedded engine and the trainer hold at every layout: split blocks reduced, partial blocks allowed;
+    # SGLang where TP cuts whole blocks (tests/sglang/test_sglang_bpe.py: k/v 64, gate/up 192 rows per rank).
+    for overrides in (
+        ["parallel=tp2"],
+        ["parallel=tp4"],
+        ["model=qwen3_moe_tiny", "parallel=tp2_ep2"],
+        ["rollout=sglang", "parallel.rollout_tp=2"],
+    ):
         validate(compose_config([*overrides, "contract.quant=fp8_block"]), check_hf=False)

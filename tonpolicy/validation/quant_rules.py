@@ -4,9 +4,10 @@
 fp8_block's weight blocks are 128 rows x 128 columns of each Hugging Face weight (of each canonical K-shard
 of a row-parallel one), the last of a dimension partial. The embedded engine quantizes each HF weight
 whole; the trainer quantizes its rank's slice of each (a block cut by TP takes the all-reduced amax), so
-every trainer layout holds. Released SGLang's contract package does the same over its TP group, but no test
-runs it at a layout that cuts or shares blocks yet: there each HF weight's rows on a rank stay whole 128-row
-blocks until one does."""
+every trainer layout holds. Released SGLang's contract package does the same over its TP group: proven at
+SGLang TP 2 where ranks cut whole blocks (tests/sglang/test_sglang_bpe.py: k/v 64 and gate/up 192 rows per
+rank). An HF weight whose rows end in a partial block (rows not a multiple of 128) is not yet run through
+SGLang by a test, so it stays refused there at every rollout_tp."""
 
 from __future__ import annotations
 
@@ -44,15 +45,14 @@ def check_quant(cfg: Config, bad: Any) -> None:
     ]
     if m.num_experts:
         sizes.append(("model.moe_intermediate_size", "the experts' gate_proj and up_proj", m.moe_intermediate_size))
-    tp = cfg.parallel.rollout_tp
     for model_key, names, size in sizes:
-        if tp < 1 or size % tp or (size // tp) % BLOCK == 0:
+        if size % BLOCK == 0:  # whole 128-row blocks, cut by SGLang's TP or not: proven (module docstring)
             continue
         bad(
-            model_key if tp == 1 else "parallel.rollout_tp",
-            f"contract.quant=fp8_block with rollout=sglang: {names} rows per SGLang rank ({size} / TP {tp} = "
-            f"{size // tp}) must be a multiple of {BLOCK}: the SGLang package's partial and TP-cut weight "
-            "blocks are not yet proven by a test (the embedded engine has no such rule: rollout=embedded)",
+            model_key,
+            f"contract.quant=fp8_block with rollout=sglang: {names} rows ({size}) must be a multiple of {BLOCK}: "
+            "the SGLang package's partial weight blocks are not yet proven by a test (blocks cut by SGLang's TP "
+            "are; the embedded engine has no such rule: rollout=embedded)",
         )
         break
 
