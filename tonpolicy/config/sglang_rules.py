@@ -3,6 +3,7 @@ CPU engine accepts. Called by tonpolicy.validation.validate with its `bad(key, r
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ VENV = ".venv-sglang"
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 # The model package that carries the contract into released SGLang.
 CONTRACT_SGLANG_PACKAGE = "tonpolicy.inside_sglang.model"
+FP8_BLOCK = 128  # tonpolicy.kernels.fp8_block.BLOCK (that module imports torch; validation must not)
 
 
 def check_sglang(cfg: Config, bad: Any) -> None:
@@ -52,6 +54,9 @@ def check_sglang(cfg: Config, bad: Any) -> None:
             )
         if pol.enable_deterministic_inference:
             bad("contract.sglang.enable_deterministic_inference", "SGLang's deterministic mode needs an accelerator")
+    if c.quant == "fp8_block":
+        _check_fp8_layout(cfg, bad)
+    _check_fp8_checkpoint(cfg, bad)
     if cfg.mode == "run":
         py = sglang_python(cfg)
         if os.sep in py and not os.access(py, os.X_OK):
@@ -60,6 +65,49 @@ def check_sglang(cfg: Config, bad: Any) -> None:
                 f"{py} is not an executable interpreter; make the SGLang environment with "
                 "`bash scripts/setup_sglang.sh` or point rollout.python at one",
             )
+
+
+def _check_fp8_layout(cfg: Config, bad: Any) -> None:
+    """The contract package quantizes each HF weight by the one rule, a block cut by SGLang's TP scaled by
+    the all-reduced amax: proven where every weight's rows are whole 128-row blocks (tests/sglang/
+    test_sglang_bpe.py at SGLang TP 2, which cuts k/v and gate/up blocks). A weight whose rows end in a
+    partial block is not yet run through SGLang by a test, so it stays refused there at every rollout_tp."""
+    m = cfg.model
+    sizes = [
+        ("model.num_attention_heads", "q_proj", m.num_attention_heads * m.head_dim),
+        ("model.num_kv_heads", "k_proj and v_proj", m.num_kv_heads * m.head_dim),
+        ("model.intermediate_size", "gate_proj and up_proj", m.intermediate_size),
+    ]
+    if m.num_experts:
+        sizes.append(("model.moe_intermediate_size", "the experts' gate_proj and up_proj", m.moe_intermediate_size))
+    for model_key, names, size in sizes:
+        if size % FP8_BLOCK == 0:
+            continue
+        bad(
+            model_key,
+            f"contract.quant=fp8_block with rollout=sglang: {names} rows ({size}) must be a multiple of "
+            f"{FP8_BLOCK}: the SGLang package's partial weight blocks are not yet proven by a test (blocks cut "
+            "by SGLang's TP are; the embedded engine has no such rule: rollout=embedded)",
+        )
+        break
+
+
+def _check_fp8_checkpoint(cfg: Config, bad: Any) -> None:
+    """Released SGLang reads a published FP8 checkpoint (`quantization_config` in config.json) into its
+    Fp8Config, which it refuses to run in float32 (its FP8 method takes bf16/fp16 activations only)."""
+    if not cfg.model.checkpoint or cfg.contract.dtype != "float32":
+        return
+    try:
+        qc = json.loads((Path(cfg.model.checkpoint) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return  # a missing or unreadable config.json is reported by the checkpoint's own rules
+    if qc:
+        bad(
+            "contract.dtype",
+            f"model.checkpoint={cfg.model.checkpoint} is an FP8 checkpoint (quantization_config in its "
+            "config.json), which released SGLang refuses to serve in float32: use contract.dtype=bfloat16, or "
+            "an unquantized checkpoint (e.g. one saved by tonpolicy without quant) for float32",
+        )
 
 
 def sglang_python(cfg: Config) -> str:

@@ -26,7 +26,7 @@ from tonpolicy.families import ANY_FAMILY, FAMILIES
 from tonpolicy.kernels.sets import LOGITS_DTYPES, KernelSetSpec, kernel_set, kernel_set_names, kernel_sets
 from tonpolicy.rl.task import TASKS
 from tonpolicy.validation.async_rules import check_staleness
-from tonpolicy.validation.quant_rules import check_quant, sglang_fp8_checkpoint_issues
+from tonpolicy.validation.quant_rules import check_quant
 from tonpolicy.validation.task_rules import check_task
 
 # Values that were renamed, so an old config is told the new name.
@@ -348,7 +348,6 @@ def _check_checkpoint(cfg: Config, issues: list[ConfigIssue]) -> None:
         issues.append(ConfigIssue("model.checkpoint", ckpt, "holds no *.safetensors weights"))
     for key, value, rule in hf_config_mismatches(cfg.model, path / "config.json", "model.checkpoint"):
         issues.append(ConfigIssue(key, value, rule))
-    issues += sglang_fp8_checkpoint_issues(cfg, path / "config.json")
 
 
 def _bf16_logits(cfg: Config) -> bool:
