@@ -8,9 +8,9 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 .venv/bin/python -m pip install -q "torch==2.13.0"
 # data: Parquet prompts and the math_answer reward. fleet: sglang-router 0.3.2 (rollout.replicas > 1),
-# pinned: its command-line flags are in the launch plan.
+# pinned: its command-line flags are in the launch plan. fp8: transformers' loading of FP8 checkpoints.
 # the lock: scripts/setup_sglang.sh may be installing tonpolicy (its egg-info in this tree) at the same time
-flock .editable-install.lock .venv/bin/python -m pip install -q -e ".[test,slurm,fleet,data]"
+flock .editable-install.lock .venv/bin/python -m pip install -q -e ".[test,slurm,fleet,data,fp8]"
 # The `triton` kernel set's tests run in Triton's interpreter here (no GPU). Triton 3.6.0 is the
 # version the lent H200 image has (torch 2.11); its interpreter needs NumPy < 2.4 (it converts
 # 1-element arrays to ints, which NumPy 2.4 refuses).

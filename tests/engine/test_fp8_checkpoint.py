@@ -176,7 +176,7 @@ def test_an_unquantized_save_from_an_fp8_source_drops_its_quantization_config(
 
 def test_transformers_reads_the_saved_format(bf16_dir: tuple[Path, dict]) -> None:
     # transformers parses our quantization_config as its own and, on a CPU, its FP8 loader (through
-    # accelerate, a test dependency) dequantizes to bf16: its weights are then ours.
+    # accelerate, in the fp8 extra) dequantizes to bf16: its weights are then ours.
     from transformers.quantizers.auto import AutoQuantizationConfig
 
     out = bf16_dir[0]
