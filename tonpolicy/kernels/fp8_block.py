@@ -18,7 +18,10 @@ Activations follow the same rule per token in groups of 128 along K (`quantize_a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -76,6 +79,19 @@ def weight_block_amax(w: torch.Tensor, block: int = BLOCK, row_offset: int = 0) 
     w32 = w.detach().to(torch.float32)
     _refuse_non_finite(w32, "weight")
     return _tiles(w32, row_offset, block).abs().amax(dim=(1, 3))
+
+
+def amax_all_reduce(group: Any) -> Any:  # noqa: ANN401 - a torch process group
+    """The exact elementwise MAX of block amaxes over `group`, the ranks holding parts of the blocks (None:
+    one rank, nothing to reduce): what a caller hands the kernels for blocks cut by TP."""
+    if group is None:
+        return None
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t
+
+    return reduce
 
 
 def quantize_weight_blocks(

@@ -15,20 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tonpolicy.kernels.fp8_block import amax_all_reduce
 from tonpolicy.trainer.kernel_autograd import KernelLinear
 from tonpolicy.trainer.kernel_modules import KernelColumnParallelLinear, tp_dgrad_group
-
-
-def amax_reduce(group: Any) -> Any:
-    """The elementwise max over `group` (None: one rank, nothing to reduce)."""
-    if group is None:
-        return None
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t
-
-    return reduce
 
 
 def fp8_parts(sizes: list[int], group: Any) -> tuple[Any, Any]:
@@ -36,7 +25,7 @@ def fp8_parts(sizes: list[int], group: Any) -> tuple[Any, Any]:
     from tonpolicy.kernels.invariant.ordered_fp8 import RowParts
 
     rank, tp = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-    return RowParts.tp_shard(sizes, rank, tp), amax_reduce(group)
+    return RowParts.tp_shard(sizes, rank, tp), amax_all_reduce(group)
 
 
 class KernelGateUpLinear(KernelColumnParallelLinear):

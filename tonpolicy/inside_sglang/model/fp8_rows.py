@@ -13,18 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
-
-
-def _amax_reduce(group: Any) -> Any:  # noqa: ANN401 - a torch process group
-    if group is None:
-        return None
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t
-
-    return reduce
 
 
 def fused_column_linear(
@@ -38,6 +26,7 @@ def fused_column_linear(
     row in its HF weight, that weight's rows); `group`: the ranks holding the other rows (None: one)."""
     if not getattr(kernels, "fp8", False):
         return kernels.linear(x, w)
+    from tonpolicy.kernels.fp8_block import amax_all_reduce
     from tonpolicy.kernels.invariant.ordered_fp8 import RowParts
 
-    return kernels.linear(x, w, RowParts(parts), _amax_reduce(group))
+    return kernels.linear(x, w, RowParts(parts), amax_all_reduce(group))
