@@ -34,3 +34,17 @@ CPU_256 = replace(
     intermediate_size=768,
     vocab_size=4000,
 )
+
+# Qwen3-4B's layer shapes at 2 layers and its full vocabulary: the GPU speed table's trainer step
+# (gpu/gemm_speed.py).
+QWEN3_4B_2L = replace(
+    ModelConfig(),
+    name="qwen3_4b_layers2",
+    num_layers=2,
+    hidden_size=2560,
+    num_attention_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=9728,
+    vocab_size=151936,
+)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -93,17 +92,9 @@ def trainer_rows(dev: str, smoke: bool) -> dict[str, Any]:
     if smoke:
         cfg, dtype, dt, n, p_len, r_len = ModelConfig(num_layers=1), "float32", torch.float32, 2, 20, 12
     else:
-        cfg = replace(
-            ModelConfig(),
-            name="qwen3_4b_layers2",
-            num_layers=2,
-            hidden_size=2560,
-            num_attention_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            intermediate_size=9728,
-            vocab_size=151936,
-        )
+        from shapes import QWEN3_4B_2L
+
+        cfg = QWEN3_4B_2L
         dtype, dt, n, p_len, r_len = "bfloat16", torch.bfloat16, 8, 512, 512
     ck = str(Path(tempfile.mkdtemp()) / "ckpt")
     save_hf(init_state_dict(cfg, dt, 3), cfg, ck)
