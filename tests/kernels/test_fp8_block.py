@@ -19,6 +19,7 @@ from tonpolicy.kernels.fp8_block import (
 from tonpolicy.kernels.invariant import ordered_gemm
 from tonpolicy.kernels.invariant.ordered_fp8 import (
     RowParts,
+    cached_weight,
     fp8_linear,
     fp8_linear_partials,
     plain_fp8_linear,
@@ -128,6 +129,21 @@ def test_fused_weights_quantize_per_hf_weight_with_partial_blocks() -> None:
     y = fp8_linear(x, fused, RowParts.whole(96, 96))
     assert torch.equal(y, torch.cat([fp8_linear(x, gate), fp8_linear(x, up)], dim=-1))
     assert not torch.equal(y, fp8_linear(x, fused))  # control: blocks straddling gate and up
+
+
+def test_expert_views_of_a_stack_stay_cached_until_the_stack_is_written() -> None:
+    """The SGLang package's experts are views of one stacked weight (kept, one per expert): a view's
+    quantization is reused while the stack is unchanged, and a write into the stack (a weight sync's
+    `copy_`) invalidates every expert, since views share the stack's version counter."""
+    stack = _randn(4, 96, 128, seed=21, std=0.05)
+    views = list(stack.unbind(0))
+    first = cached_weight(views[1], 1)
+    assert cached_weight(views[1], 1) is first  # hit: the same view, unchanged
+    assert cached_weight(stack[1], 1) is not first  # control: a fresh view each call quantizes again
+    stack.copy_(_randn(4, 96, 128, seed=22, std=0.05))
+    again = cached_weight(views[1], 1)
+    assert again is not first and not torch.equal(again[0].full, first[0].full)
+    assert torch.equal(again[0].full, quantize_weight(stack[1]).full)
 
 
 def _tp_ranks(x: torch.Tensor, hf: list[torch.Tensor], tp: int, reduce: bool) -> list[torch.Tensor]:

@@ -54,6 +54,18 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         h, e = cfg.hidden_size, self.local_experts
         layer.router = _empty(cfg.num_experts, h)
         layer.experts_gate_up, layer.experts_down = _empty(e, 2 * f, h), _empty(e, h, f)
+        layer.expert_views = None
+
+    @staticmethod
+    def _expert_weights(layer: _Layer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each local expert's [gate; up] and down: views of the stacked weights, made once per storage.
+        A quantizing kernel set caches a weight per tensor object, so a fresh view each forward would
+        quantize every routed expert again; views share the stack's version counter, so a weight sync
+        (a `copy_` into the stack) still invalidates them."""
+        key = (layer.experts_gate_up.data_ptr(), layer.experts_down.data_ptr())
+        if layer.expert_views is None or layer.expert_views[0] != key:
+            layer.expert_views = (key, list(layer.experts_gate_up.unbind(0)), list(layer.experts_down.unbind(0)))
+        return layer.expert_views[1], layer.expert_views[2]
 
     def _mlp(self, li: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         cfg, kern = self.cfg, self.kernels
@@ -72,6 +84,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         full, at = cfg.moe_intermediate_size, self.moe_tp_rank * f
         parts, group = ((f, at, full), (f, at, full)), self.moe_tp_group if self.moe_tp_size > 1 else None
         first = self.ep_rank * self.local_experts
+        gate_ups, downs = self._expert_weights(layer)
         picks, partials = [], []
         # Every rank sees the same tokens and routes, so a moe-TP group's ranks meet the same experts
         # in the same order: the collective below lines up across them.
@@ -79,9 +92,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             if not first <= e < first + self.local_experts:
                 continue
             rows, slots = torch.nonzero(r.experts == e, as_tuple=True)
-            gate_up = fused_column_linear(kern, x.index_select(0, rows), layer.experts_gate_up[e - first], parts, group)
+            gate_up = fused_column_linear(kern, x.index_select(0, rows), gate_ups[e - first], parts, group)
             gate, up = gate_up.split([f, f], dim=-1)
-            partials.append(kern.linear_partials(kern.swiglu(gate, up), layer.experts_down[e - first], shards))
+            partials.append(kern.linear_partials(kern.swiglu(gate, up), downs[e - first], shards))
             picks.append((rows, slots))
         outputs = torch.zeros((*r.experts.shape, x.shape[-1]), dtype=torch.float32, device=x.device)
         if partials:
