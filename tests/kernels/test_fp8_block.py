@@ -5,6 +5,9 @@ the kernel set's straight-through gradient and the config's refusals."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +19,7 @@ from tonpolicy.kernels.fp8_block import (
     quantize_activation_groups,
     quantize_weight_blocks,
 )
-from tonpolicy.kernels.invariant import ordered_gemm
+from tonpolicy.kernels.invariant import float_mode, host_check, ordered_gemm
 from tonpolicy.kernels.invariant.ordered_fp8 import (
     RowParts,
     cached_weight,
@@ -88,6 +91,42 @@ def test_gemm_is_its_definition_and_row_invariant() -> None:
     xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
     assert torch.equal(fp8_linear(xb[3:4], wb), y[3:4])  # a row alone: its bits in the batch
     assert torch.equal(fp8_linear(xb, wb[:128]), y[:, :128])  # a column shard of whole row blocks
+
+
+def test_a_process_that_flushes_subnormals_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """t = sa * sw = 2^-110 * 2^-30 is subnormal: gradual underflow keeps it, FTZ would zero the output."""
+    x, w = torch.zeros(1, 128), torch.zeros(1, 128)
+    x[0, 0], w[0, 0] = 448 * 2.0**-110, 448 * 2.0**-30
+    y = fp8_linear(x, w)
+    assert y.item() == 448 * 448 * 2.0**-140
+    shapes = host_check.Shapes(128, 128, 2, 2, 64, 256, "bfloat16", 1, 32)
+    assert torch.set_flush_denormal(True)  # FTZ|DAZ in this thread's MXCSR
+    try:
+        with pytest.raises(float_mode.FlushDenormalError, match=r"set_flush_denormal\(True\).*gradual underflow"):
+            fp8_linear(x, w)
+        failures = host_check.probe(get_kernels("ordered", quant="fp8_block"), shapes)
+        monkeypatch.setattr(float_mode, "require_gradual_underflow", lambda what: None)
+        unguarded = fp8_linear(x, w)
+    finally:
+        torch.set_flush_denormal(False)
+    assert [f.prop for f in failures] == ["fp32.gradual_underflow"]
+    assert not torch.equal(unguarded.view(torch.int32), y.view(torch.int32))  # control: the bits a guard prevents
+
+
+def test_intra_op_threads_started_while_flushing_are_refused() -> None:
+    """Threads keep the mode they started with: the main thread's reset does not reach them."""
+    code = (
+        "import torch\n"
+        "from tonpolicy.kernels.invariant import float_mode\n"
+        "torch.set_num_threads(2); torch.set_flush_denormal(True)\n"
+        "torch.ones(1 << 18).mul(2.0)\n"  # starts the intra-op threads
+        "torch.set_flush_denormal(False)\n"
+        "assert not float_mode.calling_thread_flushes()\n"
+        "try:\n    float_mode.require_gradual_underflow('t')\n"
+        "except float_mode.FlushDenormalError:\n    print('refused')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "refused", out.stderr
 
 
 def test_canonical_shards_and_tp_halves() -> None:

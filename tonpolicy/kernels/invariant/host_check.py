@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tonpolicy.kernels.invariant import exact_gemm
+from tonpolicy.kernels.invariant import exact_gemm, float_mode
 
 FORCE_FAIL_ENV = "TONPOLICY_HOST_CHECK_FAIL"
 ROWS = 12  # rows of each probe batch; slices of 1, 3 and 5 rows at offsets 0, 4 and 7 are compared
@@ -112,6 +112,11 @@ def probe(kernels, s: Shapes) -> list[Failure]:  # noqa: ANN001
         if not ok or prop == forced:
             failures.append(Failure(prop, shape, detail + (f" (forced by {FORCE_FAIL_ENV})" if prop == forced else "")))
 
+    if getattr(kernels, "fp8", False):  # its combine's torch ops assume IEEE gradual underflow
+        flushes = float_mode.any_thread_flushes()
+        check("fp32.gradual_underflow", "process", not flushes, f"subnormals are flushed ({float_mode.SETTING}?)")
+        if flushes:
+            return failures  # every fp8 linear below would refuse
     c = s.canonical_shards
     contractions = sorted({s.hidden, s.intermediate // c, s.hidden // c, s.head_dim, 2 * s.hidden, s.attention_tile})
     for k in contractions:

@@ -8,7 +8,8 @@ y[m, n] for x [M, K] against W [N, K], K-groups b = 0 .. KB-1 of 128 (the last m
   exactly, and their products are exact in fp32: the chain rounds only its sums, in the source's order);
 - t_b[m, n] = sa[m, b] * sw[n, b], one fp32 rounding;
 - y = +0, then for b ascending: y = y + S_b[m, n] * t_b[m, n], the product and the sum each one fp32 rounding
-  (no FMA: two IEEE operations, round to nearest even, gradual underflow).
+  (no FMA: two IEEE operations, round to nearest even, gradual underflow: a process whose threads flush
+  subnormals is refused at each call, `float_mode`).
 So a row's bits depend on that row and the weight alone. The weight blocks are each Hugging Face weight's
 (`RowParts`: a fused weight's rows quantized per HF weight, a TP rank's rows in its HF weight's blocks, a
 block split across ranks scaled by the whole block's amax, which the caller's `reduce_amax` supplies).
@@ -34,7 +35,7 @@ from tonpolicy.kernels.fp8_block import (
     touched_blocks,
     weight_block_amax,
 )
-from tonpolicy.kernels.invariant import ordered_gemm
+from tonpolicy.kernels.invariant import float_mode, ordered_gemm
 
 
 @dataclass
@@ -203,6 +204,8 @@ def fp8_linear_partials(
     if w.shape[-1] != k:
         raise ValueError(f"fp8_block: x [..., {k}] and w {tuple(w.shape)} do not contract")
     _check_shards(k, num_shards)
+    if x.device.type == "cpu":  # the combine's torch ops run under this process's MXCSR
+        float_mode.require_gradual_underflow("contract.quant=fp8_block")
     lead = x.shape[:-1]
     x2 = x.detach().reshape(-1, k)
     shards = cached_weight(w, num_shards, rows, reduce_amax)
