@@ -4,16 +4,13 @@ tokenizer), n samples per prompt, streams, prompt and top logprobs, /v1/models, 
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from support.server_proc import DTYPE, IDENTITY, ServerProc, save_checkpoint
+from support.text_api import call, with_chat_template
 
 from tonpolicy.kernels import get_kernels
 from tonpolicy.model.checkpoint import load_hf
@@ -21,15 +18,10 @@ from tonpolicy.model.qwen3 import Qwen3
 from tonpolicy.model.tokenizer import load_text_tokenizer
 from tonpolicy.rollout.engine.logits import score_logprobs
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}{{ 'say' }}"
-
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = save_checkpoint(tmp_path_factory.mktemp("ckpt") / "a", seed=3)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    return path
+    return with_chat_template(save_checkpoint(tmp_path_factory.mktemp("ckpt") / "a", seed=3))
 
 
 @pytest.fixture(scope="module")
@@ -45,24 +37,6 @@ def url(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[str]:
 def model(ckpt: Path) -> Qwen3:
     cfg, sd = load_hf(ckpt)
     return Qwen3(cfg, get_kernels("ordered"), getattr(torch, DTYPE), sd)
-
-
-def call(url: str, path: str, body: Any = None) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            raw = r.read().decode()
-            return r.status, (events(raw) if r.headers["Content-Type"] == "text/event-stream" else json.loads(raw))
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def events(raw: str) -> list[Any]:
-    """Server-sent events -> their JSON payloads; the stream must end with [DONE]."""
-    datas = [line[len("data: ") :] for line in raw.split("\n\n") if line]
-    assert datas[-1] == "[DONE]", raw[-300:]
-    return [json.loads(d) for d in datas[:-1]]
 
 
 def bits(values: list[float]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support.server_proc import DTYPE, IDENTITY, ServerProc, save_checkpoint
 from support.sglang_proc import ROOT, sglang_env_python
-from test_server_text_api import CHAT_TEMPLATE, call
+from support.text_api import call, with_chat_template
 
 PROMPTS, INPUT_LEN, OUTPUT_LEN = 16, 16, 8
 
@@ -24,10 +24,7 @@ def sglang_py() -> str:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = save_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=4)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    return path
+    return with_chat_template(save_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=4))
 
 
 @pytest.fixture(scope="module")
