@@ -234,7 +234,7 @@ def test_config_refuses_where_fp8_cannot_hold() -> None:
     with pytest.raises(ConfigError) as refused:
         validate(compose_config(cases[2][0]), check_hf=False)
     text = str(refused.value)
-    assert "contract.quant='fp8_block': fp8_block is defined on the ordered (v2) kernel set" in text
+    assert "contract.quant='fp8_block': fp8_block is defined on the kernel sets ordered, triton, not on" in text
     assert "model.intermediate_size=320: contract.quant=fp8_block with rollout=sglang: gate_proj and up_proj" in text
     # The embedded engine and the trainer hold at every layout: split blocks reduced, partial blocks allowed;
     # SGLang where TP cuts whole blocks (tests/sglang/test_sglang_bpe.py: k/v 64, gate/up 192 rows per rank).

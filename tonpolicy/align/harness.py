@@ -27,6 +27,9 @@ CONTRACTS = {
     "off_policy": dict(name="off_policy", kernels="plain", exact_zero=False),
     # GPU (or Triton's interpreter in tests); not part of the default job lists.
     "triton": dict(name="qwen3_dense_triton_v1", kernels="triton", exact_zero=True, attention_tile=64),
+    "triton_fp8": dict(
+        name="qwen3_dense_triton_fp8_v1", kernels="triton", exact_zero=True, attention_tile=64, quant="fp8_block"
+    ),
 }
 CPU_CONTRACTS = ("exact", "off_policy")
 # The exact contract of each model family (the same kernel set and parameters; the name says whose).
@@ -63,9 +66,10 @@ def rollout(
     temperature: float,
     seed: int = 0,
     device: str = "cpu",
+    quant: str = "none",
 ) -> dict[str, Any]:
     """Sample `n` responses (varied prompt lengths) with the embedded engine (the checkpoint family's
-    engine model); decode logprobs."""
+    engine model, kernels with contract.quant `quant`); decode logprobs."""
     from tonpolicy.families import family, resolve
     from tonpolicy.kernels import get_kernels
     from tonpolicy.model.checkpoint import load_hf
@@ -76,7 +80,9 @@ def rollout(
     from tonpolicy.kernels.sets import kernel_set
 
     tile = kernel_set(kernels).fixed_attention_tile
-    params = {"attention_tile": tile} if tile is not None else {}
+    params: dict[str, Any] = {"attention_tile": tile} if tile is not None else {}
+    if quant != "none":
+        params["quant"] = quant
     engine_model = resolve(family(cfg.family).engine_model)
     model = engine_model(cfg, get_kernels(kernels, **params), dtype, sd).to(device)
     engine = Engine(model, max_running_requests=max(2, n // 2))

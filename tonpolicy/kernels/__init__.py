@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tonpolicy.kernels.sets import LOGITS_DTYPES, QUANTS, kernel_set, kernel_sets
+from tonpolicy.kernels.sets import LOGITS_DTYPES, QUANTS, kernel_set, kernel_sets, quant_sets
 
 if TYPE_CHECKING:
     from tonpolicy.kernels.base import AttnPartial, KernelSet
@@ -79,7 +79,7 @@ def get_kernels(
     must divide it); row_tile: every GEMM's row count is a multiple of it; prefill_row_tile: rows per
     linear GEMM for long inputs (same bits);
     logits_dtype: "float32" (an fp32 LM head GEMM) or "bfloat16" (the native bf16 one, contract only);
-    quant: "none" or "fp8_block" (block-scaled e4m3 linears, a choice of the ordered set)."""
+    quant: "none" or "fp8_block" (block-scaled e4m3 linears, a choice of the ordered and triton sets)."""
     spec = kernel_set(name)
     if logits_dtype not in LOGITS_DTYPES:
         raise ValueError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype!r}")
@@ -88,7 +88,7 @@ def get_kernels(
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if quant != "none" and "quant" not in spec.params:
-        raise ValueError(f"quant={quant!r} is a choice of the ordered (v2) kernel set, not of {name!r}")
+        raise ValueError(f"quant={quant!r} is a choice of the kernel sets {', '.join(quant_sets())}, not of {name!r}")
     if spec.fixed_attention_tile is not None and attention_tile != spec.fixed_attention_tile:
         raise ValueError(
             f"the {name} kernel set uses {spec.fixed_attention_tile}-key tiles, got attention_tile={attention_tile}"

@@ -105,6 +105,11 @@ def kernel_sets() -> tuple[KernelSetSpec, ...]:
     return tuple(_REGISTRY.values())
 
 
+def quant_sets() -> tuple[str, ...]:
+    """The kernel sets that take contract.quant (their params hold "quant")."""
+    return tuple(s.name for s in _REGISTRY.values() if "quant" in s.params)
+
+
 _CONTRACT_PARAMS = tuple(p for p in BUILD_PARAMS if p != "quant")
 
 register_kernel_set(
@@ -126,7 +131,7 @@ register_kernel_set(
         sglang_attention_backend=None,
         trainer_layer_spec="kernels",
         builder="tonpolicy.kernels.invariant.ordered_quant:QuantOrderedKernels",
-        params=BUILD_PARAMS,  # the one set that defines contract.quant=fp8_block
+        params=BUILD_PARAMS,  # takes contract.quant=fp8_block (as the triton set does, with its own GEMM)
     )
 )
 register_kernel_set(
@@ -170,7 +175,7 @@ register_kernel_set(
         sglang_attention_backend="triton",
         trainer_layer_spec="kernels",
         builder="tonpolicy.kernels.triton.kernel_set:TritonKernels",
-        params=("canonical_shards",),
+        params=("canonical_shards", "quant"),  # fp8_block: Hopper FP8 MMAs (triton/fp8_linear.py)
     )
 )
 register_kernel_set(

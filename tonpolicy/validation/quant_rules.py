@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from tonpolicy.config.schema import Config
-from tonpolicy.kernels.sets import QUANTS, kernel_set, kernel_set_names
+from tonpolicy.kernels.sets import QUANTS, kernel_set, kernel_set_names, quant_sets
 
 
 def check_quant(cfg: Config, bad: Any) -> None:
@@ -25,7 +25,7 @@ def check_quant(cfg: Config, bad: Any) -> None:
     if c.kernels in kernel_set_names() and "quant" not in kernel_set(c.kernels).params:
         bad(
             "contract.quant",
-            f"fp8_block is defined on the ordered (v2) kernel set, not on contract.kernels={c.kernels}",
+            f"fp8_block is defined on the kernel sets {', '.join(quant_sets())}, not on contract.kernels={c.kernels}",
         )
     if not c.exact_zero:
         bad("contract.quant", "fp8_block is a contract of exact zero: contract.exact_zero must be true")

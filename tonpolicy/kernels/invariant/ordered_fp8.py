@@ -90,7 +90,7 @@ def _block_amax(w: torch.Tensor, rows: RowParts, reduce_amax: AmaxReduce | None)
     kb = -(-w.shape[1] // BLOCK)
     grids, at = [], 0
     for n, first, total in rows.parts:
-        grid = torch.zeros(-(-total // BLOCK), kb, dtype=torch.float32)
+        grid = torch.zeros(-(-total // BLOCK), kb, dtype=torch.float32, device=w.device)
         b, nb = touched_blocks(n, first, BLOCK)
         grid[b : b + nb] = weight_block_amax(w[at : at + n], BLOCK, first)
         grids.append(grid)
@@ -119,7 +119,7 @@ def quantize_weight(
         q, scale_inv = quantize_weight_blocks(w[at : at + n], BLOCK, row_offset=first, amax=amax)
         qs.append(q)
         # Row r of the part lies in its HF weight's block (first + r) // BLOCK, the first touched one's index.
-        scales.append(scale_inv.index_select(0, (torch.arange(n) + first % BLOCK) // BLOCK))
+        scales.append(scale_inv.index_select(0, (torch.arange(n, device=w.device) + first % BLOCK) // BLOCK))
         at += n
     values = torch.cat(qs).to(torch.bfloat16)
     cut = w.shape[1] // BLOCK * BLOCK

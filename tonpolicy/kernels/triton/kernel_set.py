@@ -25,8 +25,12 @@ import triton
 from tonpolicy.kernels import moe
 from tonpolicy.kernels import pointwise as ref
 from tonpolicy.kernels.base import AttnPartial
+from tonpolicy.kernels.fp8_block import BLOCK
+from tonpolicy.kernels.invariant.ordered_fp8 import AmaxReduce, RowParts
+from tonpolicy.kernels.invariant.ordered_quant import FP8_DESCRIPTION, _ste
 from tonpolicy.kernels.triton import attention as ta
 from tonpolicy.kernels.triton import attention_backward as tab
+from tonpolicy.kernels.triton import fp8_linear as tfp8
 from tonpolicy.kernels.triton import linear as tlin
 from tonpolicy.kernels.triton import rowwise as trow
 from tonpolicy.kernels.triton import rowwise_backward as trow_bwd
@@ -58,15 +62,28 @@ def _run(kernel: Callable, reference: Callable, *inputs: torch.Tensor) -> torch.
     return kernel(*inputs)
 
 
+# The operands are fp8_block's (the ordered set's rule); the GEMM is this set's own.
+_FP8_DESCRIPTION = {
+    **{k: FP8_DESCRIPTION[k] for k in ("weights", "activations", "quantized")},
+    "gemm": f"per canonical K-shard, per K-group of {BLOCK}: S = one tl.dot of the e4m3 operands from +0 (fp32 "
+    f"accumulation; on sm_90 the MMA's own accumulator over the group, max_num_imprecise_acc={BLOCK}); y = +0, "
+    "y = y + S * (sa * sw) over groups ascending, each op one fp32 rounding, no FMA; K-shard partials folded "
+    "left to right; the result rounded to the activation dtype",
+}
+
+
 class TritonKernels:
     name = "triton"
     bits_depend_on_host = True  # library kernels (torch's, or Triton's for the GPU it runs on)
 
-    def __init__(self, *, canonical_shards: int = 4) -> None:
+    def __init__(self, *, canonical_shards: int = 4, quant: str = "none") -> None:
         self.attention_tile = ta.TILE
         # The split size at which attention partials merge by the merge formula (ring CP's unit).
         self.attention_chunk = ta.CHUNK
         self.canonical_shards = canonical_shards
+        self.quant = quant
+        self.fp8 = quant == "fp8_block"  # the attention and MLP linears as block-scaled e4m3 GEMMs (fp8_linear)
+        self.column_block = BLOCK if self.fp8 else 1
 
     def describe(self) -> dict[str, Any]:
         """Everything that affects numerics, for the contract fingerprint."""
@@ -86,19 +103,37 @@ class TritonKernels:
             "logits": "fp32",
             "logprobs": f"fp32 log_softmax(div_rn(logits[:vocab], T)) in {trow.LOGPROB_BLOCK}-wide lanes",
             "fp_fusion": False,
+            "quant": self.quant,
+            **({"fp8_block": _FP8_DESCRIPTION} if self.fp8 else {}),
         }
 
     # --- linear -------------------------------------------------------------------------------
+    # Under fp8_block the attention and MLP linears (not the LM head or router) run fp8_linear, with the
+    # straight-through backward of the ordered set's (ordered_quant) for callers that differentiate them.
     def linear_partials(self, x: torch.Tensor, weight: torch.Tensor, num_shards: int) -> torch.Tensor:
+        if self.fp8:
+            return _ste(x, weight, lambda a, w: tfp8.fp8_partials(a, w, num_shards))
         return tlin.partials(x, weight.detach(), num_shards)
 
     def combine_partials(self, partials: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return tlin.fold(partials, out_dtype)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return tlin.linear(x, weight.detach(), 1, x.dtype)  # column-parallel: K whole, one chain
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        rows: RowParts | None = None,
+        reduce_amax: AmaxReduce | None = None,
+    ) -> torch.Tensor:
+        """Column-parallel: K whole, one chain. `rows` / `reduce_amax` (fp8_block only): the HF weights the
+        rows come from and the max over the ranks holding the rest of their blocks, as the ordered set's."""
+        if self.fp8:
+            return _ste(x, weight, lambda a, w: tfp8.fp8_linear(a, w, 1, x.dtype, rows, reduce_amax))
+        return tlin.linear(x, weight.detach(), 1, x.dtype)
 
     def linear_k_sharded(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return _ste(x, weight, lambda a, w: tfp8.fp8_linear(a, w, self.canonical_shards, x.dtype))
         return tlin.linear(x, weight.detach(), self.canonical_shards, x.dtype)
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -276,7 +311,10 @@ class TritonKernels:
         return moe.contract_combine(outputs, weights, out_dtype)
 
     def describe_moe(self) -> dict[str, Any]:
-        return dict(moe.DESCRIPTION)
+        d = dict(moe.DESCRIPTION)
+        if self.fp8:
+            d["experts_quant"] = "fp8_block: the experts' gate/up and down as the dense linears"
+        return d
 
     # --- logprobs -------------------------------------------------------------------------------
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
