@@ -23,6 +23,7 @@ def test_every_triton_kernel_compiles_for_sm90() -> None:
         and {
             "_attention_kernel",
             "_gemm_kernel",
+            "_fp8_kernel",
             "_shard_kernel",
             "_fold_kernel",
             "_merge_kernel",

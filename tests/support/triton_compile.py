@@ -3,7 +3,7 @@
 Run as a script (`python tests/support/triton_compile.py [arch]`, Triton's interpreter off): each kernel
 launch is intercepted and compiled with Triton's own compiler and ptxas for the given architecture
 (default 90: H100/H200) instead of run, from the real call sites (a bf16 and an fp32 Qwen3 forward,
-prefill and decode, the ring-CP tile ops, partials and fold, logprobs). Catches what the interpreter
+prefill and decode, the ring-CP tile ops, partials and fold, logprobs, the fp8_block GEMM). Catches what the interpreter
 does not: non-constexpr globals, type errors in the compiled dialect, unsupported dot shapes.
 """
 
@@ -25,6 +25,7 @@ TYPES = {
     torch.bfloat16: "*bf16",
     torch.float16: "*fp16",
     torch.float32: "*fp32",
+    torch.float8_e4m3fn: "*fp8e4nv",
     torch.int64: "*i64",
     torch.int32: "*i32",
 }
@@ -101,6 +102,11 @@ def exercise() -> None:
             xr = torch.randn(20, 256).to(dtype)
             kern.rms_norm_backward(xr, xr[0], 1e-6, xr, True)
             kern.swiglu_backward(xr, xr, xr)
+    fp8 = get_kernels("triton", attention_tile=64, quant="fp8_block")
+    for m in (1, 600):  # both tile buckets of the e4m3 GEMM, K whole and 4 canonical shards of 96 (ragged group)
+        xs, ws = torch.randn(m, 384), torch.randn(96, 384)
+        fp8.linear(xs, ws)
+        fp8.linear_k_sharded(xs, ws)
     del Segment
 
 
