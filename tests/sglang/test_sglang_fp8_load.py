@@ -2,7 +2,8 @@
 without a server: SGLang's weight stream with FP8 pairs in any order gives the master weights tonpolicy's
 own loader gives, bit for bit; SGLang's quantization configs other than a published block-scaled FP8
 checkpoint's are refused by name; validation refuses a float32 run of an FP8 checkpoint through SGLang
-(SGLang refuses it itself, at start-up). The served proof is
+(SGLang refuses it itself, at start-up) and stock SGLang (contract=off_policy) on one on CPU (its FP8
+linear needs AMX and sgl_kernel's CPU build). The served proof is
 test_sglang_real.py::test_model_package_gives_the_contract_bits_bf16_tp2 (an FP8 checkpoint at TP 2)."""
 
 from __future__ import annotations
@@ -79,13 +80,19 @@ def test_sglang_quant_configs() -> None:
         check_quant_config(_sglang_fp8(), other)
 
 
-def test_float32_fp8_checkpoint_through_sglang_is_refused(tmp_path: Path) -> None:
+def test_fp8_checkpoint_through_sglang_is_refused_where_sglang_cannot_serve_it(tmp_path: Path) -> None:
     cfg = ModelConfig()
     save_hf(init_state_dict(cfg, torch.bfloat16, 0), cfg, tmp_path / "fp8", quant="fp8_block")
     save_hf(init_state_dict(cfg, torch.bfloat16, 0), cfg, tmp_path / "plain")
     base = ["rollout=sglang", "trainer.device=cpu"]
     with pytest.raises(ConfigError, match=r"contract.dtype='float32': model.checkpoint=.*fp8 is an FP8 checkpoint"):
         validate(compose_config([*base, f"model.checkpoint={tmp_path / 'fp8'}", "contract.dtype=float32"]))
-    # Controls: bf16 with the FP8 checkpoint, and float32 with an unquantized one, pass.
+    # Stock SGLang's FP8 linear on CPU needs AMX and sgl_kernel's CPU build: it fails at load.
+    stock = [*base, "contract=off_policy"]
+    with pytest.raises(ConfigError, match=r"model.checkpoint='.*fp8': .*stock SGLang \(contract=off_policy.*cpu"):
+        validate(compose_config([*stock, f"model.checkpoint={tmp_path / 'fp8'}"]))
+    # Controls: bf16 with the FP8 checkpoint, and float32 with an unquantized one, pass; so does stock
+    # SGLang on an unquantized checkpoint.
     validate(compose_config([*base, f"model.checkpoint={tmp_path / 'fp8'}", "contract.dtype=bfloat16"]))
     validate(compose_config([*base, f"model.checkpoint={tmp_path / 'plain'}", "contract.dtype=float32"]))
+    validate(compose_config([*stock, f"model.checkpoint={tmp_path / 'plain'}"]))

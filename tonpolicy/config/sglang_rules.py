@@ -94,19 +94,32 @@ def _check_fp8_layout(cfg: Config, bad: Any) -> None:
 
 def _check_fp8_checkpoint(cfg: Config, bad: Any) -> None:
     """Released SGLang reads a published FP8 checkpoint (`quantization_config` in config.json) into its
-    Fp8Config, which it refuses to run in float32 (its FP8 method takes bf16/fp16 activations only)."""
-    if not cfg.model.checkpoint or cfg.contract.dtype != "float32":
+    Fp8Config, which it refuses to run in float32 (its FP8 method takes bf16/fp16 activations only), and
+    whose linear method on CPU (stock SGLang's own model) needs AMX and sgl_kernel's CPU build."""
+    if not cfg.model.checkpoint:
         return
     try:
         qc = json.loads((Path(cfg.model.checkpoint) / "config.json").read_text()).get("quantization_config")
     except (OSError, ValueError, AttributeError):
         return  # a missing or unreadable config.json is reported by the checkpoint's own rules
-    if qc:
+    if not qc:
+        return
+    if cfg.contract.dtype == "float32":
         bad(
             "contract.dtype",
             f"model.checkpoint={cfg.model.checkpoint} is an FP8 checkpoint (quantization_config in its "
             "config.json), which released SGLang refuses to serve in float32: use contract.dtype=bfloat16, or "
             "an unquantized checkpoint (e.g. one saved by tonpolicy without quant) for float32",
+        )
+    device = resolve_device(cfg)
+    if not cfg.contract.sglang.model_package and device == "cpu":
+        bad(
+            "model.checkpoint",
+            f"an FP8 checkpoint (quantization_config in its config.json) served by stock SGLang "
+            f"(contract={cfg.contract.name}: contract.sglang.model_package=null) with trainer.device={device}: "
+            "SGLang's FP8 linear on CPU needs AMX and sgl_kernel's CPU ops (convert_weight_packed), which "
+            "PyPI's sgl-kernel does not ship, so it fails at load; use the contract's model package "
+            "(the default contract), a CUDA device, or an unquantized checkpoint",
         )
 
 
