@@ -30,6 +30,9 @@ def test_on_by_default_only_where_graphs_apply() -> None:
     assert not cuda_graphs_on(compose_config(["mode=plan", "trainer.device=cuda"]))  # invariant set: eager
     assert not cuda_graphs_on(compose_config([*TRITON_CUDA, "rollout.cuda_graphs=false"]))
     validate(compose_config([*TRITON_CUDA, "rollout.cuda_graphs=true"]))
+    fp8 = compose_config([*TRITON_CUDA, "contract.quant=fp8_block"])  # its quantizer checks values on the host
+    validate(fp8)
+    assert not cuda_graphs_on(fp8)
 
 
 def test_refused_where_graphs_cannot_apply() -> None:
@@ -37,6 +40,8 @@ def test_refused_where_graphs_cannot_apply() -> None:
     assert len(rules) == 2 and "need a CUDA device" in rules[0] and "triton kernel set" in rules[1]
     rules = _graph_issues(["mode=plan", "rollout=sglang", *TRITON_CUDA[1:], "rollout.cuda_graphs=false"])
     assert rules and "applies to the embedded engine" in rules[0]
+    rules = _graph_issues([*TRITON_CUDA, "contract.quant=fp8_block", "rollout.cuda_graphs=true"])
+    assert rules == [rules[0]] and "contract.quant=fp8_block" in rules[0]
 
 
 def test_server_flag() -> None:

@@ -28,6 +28,7 @@ def cuda_graphs_on(cfg: Config) -> bool:
     return (
         rollout_backend(cfg.rollout.backend).decode_graphs
         and kernel_set(cfg.contract.kernels).cuda_graphs
+        and cfg.contract.quant == "none"  # fp8_block's activation quantizer reads a value back (non-finite check)
         and not cfg.model.is_moe
         and resolve_device(cfg) == "cuda"
     )

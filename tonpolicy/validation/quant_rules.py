@@ -29,3 +29,9 @@ def check_quant(cfg: Config, bad: Any) -> None:
         )
     if not c.exact_zero:
         bad("contract.quant", "fp8_block is a contract of exact zero: contract.exact_zero must be true")
+    if cfg.rollout.cuda_graphs:
+        bad(
+            "rollout.cuda_graphs",
+            "contract.quant=fp8_block quantizes every activation after a host-side check (a NaN or inf is "
+            "refused), which a CUDA graph capture cannot run: set rollout.cuda_graphs=false or leave it null",
+        )
