@@ -25,30 +25,42 @@ def sglang_py() -> str:
     return sglang_env_python()
 
 
-def _ckpt(tmp_path: Path, dtype: str) -> Path:
-    return save_checkpoint(tmp_path / "ckpt", dtype, cfg=compose_config([MOE]).model)
+# Every weight ends in a partial fp8 block, cut by SGLang's TP 2: the experts' 96 gate/up rows (48 a rank),
+# k/v's 64 (32 a rank), and the dense layer's gate/up 320 (160 a rank: a whole block cut, a partial one whole).
+PARTIAL_BLOCKS = ("model.intermediate_size=320", "model.num_kv_heads=2")
+
+
+def _ckpt(tmp_path: Path, dtype: str, model: tuple[str, ...] = ()) -> Path:
+    return save_checkpoint(tmp_path / "ckpt", dtype, cfg=compose_config([MOE, *model]).model)
 
 
 @pytest.mark.parametrize(
-    ("dtype", "rollout_tp", "ep", "temperature"),
-    [("bfloat16", 2, 1, 0.7), ("float32", 2, 2, 1.0)],
+    ("dtype", "rollout_tp", "ep", "temperature", "quant"),
+    [("bfloat16", 2, 1, 0.7, "fp8_block"), ("float32", 2, 2, 1.0, "none")],
+    ids=["bf16-tp2-fp8_block", "fp32-tp2-ep2"],
 )
 def test_moe_package_gives_the_contract_bits_and_routes(
-    tmp_path: Path, sglang_py: str, dtype: str, rollout_tp: int, ep: int, temperature: float
+    tmp_path: Path, sglang_py: str, dtype: str, rollout_tp: int, ep: int, temperature: float, quant: str
 ) -> None:
     """TP 2 (experts column/row-sharded) and SGLang's `--ep-size 2` within TP 2 (whole experts per rank,
-    outputs taken from their owner): the same bits and routes as the full forward. TP 1 is the MoE job's
-    server in tests/sglang/test_sglang_moe_job.py (exact, routing agreement 1.0 every step)."""
-    ckpt = _ckpt(tmp_path, dtype)
-    overrides = [MOE, f"contract.dtype={dtype}", f"parallel.rollout_tp={rollout_tp}", "rollout.chunked_prefill_size=64"]
+    outputs taken from their owner): the same bits and routes as the full forward. TP 2 runs
+    contract.quant=fp8_block with partial weight blocks cut by TP (`PARTIAL_BLOCKS`), their amaxes
+    all-reduced over SGLang's TP group; its control: the unquantized set's scoring of the same tokens
+    mismatches. TP 1 is the MoE job's server in tests/sglang/test_sglang_moe_job.py (exact, routing
+    agreement 1.0 every step)."""
+    model = PARTIAL_BLOCKS if quant != "none" else ()
+    ckpt = _ckpt(tmp_path, dtype, model)
+    overrides = [MOE, *model, f"contract.dtype={dtype}", f"contract.quant={quant}", f"parallel.rollout_tp={rollout_tp}"]
+    overrides.append("rollout.chunked_prefill_size=64")
     server = SGLangServer(tmp_path, "contract", ckpt, overrides, (*ROUTES, "--ep-size", str(ep)))
     try:
         client = server.start_healthy()
-        result = check_parity(sglang_py, server, ckpt, "ordered", temperature, routes=True, small=True)
+        result = check_parity(sglang_py, server, ckpt, "ordered", temperature, routes=True, small=True, quant=quant)
         reported = client.contract()
     finally:
         server.stop()
     assert result["tokens"] == 10 * 8 and result["mismatched"] == 0 and result["max_abs_diff"] == 0.0, result
+    assert quant == "none" or result["control_mismatched"] > 0, result
     assert result["cached_tokens"] > 0, "the radix cache served no prefix: the check lost its point"
     assert result["route_rows"] > 0 and result["route_mismatched_rows"] == 0, result
     assert reported["name"] == "qwen3_moe_v2" and reported["tp_size"] == rollout_tp

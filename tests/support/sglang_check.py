@@ -4,9 +4,11 @@ no KV cache). Prints one JSON line: tokens, mismatched (fp32 bit patterns), max 
 The model is the checkpoint family's engine model (tonpolicy/families.py). With a sixth argument
 `routes`, each request also asks for meta_info.routed_experts, compared with the full forward's routes
 (ascending expert ids, -1 in dense layers): `route_rows`, `route_mismatched_rows` in the JSON. With
-`small`, the prompts are sent once (not twice) and 8 tokens are sampled (slow reference models).
+`small`, the prompts are sent once (not twice) and 8 tokens are sampled (slow reference models). With
+`quant=Q` (a contract.quant other than none), the scorer's kernel set quantizes by Q, and the same tokens are
+also scored unquantized: `control_mismatched` in the JSON, non-zero when the server really quantized.
 
-    python tests/support/sglang_check.py URL CHECKPOINT DTYPE KERNELS TEMPERATURE [routes] [small]
+    python tests/support/sglang_check.py URL CHECKPOINT DTYPE KERNELS TEMPERATURE [routes] [small] [quant=Q]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main() -> None:
         float(sys.argv[5]),
     )
     routes, small = "routes" in sys.argv[6:], "small" in sys.argv[6:]
+    quant = next((a.removeprefix("quant=") for a in sys.argv[6:] if a.startswith("quant=")), "none")
     max_new = 8 if small else 20
     cfg, sd = load_hf(ckpt)
     rng = random.Random(0)
@@ -63,8 +66,10 @@ def main() -> None:
         served = pool.map(lambda a: generate(url, a[1], a[0], temperature, max_new, routes), rest)
         done |= dict(zip([i for i, _ in rest], served, strict=True))
         outs = [done[i] for i in range(len(prompts))]
-    model = resolve(family(cfg.family).engine_model)(cfg, get_kernels(kernels), getattr(torch, dtype), sd)
-    tokens = mismatched = cached = route_rows = route_bad = 0
+    engine_model = resolve(family(cfg.family).engine_model)
+    model = engine_model(cfg, get_kernels(kernels, quant=quant), getattr(torch, dtype), sd)
+    control = None if quant == "none" else engine_model(cfg, get_kernels(kernels), getattr(torch, dtype), sd)
+    tokens = mismatched = cached = route_rows = route_bad = control_bad = 0
     worst = 0.0
     for prompt, out in zip(prompts, outs, strict=True):
         response = out["output_ids"]
@@ -82,9 +87,15 @@ def main() -> None:
         ours = model.kernels.logprobs(logits[len(prompt) - 1 : -1], torch.tensor(response), cfg.vocab_size, temperature)
         tokens += len(response)
         mismatched += int((ours.view(torch.int32) != served.view(torch.int32)).sum())
+        if control is not None:
+            rows = control(torch.tensor(prompt + response))[len(prompt) - 1 : -1]
+            theirs = control.kernels.logprobs(rows, torch.tensor(response), cfg.vocab_size, temperature)
+            control_bad += int((theirs.view(torch.int32) != served.view(torch.int32)).sum())
         worst = max(worst, float((ours - served).abs().max()))
         cached += out["meta_info"].get("cached_tokens", 0)
     result = {"tokens": tokens, "mismatched": mismatched, "max_abs_diff": worst, "cached_tokens": cached}
+    if control is not None:
+        result["control_mismatched"] = control_bad
     if routes:
         result |= {"route_rows": route_rows, "route_mismatched_rows": route_bad}
     print(json.dumps(result))

@@ -97,6 +97,7 @@ def check_parity(
     temperature: float,
     routes: bool = False,
     small: bool = False,
+    quant: str = "none",
 ) -> dict:
     proc = subprocess.run(
         [
@@ -109,6 +110,7 @@ def check_parity(
             str(temperature),
             *(["routes"] if routes else []),
             *(["small"] if small else []),
+            *([f"quant={quant}"] if quant != "none" else []),
         ],
         capture_output=True,
         text=True,

@@ -18,7 +18,6 @@ VENV = ".venv-sglang"
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 # The model package that carries the contract into released SGLang.
 CONTRACT_SGLANG_PACKAGE = "tonpolicy.inside_sglang.model"
-FP8_BLOCK = 128  # tonpolicy.kernels.fp8_block.BLOCK (that module imports torch; validation must not)
 
 
 def check_sglang(cfg: Config, bad: Any) -> None:
@@ -54,8 +53,6 @@ def check_sglang(cfg: Config, bad: Any) -> None:
             )
         if pol.enable_deterministic_inference:
             bad("contract.sglang.enable_deterministic_inference", "SGLang's deterministic mode needs an accelerator")
-    if c.quant == "fp8_block":
-        _check_fp8_layout(cfg, bad)
     _check_fp8_checkpoint(cfg, bad)
     if cfg.mode == "run":
         py = sglang_python(cfg)
@@ -65,31 +62,6 @@ def check_sglang(cfg: Config, bad: Any) -> None:
                 f"{py} is not an executable interpreter; make the SGLang environment with "
                 "`bash scripts/setup_sglang.sh` or point rollout.python at one",
             )
-
-
-def _check_fp8_layout(cfg: Config, bad: Any) -> None:
-    """The contract package quantizes each HF weight by the one rule, a block cut by SGLang's TP scaled by
-    the all-reduced amax: proven where every weight's rows are whole 128-row blocks (tests/sglang/
-    test_sglang_bpe.py at SGLang TP 2, which cuts k/v and gate/up blocks). A weight whose rows end in a
-    partial block is not yet run through SGLang by a test, so it stays refused there at every rollout_tp."""
-    m = cfg.model
-    sizes = [
-        ("model.num_attention_heads", "q_proj", m.num_attention_heads * m.head_dim),
-        ("model.num_kv_heads", "k_proj and v_proj", m.num_kv_heads * m.head_dim),
-        ("model.intermediate_size", "gate_proj and up_proj", m.intermediate_size),
-    ]
-    if m.num_experts:
-        sizes.append(("model.moe_intermediate_size", "the experts' gate_proj and up_proj", m.moe_intermediate_size))
-    for model_key, names, size in sizes:
-        if size % FP8_BLOCK == 0:
-            continue
-        bad(
-            model_key,
-            f"contract.quant=fp8_block with rollout=sglang: {names} rows ({size}) must be a multiple of "
-            f"{FP8_BLOCK}: the SGLang package's partial weight blocks are not yet proven by a test (blocks cut "
-            "by SGLang's TP are; the embedded engine has no such rule: rollout=embedded)",
-        )
-        break
 
 
 def _check_fp8_checkpoint(cfg: Config, bad: Any) -> None:
