@@ -25,8 +25,8 @@ def sglang_py() -> str:
     return sglang_env_python()
 
 
-# Every weight ends in a partial fp8 block, cut by SGLang's TP 2: the experts' 96 gate/up rows (48 a rank),
-# k/v's 64 (32 a rank), and the dense layer's gate/up 320 (160 a rank: a whole block cut, a partial one whole).
+# Partial fp8 weight blocks at SGLang's TP 2: cut by TP in the experts' 96 gate/up rows (48 a rank) and k/v's
+# 64 (32 a rank); whole on one rank in the dense layer's gate/up 320 (160 a rank, which cuts a whole block).
 PARTIAL_BLOCKS = ("model.intermediate_size=320", "model.num_kv_heads=2")
 
 
