@@ -10,13 +10,15 @@ partial):
 - t_b = sa[m, b] * sw[n, b], y_c = +0, then y_c = y_c + S_b * t_b over b ascending: each one fp32 rounding
   (compiled without FMA contraction);
 - y = ((y_0 + y_1) + y_2) + ..., the set's fold (`linear.fold`) of the partials.
-Nothing depends on M, the tile or the program: a row's bits are that row's and the weight's. The tile size
-per batch bucket (`FP8_TILES`) only decides which program computes an element.
+Nothing depends on M, the tile or the program: a row's bits are that row's and the weight's. The tile per
+batch bucket (`FP8_BUCKETS`) only decides which program computes an element; that the compiler gives every
+member the same MMA chain for a group is probed before a GPU's first fp8 GEMM (`check_fp8_family`).
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,8 +29,22 @@ from tonpolicy.kernels.invariant import ordered_fp8
 from tonpolicy.kernels.invariant.ordered_fp8 import AmaxReduce, QuantizedWeight, RowParts
 from tonpolicy.kernels.triton import linear as tlin
 
-# (rows up to, BLOCK_M, BLOCK_N, warps): BLOCK_M >= 64 and warps in fours, so Hopper keeps warpgroup MMAs.
-FP8_TILES: tuple[tuple[int, int, int, int], ...] = ((64, 64, 64, 4), (1 << 62, 128, 128, 8))
+
+@dataclass(frozen=True)
+class Fp8Tiles:
+    """A member of the fp8 GEMM family: which program computes which element. `dot_k` exists for the family
+    check's negative control (a group as several dots: another chain); every member of FP8_FAMILY keeps
+    the whole group in one dot."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    dot_k: int = BLOCK
+
+
+# Per batch-size bucket: BLOCK_M >= 64 and warps in fours, so Hopper keeps warpgroup MMAs throughout.
+FP8_BUCKETS: tuple[tuple[int, Fp8Tiles], ...] = ((64, Fp8Tiles(64, 64, 4)), (1 << 62, Fp8Tiles(128, 128, 8)))
+FP8_FAMILY: tuple[Fp8Tiles, ...] = tuple(t for _, t in FP8_BUCKETS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -52,6 +68,7 @@ def _fp8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
+    DOT_K: tl.constexpr,
 ):
     """One output tile, every shard's partial y_c stored at out[c]: per shard the scaled group chain."""
     pid = tl.program_id(0)
@@ -59,17 +76,20 @@ def _fp8_kernel(
     off_m, off_n = (pid // tiles_n) * BLOCK_M, (pid % tiles_n) * BLOCK_N
     rm = off_m + tl.arange(0, BLOCK_M)
     rn = off_n + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, GROUP)
+    rk = tl.arange(0, DOT_K)
     mm, nn = rm < M, rn < N
     for s in range(SHARDS):
         y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for b in range(groups):
-            k_in = b * GROUP + rk  # shard-local columns of the group
-            kmask = k_in < k_shard
-            col = s * k_shard + k_in
-            a = tl.load(xq_ptr + rm[:, None] * stride_xm + col[None, :], mask=mm[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(wq_ptr + rn[None, :] * stride_wn + col[:, None], mask=nn[None, :] & kmask[:, None], other=0.0)
-            acc = tl.dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), max_num_imprecise_acc=GROUP)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in tl.static_range(0, GROUP, DOT_K):  # one dot per group (DOT_K = GROUP) in every member
+                k_in = b * GROUP + kk + rk  # shard-local columns
+                kmask = k_in < k_shard
+                col = s * k_shard + k_in
+                am, wm = mm[:, None] & kmask[None, :], nn[None, :] & kmask[:, None]
+                a = tl.load(xq_ptr + rm[:, None] * stride_xm + col[None, :], mask=am, other=0.0)
+                w = tl.load(wq_ptr + rn[None, :] * stride_wn + col[:, None], mask=wm, other=0.0)
+                acc = tl.dot(a, w, acc, max_num_imprecise_acc=DOT_K)
             g = s * groups + b
             sa = tl.load(sa_ptr + rm * stride_sam + g, mask=mm, other=1.0)
             sw = tl.load(sw_ptr + rn * stride_swn + g, mask=nn, other=1.0)
@@ -77,8 +97,8 @@ def _fp8_kernel(
         tl.store(out_ptr + s * stride_os + rm[:, None] * stride_om + rn[None, :], y, mask=mm[:, None] & nn[None, :])
 
 
-def _tiles(m: int) -> tuple[int, int, int]:
-    return next(t[1:] for t in FP8_TILES if m <= t[0])
+def fp8_tiles_for(m: int) -> Fp8Tiles:
+    return next(t for bound, t in FP8_BUCKETS if m <= bound)
 
 
 def gemm_partials(
@@ -87,22 +107,23 @@ def gemm_partials(
     qw: torch.Tensor,
     sw: torch.Tensor,
     num_shards: int,
-    tiles: tuple[int, int, int] | None = None,
+    tiles: Fp8Tiles | None = None,
 ) -> torch.Tensor:
     """fp32 [C, M, N] from quantized operands: qa [M, K] / qw [N, K] e4m3, sa [M, C*G] / sw [N, C*G] fp32 scales
-    (G = ceil((K/C)/128) groups per shard). `tiles` = (BLOCK_M, BLOCK_N, warps), default by M: no bit moves."""
+    (G = ceil((K/C)/128) groups per shard). `tiles`: the member (default by M); no member moves a bit."""
     m, k = qa.shape
     n = qw.shape[0]
     ks = k // num_shards
     out = torch.empty(num_shards, m, n, dtype=torch.float32, device=qa.device)
     if m and n:
-        bm, bn, warps = tiles or _tiles(m)
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+        ensure_fp8_family(qa.device)
+        t = tiles or fp8_tiles_for(m)
+        grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
         _fp8_kernel[grid](
             qa, sa, qw, sw, out, m, n, ks, -(-ks // BLOCK),
             qa.stride(0), sa.stride(0), qw.stride(0), sw.stride(0), out.stride(0), out.stride(1),
-            SHARDS=num_shards, BLOCK_M=bm, BLOCK_N=bn, GROUP=BLOCK,
-            num_warps=warps, num_stages=3, enable_fp_fusion=False,
+            SHARDS=num_shards, BLOCK_M=t.block_m, BLOCK_N=t.block_n, GROUP=BLOCK, DOT_K=t.dot_k,
+            num_warps=t.num_warps, num_stages=3, enable_fp_fusion=False,
         )  # fmt: skip
     return out
 
@@ -168,3 +189,49 @@ def fp8_linear(
 ) -> torch.Tensor:
     """The partials folded left to right (the set's fold), in out_dtype; num_shards=1: K whole."""
     return tlin.fold(fp8_partials(x, w, num_shards, rows, reduce_amax), out_dtype)
+
+
+# --- the family check ---------------------------------------------------------------------------------------
+
+# Probe (M, N, K): ragged row and column tiles, 4 canonical shards of a ragged group each (and K whole).
+FP8_PROBE_GPU, FP8_PROBE_INTERPRETED = (300, 1100, 1536), (5, 80, 384)
+_verified: set[str] = set()
+
+
+def check_fp8_family(device: torch.device, members: tuple[Fp8Tiles, ...] = FP8_FAMILY) -> None:
+    """Every member on the probe, K whole and in 4 shards; tlin.GemmFamilyMismatch naming the member, the
+    device and the rule if any bit differs from the first member's."""
+    m, n, k = FP8_PROBE_GPU if device.type == "cuda" else FP8_PROBE_INTERPRETED
+    g = torch.Generator().manual_seed(55)
+    x, w = torch.randn(m, k, generator=g).to(device), (torch.randn(n, k, generator=g) * k**-0.5).to(device)
+    want = None
+    for t in members:
+        got = []
+        for shards in (1, 4):
+            qw, sw = _pack(
+                [ordered_fp8.quantize_weight(w[:, c * (k // shards) : (c + 1) * (k // shards)]) for c in range(shards)]
+            )
+            qa, sa = quantize_activations(x, shards)
+            got.append(gemm_partials(qa, sa, qw, sw, shards, tiles=t))
+        want = want or (t, got)
+        for a, b in zip(got, want[1], strict=True):
+            if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+                raise tlin.GemmFamilyMismatch(
+                    f"triton fp8_block GEMM family: member {t} gives other bits than {want[0]} on "
+                    f"{tlin._describe(device)}; rule: every member must sum each {BLOCK}-column group in one MMA "
+                    "chain from +0, so its tiling cannot change a bit. The contract's bits cannot be promised on "
+                    "this device: refusing to run it"
+                )
+
+
+def ensure_fp8_family(device: torch.device) -> None:
+    """check_fp8_family once per GPU before its first fp8 GEMM (not in the interpreter: tests call it)."""
+    key = tlin._device_key(device)
+    if device.type != "cuda" or key in _verified:
+        return
+    _verified.add(key)  # the probe's own GEMMs pass through here
+    try:
+        check_fp8_family(device)
+    except BaseException:
+        _verified.discard(key)
+        raise
