@@ -103,8 +103,8 @@ class TritonKernels:
             "logits": "fp32",
             "logprobs": f"fp32 log_softmax(div_rn(logits[:vocab], T)) in {trow.LOGPROB_BLOCK}-wide lanes",
             "fp_fusion": False,
-            "quant": self.quant,
-            **({"fp8_block": _FP8_DESCRIPTION} if self.fp8 else {}),
+            # Only under fp8_block: the unquantized set keeps the fingerprint it had before it took quant.
+            **({"quant": self.quant, "fp8_block": _FP8_DESCRIPTION} if self.fp8 else {}),
         }
 
     # --- linear -------------------------------------------------------------------------------
