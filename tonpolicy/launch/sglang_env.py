@@ -65,6 +65,11 @@ def server_environment(cfg: Config, device: str, fingerprint: str) -> dict[str, 
             "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so",
             # One core set per TP rank (ranks share cores when there are fewer cores than ranks).
             "SGLANG_CPU_OMP_THREADS_BIND": "|".join(_cores(r, tp, cores) for r in range(tp)),
+            # A stop (SIGTERM to the server's process group) reads to SGLang as a crashed scheduler, and
+            # before its crash diagnostics (py-spy, CUDA core dumps) it sleeps 5 s "to let GPU activity
+            # settle": a CPU has none to wait for, and every stop and restart would pay it.
+            "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+            "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
         }
     return env
 
