@@ -30,26 +30,31 @@ def fp32_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_checkpoint(tmp_path_factory.mktemp("shared_ckpt") / "tiny", SHARED_DTYPE, seed=5)
 
 
-def _serve(tmp: Path, name: str, ckpt: Path, overrides: list[str]) -> Iterator[SGLangServer]:
-    server = SGLangServer(tmp, name, ckpt, [*SHARED, *overrides])
+@pytest.fixture(scope="package")
+def _shared_servers(
+    tmp_path_factory: pytest.TempPathFactory, sglang_py: str, fp32_ckpt: Path
+) -> Iterator[dict[str, SGLangServer]]:
+    """Both shared servers, started side by side: most of a start is one process importing SGLang, so two
+    starts together take little longer than one."""
+    tmp, servers = tmp_path_factory.mktemp("shared_servers"), {}
     try:
-        server.start_healthy()
-        yield server
+        for name, contract in (("contract_fp32", "contract=qwen3_dense_v2"), ("stock_fp32", "contract=off_policy")):
+            servers[name] = SGLangServer(tmp, name, fp32_ckpt, [*SHARED, contract])
+        for server in servers.values():
+            server.start_healthy()
+        yield servers
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
 
 
 @pytest.fixture(scope="package")
-def contract_fp32_server(
-    tmp_path_factory: pytest.TempPathFactory, sglang_py: str, fp32_ckpt: Path
-) -> Iterator[SGLangServer]:
+def contract_fp32_server(_shared_servers: dict[str, SGLangServer]) -> SGLangServer:
     """SGLang on tonpolicy's contract package (qwen3_dense_v2), fp32, TP 1."""
-    yield from _serve(tmp_path_factory.mktemp("contract_fp32"), "contract_fp32", fp32_ckpt, ["contract=qwen3_dense_v2"])
+    return _shared_servers["contract_fp32"]
 
 
 @pytest.fixture(scope="package")
-def stock_fp32_server(
-    tmp_path_factory: pytest.TempPathFactory, sglang_py: str, fp32_ckpt: Path
-) -> Iterator[SGLangServer]:
+def stock_fp32_server(_shared_servers: dict[str, SGLangServer]) -> SGLangServer:
     """Stock SGLang (its own Qwen3 and kernels, no contract) on the same checkpoint: the negative control."""
-    yield from _serve(tmp_path_factory.mktemp("stock_fp32"), "stock_fp32", fp32_ckpt, ["contract=off_policy"])
+    return _shared_servers["stock_fp32"]
