@@ -14,15 +14,15 @@ from tonpolicy.validation.validate import validate
 @pytest.mark.parametrize(
     ("overrides", "size", "count"),
     [
-        ([], DERIVED_MICRO_BATCH_MAX, 64 // DERIVED_MICRO_BATCH_MAX),  # the default job: 64 samples
-        (["parallel.dp=2"], 8, 4),
+        ([], DERIVED_MICRO_BATCH_MAX, 128 // DERIVED_MICRO_BATCH_MAX),  # the default job: 128 samples
+        (["parallel.dp=2"], 8, 8),
         (["experiment.prompts_per_step=3", "experiment.samples_per_prompt=2"], 6, 1),
         (["experiment.prompts_per_step=5", "experiment.samples_per_prompt=1"], 5, 1),
         (["experiment.prompts_per_step=7", "experiment.samples_per_prompt=2"], 7, 2),
         (["experiment=parity_smoke", "parallel.pp=2"], 4, 2),  # 8 samples, each stage gets work
         (["experiment=parity_smoke", "parallel.pp=2", "parallel.num_microbatches=4"], 2, 4),
-        (["trainer.ppo_minibatches=4"], 8, 2),
-        (["trainer.micro_batch_size=1"], 1, 64),
+        (["trainer.ppo_minibatches=4"], 8, 4),
+        (["trainer.micro_batch_size=1"], 1, 128),
     ],
 )
 def test_derived_size(overrides: list[str], size: int, count: int) -> None:
